@@ -1,0 +1,299 @@
+"""Configuration of the packed-varlen Qwen3.5 text models (dense and MoE).
+
+This file is remote code: it is copied flat into model folders next to the modeling files, so it imports only
+the standard library and transformers.
+
+Rope has one source of truth, resolved once in `resolve_rope_parameters`:
+  * transformers v5 writes `rope_parameters` = {rope_type, rope_theta, partial_rotary_factor, mrope_section,
+    mrope_interleaved};
+  * transformers v4 (and many third-party readers) use top-level `rope_theta`, `partial_rotary_factor` and a
+    `rope_scaling` dict (which carries `mrope_section` / `mrope_interleaved` for multimodal rope).
+Every source that is present must agree; a value given twice with different numbers raises ValueError. The
+resolved values are stored in `rope_parameters` *and* mirrored to the legacy top-level keys, so a v4-style reader
+(`getattr(config, "rope_theta", 1e6)`) sees the same theta as a v5 reader. When no rope key is present at all the
+official Qwen3.5 values are used and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+# The values every official Qwen3.5 checkpoint carries (text_config.rope_parameters).
+QWEN3_5_ROPE_DEFAULTS = {
+    "rope_type": "default",
+    "rope_theta": 10_000_000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+_ROPE_KEYS = tuple(QWEN3_5_ROPE_DEFAULTS)
+_warned_rope_default = False
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def resolve_rope_parameters(
+    rope_parameters: dict | None = None,
+    rope_scaling: dict | None = None,
+    rope_theta: float | None = None,
+    partial_rotary_factor: float | None = None,
+) -> dict:
+    """Merge every rope source into one dict; raise ValueError on any contradiction.
+
+    Sources, all optional: the v5 `rope_parameters` dict, the v4 `rope_scaling` dict (its legacy `type` key is read
+    as `rope_type`), and top-level `rope_theta` / `partial_rotary_factor`.
+    """
+    merged: dict = {}
+    origin: dict = {}
+
+    def put(key, value, source):
+        if value is None:
+            return
+        if key in merged and not _same(merged[key], value):
+            raise ValueError(
+                f"Contradicting rope values: {key}={merged[key]!r} from {origin[key]} but {key}={value!r} from "
+                f"{source}. Remove one of them or make them equal; this project never picks one silently."
+            )
+        merged.setdefault(key, value)
+        origin.setdefault(key, source)
+
+    for source_name, source in (("rope_parameters", rope_parameters), ("rope_scaling", rope_scaling)):
+        if source is None:
+            continue
+        if not isinstance(source, dict):
+            raise ValueError(f"{source_name} must be a dict, got {type(source).__name__}")
+        for key, value in source.items():
+            if key == "type":  # v4 spelling of rope_type
+                key = "rope_type"
+            if key in ("mrope_section",) and value is not None:
+                value = [int(v) for v in value]
+            put(key, value, source_name)
+    put("rope_theta", rope_theta, "top-level rope_theta")
+    put("partial_rotary_factor", partial_rotary_factor, "top-level partial_rotary_factor")
+
+    if "rope_theta" not in merged:
+        global _warned_rope_default
+        if merged and not _warned_rope_default:
+            logger.warning(
+                "No rope_theta in the config (neither rope_parameters, rope_scaling nor top-level rope_theta); "
+                "using the official Qwen3.5 value %s.",
+                QWEN3_5_ROPE_DEFAULTS["rope_theta"],
+            )
+            _warned_rope_default = True
+    for key in _ROPE_KEYS:
+        merged.setdefault(key, QWEN3_5_ROPE_DEFAULTS[key])
+    # v4 configs call the mrope variant "mrope"; it is the default inverse-frequency rope with sections.
+    if merged["rope_type"] == "mrope":
+        merged["rope_type"] = "default"
+    if merged["rope_type"] != "default":
+        raise ValueError(
+            f"rope_type {merged['rope_type']!r} is not supported by qwen35-packed (Qwen3.5 uses 'default')."
+        )
+    merged["rope_theta"] = float(merged["rope_theta"])
+    merged["partial_rotary_factor"] = float(merged["partial_rotary_factor"])
+    if len(merged["mrope_section"]) != 3:
+        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {merged['mrope_section']}")
+    return merged
+
+
+class Qwen3_5PackedConfig(PretrainedConfig):
+    """Text configuration of the dense Qwen3.5 models (`model_type` `qwen3_5_text`, as vLLM requires).
+
+    Reads every field of the official `text_config`. Fields the built-in classes ignore are honoured here:
+    `attn_output_gate` (False gives a q_proj without the gate half), `mlp_only_layers` (MoE only: dense MLP
+    layers), `mrope_interleaved`.
+    """
+
+    model_type = "qwen3_5_text"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # transformers v5 validates rope dicts; the multimodal-rope keys are ours to read.
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
+    is_moe = False
+
+    def __init__(
+        self,
+        vocab_size: int = 248320,
+        hidden_size: int = 4096,
+        intermediate_size: int | None = 12288,
+        num_hidden_layers: int = 32,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int = 4,
+        head_dim: int = 256,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 262144,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        attn_output_gate: bool = True,
+        linear_conv_kernel_dim: int = 4,
+        linear_key_head_dim: int = 128,
+        linear_value_head_dim: int = 128,
+        linear_num_key_heads: int = 16,
+        linear_num_value_heads: int = 32,
+        layer_types: list[str] | None = None,
+        full_attention_interval: int | None = None,
+        rope_parameters: dict | None = None,
+        rope_scaling: dict | None = None,
+        rope_theta: float | None = None,
+        partial_rotary_factor: float | None = None,
+        gdn_kernel: str = "auto",
+        attention_kernel: str = "auto",
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.attn_output_gate = attn_output_gate
+        self.linear_conv_kernel_dim = linear_conv_kernel_dim
+        self.linear_key_head_dim = linear_key_head_dim
+        self.linear_value_head_dim = linear_value_head_dim
+        self.linear_num_key_heads = linear_num_key_heads
+        self.linear_num_value_heads = linear_num_value_heads
+        # Kernel selection ("auto" picks the fastest exact path for the device; see modeling/kernels.py).
+        self.gdn_kernel = gdn_kernel
+        self.attention_kernel = attention_kernel
+
+        if layer_types is None:
+            interval = 4 if full_attention_interval is None else int(full_attention_interval)
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_hidden_layers)
+            ]
+        elif full_attention_interval is not None:
+            expected = [
+                "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                for i in range(num_hidden_layers)
+            ]
+            if list(layer_types) != expected:
+                raise ValueError(
+                    f"layer_types contradicts full_attention_interval={full_attention_interval}: {layer_types}"
+                )
+        self.layer_types = list(layer_types)
+        self.full_attention_interval = full_attention_interval
+
+        rope = resolve_rope_parameters(rope_parameters, rope_scaling, rope_theta, partial_rotary_factor)
+        self.rope_parameters = rope
+        # Legacy mirrors for v4-style readers (getattr(config, "rope_theta", default)).
+        self.rope_theta = rope["rope_theta"]
+        self.partial_rotary_factor = rope["partial_rotary_factor"]
+
+        self._init_moe_fields(kwargs)
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
+        self.rope_parameters = rope
+        self.validate_layout()
+
+    def _init_moe_fields(self, kwargs: dict) -> None:
+        """Dense models carry no MoE fields; the MoE subclass overrides this."""
+
+    def validate_layout(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"Unknown layer types {unknown}; expected {LAYER_TYPES}")
+        rotary_dim = int(self.head_dim * self.rope_parameters["partial_rotary_factor"])
+        if rotary_dim % 2:
+            raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {rotary_dim} must be even")
+        if sum(self.rope_parameters["mrope_section"]) != rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.rope_parameters['mrope_section']} must sum to the rotary half-dim "
+                f"{rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.rope_parameters['partial_rotary_factor']} / 2)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.gdn_kernel not in ("auto", "fla", "torch"):
+            raise ValueError(f"gdn_kernel must be 'auto', 'fla' or 'torch', got {self.gdn_kernel!r}")
+        if self.attention_kernel not in ("auto", "flash_attn", "torch_varlen", "sdpa"):
+            raise ValueError(
+                "attention_kernel must be 'auto', 'flash_attn', 'torch_varlen' or 'sdpa', "
+                f"got {self.attention_kernel!r}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_parameters["partial_rotary_factor"])
+
+    def layer_uses_moe(self, layer_idx: int) -> bool:
+        return False
+
+
+class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
+    """Text configuration of the MoE Qwen3.5 models (`model_type` `qwen3_5_moe_text`).
+
+    `router_aux_loss_coef` is kept as given, but the load-balancing loss is only added to the loss when the
+    caller asks for router logits (`output_router_logits=True`) *and* the coefficient is > 0: RL must not get it
+    by accident.
+    """
+
+    model_type = "qwen3_5_moe_text"
+    is_moe = True
+
+    def __init__(self, hidden_size: int = 2048, num_hidden_layers: int = 40, num_key_value_heads: int = 2,
+                 intermediate_size: int | None = None, **kwargs):
+        super().__init__(
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            num_key_value_heads=num_key_value_heads,
+            intermediate_size=intermediate_size,
+            **kwargs,
+        )
+
+    def _init_moe_fields(self, kwargs: dict) -> None:
+        self.num_experts = int(kwargs.pop("num_experts", 256))
+        self.num_experts_per_tok = int(kwargs.pop("num_experts_per_tok", 8))
+        self.moe_intermediate_size = int(kwargs.pop("moe_intermediate_size", 512))
+        self.shared_expert_intermediate_size = int(kwargs.pop("shared_expert_intermediate_size", 512))
+        self.mlp_only_layers = list(kwargs.pop("mlp_only_layers", []) or [])
+        self.output_router_logits = bool(kwargs.pop("output_router_logits", False))
+        coef = kwargs.pop("router_aux_loss_coef", 0.001)
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)):
+            raise ValueError(f"router_aux_loss_coef must be a number, got {coef!r} ({type(coef).__name__})")
+        self.router_aux_loss_coef = float(coef)
+
+    def validate_layout(self) -> None:
+        super().validate_layout()
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts], got {self.num_experts_per_tok}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers names layers that do not exist: {bad}")
+        if self.mlp_only_layers and not self.intermediate_size:
+            raise ValueError("mlp_only_layers needs intermediate_size for its dense MLP layers")
+
+    def layer_uses_moe(self, layer_idx: int) -> bool:
+        return layer_idx not in self.mlp_only_layers
+
+
+__all__ = ["Qwen3_5PackedConfig", "Qwen3_5MoePackedConfig", "resolve_rope_parameters", "QWEN3_5_ROPE_DEFAULTS"]
