@@ -1,0 +1,8 @@
+"""qwen35-packed: packed-varlen Qwen3.5 for transformers (remote code), with conversion and training tools."""
+
+from .configuration import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+from .modeling import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedForCausalLM
+
+__version__ = "0.1.0"
+
+__all__ = ["Qwen3_5MoePackedConfig", "Qwen3_5MoePackedForCausalLM", "Qwen3_5PackedConfig", "Qwen3_5PackedForCausalLM"]

@@ -1,0 +1,75 @@
+"""Gated full attention on a packed stream.
+
+q_proj holds, per head, [q | gate] (2 x head_dim rows per head) when `attn_output_gate` is set (all official
+checkpoints); q and k get a zero-centred RMSNorm over head_dim, then partial MRoPE; the attention output is
+multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import KernelChoice, varlen_causal_attention
+from .norms import ZeroCenteredRMSNorm
+from .rope import apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.output_gate = config.attn_output_gate
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        q_out = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, packed, cos, sin, choice: KernelChoice, cache=None) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        q = self.q_proj(hidden_states)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(n, -1)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if cache is None:
+            out = varlen_causal_attention(q, k, v, packed, self.scaling, choice)
+        else:
+            out = self._attend_with_cache(q, k, v, packed, cache)
+        out = out.reshape(n, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _attend_with_cache(self, q, k, v, packed, cache):
+        """Generation: each document of the stream is one batch row continuing its cached keys/values."""
+        keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+        groups = self.num_heads // self.num_kv_heads
+        outs = []
+        bounds = packed.cu_seqlens.tolist()
+        for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            k_row = torch.cat([keys[row], k[start:end]]) if keys[row] is not None else k[start:end]
+            v_row = torch.cat([values[row], v[start:end]]) if values[row] is not None else v[start:end]
+            keys[row], values[row] = k_row, v_row
+            q_len, kv_len = end - start, k_row.shape[0]
+            # Causal with an offset: query i sees every cached key plus new keys up to itself.
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+            qd = q[start:end].transpose(0, 1)
+            kd = k_row.transpose(0, 1).repeat_interleave(groups, dim=0)
+            vd = v_row.transpose(0, 1).repeat_interleave(groups, dim=0)
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scaling).transpose(0, 1))
+        return torch.cat(outs)

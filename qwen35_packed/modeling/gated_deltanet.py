@@ -1,0 +1,96 @@
+"""Gated DeltaNet (GDN) linear-attention layer on a packed stream.
+
+Projections (keys as in the official checkpoints): in_proj_qkv -> short causal depthwise conv (conv1d, no bias)
++ SiLU -> split q, k, v; in_proj_b -> beta = sigmoid(b); in_proj_a -> g = -exp(A_log) * softplus(a + dt_bias)
+(fp32); gated delta rule with qk l2-norm; gated RMSNorm with in_proj_z; out_proj.
+
+Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence.
+A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
+sequence, so bf16 rounding of these two vectors would change every later state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import KernelChoice, causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen
+from .norms import GatedRMSNorm
+
+FP32_PARAMETERS = ("A_log", "dt_bias")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim,
+                                padding=self.conv_kernel_size - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(0.01, 16).log_())
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Keep A_log / dt_bias in fp32 across .to(dtype) / .half() / .bfloat16(): move them, never down-cast them.
+        kept = {name: getattr(self, name) for name in FP32_PARAMETERS}
+        for name in FP32_PARAMETERS:
+            del self._parameters[name]
+        try:
+            super()._apply(fn, *args, **kwargs)
+        finally:
+            for name, param in kept.items():
+                moved = fn(param.data)
+                if moved.is_floating_point() and moved.dtype != torch.float32 and param.dtype == torch.float32:
+                    param.data = param.data.to(moved.device)
+                else:
+                    param.data = moved
+                self._parameters[name] = param
+        return self
+
+    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor):
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, beta
+
+    def forward(self, hidden_states: torch.Tensor, packed, choice: KernelChoice, cache=None) -> torch.Tensor:
+        """hidden_states [N, hidden] (packed); cache: the layer's GenerationCache slot, or None."""
+        n = hidden_states.shape[0]
+        mixed = self.in_proj_qkv(hidden_states)
+        z = self.in_proj_z(hidden_states)
+        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states))
+
+        conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
+        recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out = causal_conv1d_varlen(mixed, weight, packed, choice, initial_state=conv_state)
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(n, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+
+        core, final_state = gated_delta_rule_varlen(
+            q, k, v, g, beta, packed, choice, initial_state=recurrent_state, output_final_state=cache is not None
+        )
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = conv_final_state(
+                mixed, packed.cu_seqlens, self.conv_kernel_size, conv_state
+            )
+            cache.recurrent_states[self.layer_idx] = final_state
+
+        core = self.norm(core, z.reshape(n, self.num_v_heads, self.head_v_dim), choice)
+        return self.out_proj(core.reshape(n, self.value_dim))

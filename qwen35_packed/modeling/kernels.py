@@ -1,0 +1,287 @@
+"""Kernel dispatch: the one place where GDN, conv, gated-norm and attention kernels are chosen.
+
+GPU: FLA's `chunk_gated_delta_rule` (varlen via cu_seqlens, qk l2-norm in kernel), FLA's `causal_conv1d` with
+cu_seqlens, FLA's fused gated RMSNorm; attention through flash-attn varlen when importable, else PyTorch's
+`varlen_attn`, else SDPA per document. CPU (or `gdn_kernel="torch"`): pure-PyTorch paths below, exact for packed
+input (per-document chunked delta rule, boundary-masked conv).
+
+`config.gdn_kernel` ("auto" | "fla" | "torch") and `config.attention_kernel` ("auto" | "flash_attn" |
+"torch_varlen" | "sdpa") force a path; forcing one that cannot run raises. The choice is logged once per distinct
+(device, choice). A missing kernel may cost speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+try:  # optional: flash-linear-attention
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
+    except ImportError:
+        from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
+    except ImportError:
+        from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
+    FLA_AVAILABLE = True
+except Exception:  # ImportError, or FLA failing to import its Triton parts
+    FLA_AVAILABLE = False
+
+try:  # optional: flash-attn 2/3
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
+
+    FLASH_ATTN_AVAILABLE = True
+except Exception:
+    FLASH_ATTN_AVAILABLE = False
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+
+    TORCH_VARLEN_AVAILABLE = True
+except Exception:
+    TORCH_VARLEN_AVAILABLE = False
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    gdn: str  # "fla" | "torch"
+    attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
+
+
+_logged_choices: set = set()
+
+
+def select_kernels(config, device: torch.device) -> KernelChoice:
+    """Pick the kernels for `device`, honouring the config's forced choices; log each new choice once."""
+    on_cuda = device.type == "cuda"
+    gdn = config.gdn_kernel
+    if gdn == "auto":
+        gdn = "fla" if (on_cuda and FLA_AVAILABLE) else "torch"
+    elif gdn == "fla" and not (on_cuda and FLA_AVAILABLE):
+        raise RuntimeError(
+            "gdn_kernel='fla' was forced but flash-linear-attention "
+            + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
+        )
+
+    attention = config.attention_kernel
+    if attention == "auto":
+        if on_cuda and FLASH_ATTN_AVAILABLE:
+            attention = "flash_attn"
+        elif on_cuda and TORCH_VARLEN_AVAILABLE:
+            attention = "torch_varlen"
+        else:
+            attention = "sdpa"
+    elif attention == "flash_attn" and not (on_cuda and FLASH_ATTN_AVAILABLE):
+        raise RuntimeError("attention_kernel='flash_attn' was forced but flash-attn is not usable here")
+    elif attention == "torch_varlen" and not (on_cuda and TORCH_VARLEN_AVAILABLE):
+        raise RuntimeError("attention_kernel='torch_varlen' was forced but torch varlen_attn is not usable here")
+
+    choice = KernelChoice(gdn=gdn, attention=attention)
+    key = (device.type, choice)
+    if key not in _logged_choices:
+        _logged_choices.add(key)
+        slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
+            on_cuda and gdn == "torch"
+        ) else ""
+        logger.warning("qwen35-packed kernels on %s: GDN=%s, attention=%s%s", device.type, gdn, attention, slow)
+    return choice
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv over a packed stream
+# --------------------------------------------------------------------------------------------------------------
+
+
+def torch_causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    position_in_doc: torch.Tensor,
+    doc_index: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU on a packed stream; no token of one document reaches another.
+
+    x [N, C]; weight [C, K]; position_in_doc / doc_index long [N]; initial_state [n_docs, C, K-1] holds the K-1
+    inputs preceding each document (cached decode), zeros when None. Computed in x's dtype with fp32
+    accumulation, like a conv kernel.
+    """
+    kernel = weight.shape[-1]
+    out = x.float() * weight[:, kernel - 1].float()
+    for lag in range(1, kernel):
+        shifted = F.pad(x, (0, 0, lag, 0))[: x.shape[0]].float()
+        inside = (position_in_doc >= lag).unsqueeze(-1)
+        if initial_state is not None:
+            # Tokens closer than `lag` to their document start read the cached history instead.
+            hist_pos = (position_in_doc - lag + kernel - 1).clamp(min=0, max=kernel - 2)
+            history = initial_state[doc_index, :, hist_pos].float()
+            shifted = torch.where(inside, shifted, history)
+        else:
+            shifted = shifted * inside
+        out = out + shifted * weight[:, kernel - 1 - lag].float()
+    return F.silu(out).to(x.dtype)
+
+
+def conv_final_state(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int, initial_state: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The last K-1 conv inputs of every document ([n_docs, C, K-1]), reaching into `initial_state` for short ones."""
+    n_docs = cu_seqlens.numel() - 1
+    ends = cu_seqlens[1:].long()
+    lengths = ends - cu_seqlens[:-1].long()
+    offsets = torch.arange(-(kernel - 1), 0, device=x.device)  # positions relative to the document end
+    rel = lengths.unsqueeze(1) + offsets  # position inside the document, may be negative
+    idx = (ends.unsqueeze(1) + offsets).clamp(min=0)
+    state = x[idx].permute(0, 2, 1)  # [n_docs, C, K-1]
+    before = (rel < 0).unsqueeze(1)
+    if initial_state is None:
+        history = torch.zeros_like(state)
+    else:
+        hist_idx = (rel + kernel - 1).clamp(min=0)
+        history = torch.gather(initial_state.to(x.dtype), 2, hist_idx.unsqueeze(1).expand(n_docs, x.shape[1], -1))
+    return torch.where(before, history, state)
+
+
+def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, initial_state=None):
+    """Dispatch for the GDN short conv (weight [C, K]); FLA only on the stateless training/prefill path."""
+    if choice.gdn == "fla" and initial_state is None:
+        out, _ = _fla_causal_conv1d(
+            x.unsqueeze(0), weight=weight, activation="silu", cu_seqlens=packed.cu_seqlens.long()
+        )
+        return out.squeeze(0)
+    return torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gated delta rule
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """Gated delta rule for ONE document, chunked, fp32.
+
+    q, k [L, H, Dk] (already l2-normalised, q scaled); v [L, H, Dv]; g (log decay), beta [L, H];
+    initial_state [H, Dk, Dv]. Recurrence per head: S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,
+    o_t = S_t^T q_t. Within a chunk the WY form gives new values U - W S0 with T = (I + tril(b K K^T Gamma, -1))^-1.
+    Returns (o [L, H, Dv], final state [H, Dk, Dv]).
+    """
+    length, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk_size
+    # Zero padding at the end: k = v = beta = 0 and g = 0 leave the state and earlier outputs untouched.
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    n_chunks = (length + pad) // chunk_size
+    # -> [H, n_chunks, C, ...]
+    q, k, v = (t.reshape(n_chunks, chunk_size, heads, -1).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.reshape(n_chunks, chunk_size, heads).permute(2, 0, 1) for t in (g, beta))
+
+    g_cum = g.cumsum(dim=-1)  # [H, n, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [H,n,C,C]
+    k_beta = k * beta.unsqueeze(-1)
+    strictly_lower = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    system = eye + strictly_lower
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g_cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # causal incl. diagonal (decay is 0 above it)
+
+    state = q.new_zeros(heads, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outputs = []
+    for c in range(n_chunks):
+        new_v = u[:, c] - w[:, c] @ state
+        out = (q[:, c] * g_cum[:, c].exp().unsqueeze(-1)) @ state + attn[:, c] @ new_v
+        outputs.append(out)
+        to_end = (g_cum[:, c, -1:] - g_cum[:, c]).exp().unsqueeze(-1)  # [H, C, 1]
+        state = state * g_cum[:, c, -1].exp()[:, None, None] + (k[:, c] * to_end).transpose(-1, -2) @ new_v
+    o = torch.stack(outputs, dim=1).reshape(heads, -1, dv)[:, :length].permute(1, 0, 2)
+    return o, state
+
+
+def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None, output_final_state=False):
+    """Per-document chunked delta rule over a packed stream; q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv]."""
+    dtype = v.dtype
+    ratio = v.shape[1] // k.shape[1]
+    # Grouped value attention: each q/k head serves `ratio` consecutive value heads.
+    q = _l2norm(q.float()).repeat_interleave(ratio, dim=1) * q.shape[-1] ** -0.5
+    k = _l2norm(k.float()).repeat_interleave(ratio, dim=1)
+    v, g, beta = v.float(), g.float(), beta.float()
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = None if initial_state is None else initial_state[i]
+        o, s = torch_chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
+                                            beta[start:end], init)
+        outs.append(o)
+        states.append(s)
+    final = torch.stack(states) if output_final_state else None
+    return torch.cat(outs).to(dtype), final
+
+
+def gated_delta_rule_varlen(q, k, v, g, beta, packed, choice: KernelChoice, initial_state=None,
+                            output_final_state=False):
+    """Dispatch; returns (o [N, Hv, Dv], final_state [n_docs, Hv, Dk, Dv] fp32 or None)."""
+    if choice.gdn == "fla":
+        o, final = _fla_chunk_gated_delta_rule(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+            initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens.long(),
+        )
+        return o.squeeze(0), (final.float() if final is not None else None)
+    return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens, initial_state, output_final_state)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gated RMSNorm (GDN output norm)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
+    """weight * rmsnorm(x) * silu(gate): norm in fp32, gate in fp32, as the reference computes it."""
+    if choice.gdn == "fla":
+        shape = x.shape
+        out = _fla_rms_norm_gated(x=x.reshape(-1, shape[-1]), g=gate.reshape(-1, shape[-1]), weight=weight,
+                                  bias=None, activation="silu", eps=eps)
+        return out.reshape(shape)
+    dtype = x.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Causal varlen attention
+# --------------------------------------------------------------------------------------------------------------
+
+
+def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice) -> torch.Tensor:
+    """Causal attention within each document. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
+    if choice.attention == "flash_attn":
+        cu = packed.cu_seqlens
+        return _flash_attn_varlen_func(q, k, v, cu, cu, packed.max_seqlen, packed.max_seqlen,
+                                       softmax_scale=scale, causal=True)
+    if choice.attention == "torch_varlen":
+        cu = packed.cu_seqlens
+        # varlen_attn has no is_causal flag: window (-1, 0) = unlimited left context, no right context.
+        return _torch_varlen_attn(q, k, v, cu, cu, packed.max_seqlen, packed.max_seqlen, scale=scale,
+                                  window_size=(-1, 0))
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = packed.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qd, kd, vd = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        kd, vd = kd.repeat_interleave(groups, dim=0), vd.repeat_interleave(groups, dim=0)
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outs)

@@ -1,0 +1,392 @@
+"""Packed-varlen Qwen3.5 text models: `Qwen3_5PackedForCausalLM` (dense) and `Qwen3_5MoePackedForCausalLM` (MoE).
+
+Remote code: imports only torch, transformers, its sibling files, and optionally FLA / flash-attn.
+
+Every forward resolves its batch into one varlen stream (see packing.py for the contract and its precedence),
+runs all layers on the real tokens only, with exact document boundaries in the conv, the recurrence, attention,
+rope positions and the loss, and scatters the outputs back to the caller's layout (pad positions hold zeros).
+State-dict keys and shapes are those of transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM. The
+architecture names differ on purpose: TRL resolves `getattr(transformers, architectures[0])` before `auto_map`, so a
+remote class named like a built-in one would silently be replaced by the built-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .attention import GatedAttention
+from .cache import Qwen3_5PackedCache
+from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
+from .kernels import select_kernels
+from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
+from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from .packing import PackedSequence, build_packed_sequence, shift_labels_within_documents
+from .rope import MRotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+# The name under which the installed `generate()` passes the cache around ("cache" from transformers 5.2x on).
+_CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+# Keyword arguments trainers and generate() pass that carry nothing for this model.
+_IGNORED_KWARGS = frozenset({"return_dict", "cache_position", "output_attentions"})
+_logged_once: set = set()
+
+
+def _log_once(key: str, message: str, *args) -> None:
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.warning(message, *args)
+
+
+@dataclass
+class Qwen3_5PackedModelOutput(ModelOutput):
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: Any = None
+    cache: Any = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class Qwen3_5PackedCausalLMOutput(ModelOutput):
+    loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    past_key_values: Any = None
+    cache: Any = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+class Qwen3_5PackedDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = GatedAttention(config, layer_idx)
+        if config.layer_uses_moe(layer_idx):
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = SwiGLUMLP(config, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, packed, cos, sin, choice, cache=None):
+        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None)."""
+        residual = hidden_states
+        normed = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            mixed = self.linear_attn(normed, packed, choice, cache)
+        else:
+            mixed = self.self_attn(normed, packed, cos, sin, choice, cache)
+        hidden_states = residual + mixed
+        residual = hidden_states
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        router_logits = None
+        if isinstance(mlp_out, tuple):
+            mlp_out, router_logits = mlp_out
+        return residual + mlp_out, router_logits
+
+
+class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
+    config_class = Qwen3_5PackedConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3_5PackedDecoderLayer"]
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\."]
+    _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
+    _supports_sdpa = True
+    _is_stateful = True
+
+    def _init_weights(self, module):
+        init = getattr(transformers, "initialization", None) or nn.init
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ZeroCenteredRMSNorm):
+            init.zeros_(module.weight)
+        elif isinstance(module, GatedRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, GatedDeltaNet):
+            init.ones_(module.dt_bias)
+            with torch.no_grad():  # A = exp(A_log) uniform in [0.01, 16], kept away from 0 so log(A) is finite
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
+        elif isinstance(module, FusedExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, TopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() must not build a transformers DynamicCache: this model creates its own cache.
+        return False
+
+
+class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
+        self.layers = nn.ModuleList(
+            [Qwen3_5PackedDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def run_packed(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        cache: Qwen3_5PackedCache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool = False,
+        output_router_logits: bool = False,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+    ):
+        """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {shape}")
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k))
+
+        if cache is not None and cache.has_state:
+            if explicit_packing:
+                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k) cannot be used with a filled cache")
+            if attention_mask is not None and not bool(attention_mask[:, -shape[1]:].bool().all()):
+                raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
+            packed = cache.decode_sequence(shape[0], shape[1], device)
+            if position_ids is not None and position_ids.dim() == 2:
+                if not torch.equal(position_ids.reshape(-1).to(packed.position_ids), packed.position_ids):
+                    raise ValueError("position_ids contradict the cache: generation positions continue per row")
+        else:
+            packed = build_packed_sequence(
+                shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
+                max_length_q, max_length_k,
+            )
+            one_doc_per_row = packed.num_docs == shape[0]
+            if use_cache is None:
+                use_cache = bool(self.config.use_cache) and not self.training and one_doc_per_row
+            if use_cache and not one_doc_per_row:
+                raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
+            if use_cache and cache is None:
+                cache = Qwen3_5PackedCache(self.config.num_hidden_layers, shape[0])
+            if not use_cache:
+                cache = None
+
+        if inputs_embeds is None:
+            hidden = self.embed_tokens(packed.pack(input_ids.unsqueeze(-1)).squeeze(-1))
+        else:
+            hidden = packed.pack(inputs_embeds)
+        choice = select_kernels(self.config, hidden.device)
+        cos, sin = self.rotary_emb(packed.position_ids, hidden.dtype)
+
+        all_hidden = [] if output_hidden_states else None
+        router_logits = [] if output_router_logits else None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            step = functools.partial(layer, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
+            if checkpointing:
+                hidden, logits = self._gradient_checkpointing_func(step, hidden)
+            else:
+                hidden, logits = step(hidden)
+            if router_logits is not None and logits is not None:
+                router_logits.append(logits)
+        hidden = self.norm(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        if cache is not None:
+            cache.advance(packed, shape[1])
+        return hidden, packed, cache, all_hidden, router_logits
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
+                cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
+                cache=None, **kwargs):
+        _check_kwargs(kwargs)
+        hidden, packed, cache, all_hidden, router_logits = self.run_packed(
+            input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
+            use_cache, bool(output_hidden_states), _wants_router_logits(self.config, output_router_logits),
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )
+        return Qwen3_5PackedModelOutput(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
+            router_logits=tuple(router_logits) if router_logits else None,
+            **{_CACHE_KWARG: cache},
+        )
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - {"num_items_in_batch"})
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions is not supported: varlen attention kernels never form the matrix")
+
+
+def _wants_router_logits(config, requested) -> bool:
+    if not getattr(config, "is_moe", False):
+        return False
+    return bool(config.output_router_logits if requested is None else requested)
+
+
+class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
+    config_class = Qwen3_5PackedConfig
+    # transformers 5 declares tied weights as {target: source}; 4.x as a list of the tied keys.
+    _tied_weights_keys = (
+        {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
+    )
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Qwen3_5PackedTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def get_decoder(self):
+        return self.model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
+                output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, cache=None,
+                **kwargs):
+        _check_kwargs(kwargs)
+        want_router = _wants_router_logits(self.config, output_router_logits)
+        hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
+            input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
+            use_cache, bool(output_hidden_states), want_router, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
+            max_length_q, max_length_k,
+        )
+
+        full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        loss = None
+        if full_logits:
+            packed_logits = self.lm_head(hidden)  # real tokens only
+            logits = packed.unpack(packed_logits)
+            if labels is not None:
+                targets = shift_labels_within_documents(labels, packed)
+                loss = causal_lm_loss(packed_logits, targets, kwargs.get("num_items_in_batch"))
+        else:
+            if labels is not None:
+                raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
+
+        aux_loss = None
+        if want_router and router_logits:
+            aux_loss = load_balancing_loss(tuple(router_logits), self.config.num_experts,
+                                           self.config.num_experts_per_tok)
+            coef = self.config.router_aux_loss_coef
+            if loss is not None and coef > 0:
+                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
+                loss = loss + coef * aux_loss.to(loss.device)
+
+        return Qwen3_5PackedCausalLMOutput(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
+            router_logits=tuple(router_logits) if router_logits else None,
+            **{_CACHE_KWARG: cache},
+        )
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, cache=None, use_cache=True, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
+        if cache is not None and cache.has_state:
+            inputs["input_ids"] = input_ids[:, cache.consumed_columns:]
+            inputs[_CACHE_KWARG] = cache
+        elif inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids
+        if "logits_to_keep" in kwargs:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs
+
+    def _reorder_cache(self, cache, beam_idx):
+        cache.reorder_cache(beam_idx)
+        return cache
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Token-weighted cross-entropy in fp32 over the packed stream (ignore_index -100).
+
+    With `num_items_in_batch` (gradient accumulation in HF's Trainer) the sum is divided by it instead of the
+    number of targets in this micro-batch.
+    """
+    total = F.cross_entropy(logits.float(), targets.to(logits.device), ignore_index=-100, reduction="sum")
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    return total / (targets != -100).sum().clamp(min=1)
+
+
+class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM):
+    config_class = Qwen3_5MoePackedConfig
+
+
+__all__ = [
+    "Qwen3_5PackedForCausalLM",
+    "Qwen3_5MoePackedForCausalLM",
+    "Qwen3_5PackedTextModel",
+    "Qwen3_5PackedPreTrainedModel",
+    "Qwen3_5PackedCache",
+    "PackedSequence",
+]

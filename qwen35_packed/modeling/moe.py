@@ -1,0 +1,95 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block.
+
+MoE: softmax router in fp32 -> top-k -> renormalised weights; experts stored fused as 3D tensors
+(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, the official checkpoint layout); a shared expert scaled by
+sigmoid(shared_expert_gate). Tokens are grouped by expert with one sort, so every expert runs one matmul over its
+tokens. The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Owns the router weight `mlp.gate.weight [E, H]`; returns fp32 logits, top-k weights and indices."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x.float(), self.weight.float())
+        probs = logits.softmax(dim=-1)
+        top_weights, top_index = probs.topk(self.top_k, dim=-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return logits, top_weights, top_index
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        top_k = top_index.shape[-1]
+        flat_expert = top_index.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token = order // top_k
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        gate_up, down = self.gate_up_proj, self.down_proj
+        outputs = []
+        for expert, chunk in enumerate(torch.split(x[token], counts)):
+            if chunk.shape[0] == 0:
+                continue
+            gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+        routed = torch.cat(outputs) * top_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = FusedExperts(config)
+        self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor):
+        """x [N, H] -> (out [N, H], router logits [N, E] fp32)."""
+        logits, top_weights, top_index = self.gate(x)
+        routed = self.experts(x, top_index, top_weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared, logits
+
+
+def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style auxiliary loss over the real tokens of all MoE layers: E * sum_e f_e * p_e, where f_e is the
+    share of top-k assignments that went to expert e and p_e its mean router probability."""
+    logits = torch.cat(router_logits).float()
+    probs = logits.softmax(dim=-1)
+    selected = probs.topk(top_k, dim=-1).indices
+    assignment_share = torch.bincount(selected.reshape(-1), minlength=num_experts).float() / logits.shape[0]
+    return num_experts * (assignment_share * probs.mean(dim=0)).sum()

@@ -1,0 +1,245 @@
+"""The packing contract: turn any accepted batch form into one varlen token stream with exact boundaries.
+
+Accepted entry forms (precedence from the most explicit to the least):
+  (d) an explicit `cu_seqlens` [n_docs + 1] (batch size 1);
+  (c) `cu_seq_lens_q` / `cu_seq_lens_k` (+ `max_length_q` / `max_length_k`), the flash-attention kwargs that
+      transformers' DataCollatorWithFlattening path produces (batch size 1; q and k must be equal);
+  (b) `position_ids` that restart at 0 for every document (one or more rows);
+  (a) a padded batch with a 2D `attention_mask` (left and/or right padding, no holes).
+Forms combine only when they agree: an explicit boundary source (c/d) given together with `position_ids` must
+match the per-document positions it implies, `cu_seqlens` and `cu_seq_lens_q` must be equal, and padding cannot be
+combined with c/d. Anything else raises ValueError naming the problem.
+
+Every row of a padded batch is one document (or several, when its position_ids restart); pad tokens are dropped
+before the first layer, so no layer ever computes on them, and outputs are scattered back to the padded layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedSequence:
+    """One varlen stream of `num_tokens` real tokens, split into documents by `cu_seqlens`."""
+
+    cu_seqlens: torch.Tensor  # int32 [n_docs + 1], starts at 0, strictly increasing, ends at num_tokens
+    max_seqlen: int
+    position_ids: torch.Tensor  # long [num_tokens] (or [3, num_tokens] for multimodal rope)
+    token_index: torch.Tensor | None  # long [num_tokens]: flat index into batch * seq_len, None if nothing dropped
+    batch_shape: tuple[int, int]  # (batch, seq_len) of the caller's layout
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def doc_lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def position_in_doc(self) -> torch.Tensor:
+        """Offset of every token from the start of its document (long [num_tokens])."""
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long())
+        return torch.arange(self.num_tokens, device=self.cu_seqlens.device) - starts
+
+    def doc_index(self) -> torch.Tensor:
+        """Index of the document every token belongs to (long [num_tokens])."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long()
+        )
+
+    def doc_starts_mask(self) -> torch.Tensor:
+        """True at the first token of every document (bool [num_tokens])."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.cu_seqlens.device)
+        mask[self.cu_seqlens[:-1].long()] = True
+        return mask
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, ...] -> [num_tokens, ...] (real tokens only)."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.token_index is None else flat.index_select(0, self.token_index)
+
+    def unpack(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[num_tokens, ...] -> [batch, seq, ...], pad positions filled with `fill`."""
+        batch, seq_len = self.batch_shape
+        if self.token_index is None:
+            return x.reshape(batch, seq_len, *x.shape[1:])
+        out = x.new_full((batch * seq_len, *x.shape[1:]), fill)
+        out = out.index_copy(0, self.token_index, x)
+        return out.reshape(batch, seq_len, *x.shape[1:])
+
+
+def _as_cu_seqlens(value, name: str, device) -> torch.Tensor:
+    cu = torch.as_tensor(value, device=device)
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {cu.dtype}")
+    if cu.ndim != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1D with at least 2 entries, got shape {tuple(cu.shape)}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps < 0).any()):
+        raise ValueError(f"{name} must be increasing, got {cu.tolist()}")
+    if bool((steps == 0).any()):
+        raise ValueError(f"{name} contains an empty document (two equal entries): {cu.tolist()}")
+    return cu.to(torch.int32)
+
+
+def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"attention_mask must be a 2D [batch, seq_len] = [{batch}, {seq_len}] padding mask of 0/1, got shape "
+            f"{tuple(attention_mask.shape)} (4D or custom masks are not accepted: boundaries come from the packing "
+            "contract)"
+        )
+    if attention_mask.dtype.is_floating_point:
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must contain only 0 and 1")
+    valid = attention_mask.bool()
+    # Left and/or right padding only: the real tokens of a row must be one contiguous run.
+    as_int = valid.to(torch.int8)
+    rises = (as_int[:, 1:] - as_int[:, :-1] == 1).sum(dim=1) + as_int[:, 0]
+    if bool((rises > 1).any()):
+        rows = torch.nonzero(rises > 1).flatten().tolist()
+        raise ValueError(
+            f"attention_mask has holes (real tokens after padding inside a row) in rows {rows}; only left and/or "
+            "right padding is accepted. Pack documents with position_ids or cu_seqlens instead."
+        )
+    return valid
+
+
+def _check_positions_match(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, source: str) -> None:
+    expected = PackedSequence(cu_seqlens, 0, position_ids, None, (1, 0)).position_in_doc()
+    if not torch.equal(position_ids.to(expected.dtype), expected):
+        first_bad = int(torch.nonzero(position_ids.to(expected.dtype) != expected)[0])
+        raise ValueError(
+            f"position_ids contradict {source}: at token {first_bad} position_ids gives "
+            f"{int(position_ids[first_bad])} but the document boundaries imply {int(expected[first_bad])}"
+        )
+
+
+def build_packed_sequence(
+    input_shape: tuple[int, int],
+    device: torch.device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+) -> PackedSequence:
+    """Resolve the caller's batch into a PackedSequence, enforcing the packing contract (module docstring)."""
+    batch, seq_len = input_shape
+    mrope_positions = None
+    if position_ids is not None:
+        position_ids = torch.as_tensor(position_ids, device=device)
+        if position_ids.ndim == 3:
+            # Multimodal rope positions [3 (t, h, w), batch, seq] (or [4, ...] with a leading text row, the
+            # layout transformers' Qwen3.5 uses). Document boundaries must then come from another source.
+            if position_ids.shape[0] == 4:
+                position_ids = position_ids[1:]
+            if position_ids.shape[0] != 3 or tuple(position_ids.shape[1:]) != (batch, seq_len):
+                raise ValueError(f"3D position_ids must be [3, batch, seq_len], got {tuple(position_ids.shape)}")
+            mrope_positions, position_ids = position_ids, None
+        elif position_ids.ndim == 1:
+            position_ids = position_ids.unsqueeze(0).expand(batch, -1)
+        if position_ids is not None and tuple(position_ids.shape) != (batch, seq_len):
+            raise ValueError(f"position_ids must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}")
+
+    # Explicit boundaries: (d) cu_seqlens, (c) cu_seq_lens_q/k.
+    explicit = None
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        q = _as_cu_seqlens(cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k, "cu_seq_lens_q", device)
+        if cu_seq_lens_k is not None and cu_seq_lens_q is not None:
+            k = _as_cu_seqlens(cu_seq_lens_k, "cu_seq_lens_k", device)
+            if not torch.equal(q, k):
+                raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; causal self-attention needs them equal")
+        explicit = (q, "cu_seq_lens_q/k")
+    if cu_seqlens is not None:
+        d = _as_cu_seqlens(cu_seqlens, "cu_seqlens", device)
+        if explicit is not None and not torch.equal(d, explicit[0]):
+            raise ValueError("cu_seqlens and cu_seq_lens_q/k are both given and differ")
+        explicit = (d, "cu_seqlens")
+
+    if explicit is not None:
+        cu, source = explicit
+        if batch != 1:
+            raise ValueError(
+                f"{source} describes one packed row, but the batch has {batch} rows; concatenate the documents "
+                "into a single row of shape [1, total_tokens]"
+            )
+        if int(cu[-1]) != seq_len:
+            raise ValueError(f"{source} must end at the token count {seq_len}, got {int(cu[-1])}")
+        if attention_mask is not None and not bool(_padding_mask(attention_mask, batch, seq_len).all()):
+            raise ValueError(f"attention_mask with padding cannot be combined with {source}; drop the pad tokens")
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+        for name, given in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+            if given is not None and int(given) != max_seqlen:
+                raise ValueError(f"{name}={int(given)} but the longest document in {source} has {max_seqlen} tokens")
+        packed = PackedSequence(cu, max_seqlen, None, None, (batch, seq_len))
+        derived = packed.position_in_doc()
+        if position_ids is not None:
+            _check_positions_match(position_ids[0], cu, source)
+        packed.position_ids = derived if mrope_positions is None else mrope_positions[:, 0]
+        return packed
+
+    # (a) padding and/or (b) restarting position ids.
+    valid = _padding_mask(attention_mask, batch, seq_len) if attention_mask is not None else None
+    flat_valid = valid.reshape(-1) if valid is not None else None
+    token_index = None
+    if flat_valid is not None and not bool(flat_valid.all()):
+        token_index = torch.nonzero(flat_valid).flatten()
+    num_tokens = seq_len * batch if token_index is None else token_index.numel()
+    if num_tokens == 0:
+        raise ValueError("the batch holds no real token (attention_mask is all zeros)")
+
+    # A document starts at the first real token of every row, and wherever position_ids restart at 0.
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+    if valid is not None:
+        first_real = valid.to(torch.int8).argmax(dim=1)
+        starts[torch.arange(batch, device=device), first_real] = True
+    else:
+        starts[:, 0] = True
+    if position_ids is not None:
+        starts |= position_ids == 0
+    flat_starts = starts.reshape(-1)
+    if token_index is not None:
+        flat_starts = flat_starts.index_select(0, token_index)
+    start_index = torch.nonzero(flat_starts).flatten()
+    cu = torch.cat([start_index, start_index.new_tensor([num_tokens])]).to(torch.int32)
+    packed = PackedSequence(cu, int((cu[1:] - cu[:-1]).max()), None, token_index, (batch, seq_len))
+    derived = packed.position_in_doc()
+    if position_ids is not None:
+        given = packed.pack(position_ids.unsqueeze(-1)).squeeze(-1)
+        if not torch.equal(given.to(derived.dtype), derived):
+            bad = int(torch.nonzero(given.to(derived.dtype) != derived)[0])
+            raise ValueError(
+                "position_ids must count 0, 1, 2, ... within each document (restarting at 0 for a new document, "
+                f"starting at the first real token of each row); real token {bad} has position {int(given[bad])} "
+                f"where {int(derived[bad])} was expected"
+            )
+    if mrope_positions is None:
+        packed.position_ids = derived
+    else:
+        packed.position_ids = torch.stack([packed.pack(p.unsqueeze(-1)).squeeze(-1) for p in mrope_positions])
+    return packed
+
+
+def shift_labels_within_documents(labels: torch.Tensor, packed: PackedSequence, ignore_index: int = -100):
+    """Next-token targets on the packed stream: the target of token t is label t+1 of the same document.
+
+    The last token of every document gets `ignore_index`, so no document predicts the next one's first token,
+    whatever the caller put at document starts.
+    """
+    flat = packed.pack(labels.unsqueeze(-1)).squeeze(-1)
+    targets = torch.full_like(flat, ignore_index)
+    targets[:-1] = flat[1:]
+    ends = packed.cu_seqlens[1:].long() - 1
+    targets[ends] = ignore_index
+    return targets
