@@ -144,7 +144,7 @@ def conv_final_state(
     if initial_state is None:
         history = torch.zeros_like(state)
     else:
-        hist_idx = (rel + kernel - 1).clamp(min=0)
+        hist_idx = (rel + kernel - 1).clamp(min=0, max=kernel - 2)
         history = torch.gather(initial_state.to(x.dtype), 2, hist_idx.unsqueeze(1).expand(n_docs, x.shape[1], -1))
     return torch.where(before, history, state)
 
