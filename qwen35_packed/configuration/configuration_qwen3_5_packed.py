@@ -204,10 +204,10 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.partial_rotary_factor = rope["partial_rotary_factor"]
 
         self._init_moe_fields(kwargs)
+        self.validate_layout()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
         self.rope_parameters = rope
-        self.validate_layout()
 
     def _init_moe_fields(self, kwargs: dict) -> None:
         """Dense models carry no MoE fields; the MoE subclass overrides this."""
@@ -233,6 +233,11 @@ class Qwen3_5PackedConfig(PretrainedConfig):
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.attention_dropout:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} is not supported: the varlen attention kernels run "
+                "without dropout (every official Qwen3.5 config has 0.0)"
+            )
         if self.gdn_kernel not in ("auto", "fla", "torch"):
             raise ValueError(f"gdn_kernel must be 'auto', 'fla' or 'torch', got {self.gdn_kernel!r}")
         if self.attention_kernel not in ("auto", "flash_attn", "torch_varlen", "sdpa"):

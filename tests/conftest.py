@@ -1,0 +1,92 @@
+"""Tiny configurations and helpers shared by the tests (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [3, 3, 2],
+    "mrope_interleaved": True,
+}
+
+# Linear head dims of 64: vLLM's CPU kernels accept only 64/128, so the same tiny models serve the vLLM tests.
+TINY_DENSE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    rope_parameters=TINY_ROPE,
+)
+TINY_MOE = dict(
+    TINY_DENSE,
+    intermediate_size=None,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    router_aux_loss_coef=0.0,
+)
+
+
+def tiny_kwargs(kind: str) -> dict:
+    base = TINY_MOE if kind == "moe" else TINY_DENSE
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items() if v is not None}
+
+
+def builtin_pair(kind: str, seed: int = 0):
+    """(transformers' built-in model, ours) with identical random weights, eval mode, fp32."""
+    import transformers
+
+    from qwen35_packed import (
+        Qwen3_5MoePackedConfig,
+        Qwen3_5MoePackedForCausalLM,
+        Qwen3_5PackedConfig,
+        Qwen3_5PackedForCausalLM,
+    )
+
+    kwargs = tiny_kwargs(kind)
+    torch.manual_seed(seed)
+    if kind == "moe":
+        ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
+        ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
+    else:
+        ref = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kwargs))
+        ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
+    _randomize_zero_init(ref)
+    ours.load_state_dict(ref.state_dict())
+    return ref.eval(), ours.eval()
+
+
+def _randomize_zero_init(model) -> None:
+    """Zero-initialised norms and routers would hide bugs (a wrong (1 + w) is invisible at w = 0)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def random_doc_lengths(generator: torch.Generator, n_docs: int, kernel: int = 4) -> list[int]:
+    """Lengths that cover the edge cases: 1-token documents, documents shorter than the conv kernel, multiples
+    of 64 (the delta-rule chunk), and ordinary ones."""
+    fixed = [1, 1, kernel - 1, 2, 64, 128, 63, 65]
+    rest = torch.randint(3, 90, (max(0, n_docs - len(fixed)),), generator=generator).tolist()
+    lengths = fixed + rest
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    return [lengths[i] for i in order][:n_docs]
+
+
+@pytest.fixture(params=["dense", "moe"])
+def kind(request):
+    return request.param

@@ -1,0 +1,101 @@
+"""Configuration: every official text_config reads; rope has one source of truth; contradictions raise."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig, Qwen3_5MoePackedForCausalLM
+from qwen35_packed import Qwen3_5PackedForCausalLM
+
+REFERENCE = Path(os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5"))
+
+
+def reference_configs():
+    if not REFERENCE.is_dir():
+        if os.environ.get("CI"):
+            raise FileNotFoundError(f"reference configs not found at {REFERENCE}")
+        return []
+    return sorted(p.parent.name for p in REFERENCE.glob("*/config.json"))
+
+
+def load_text_config(name):
+    composite = json.loads((REFERENCE / name / "config.json").read_text())
+    text = dict(composite["text_config"])
+    text.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
+    return text
+
+
+@pytest.mark.parametrize("name", reference_configs())
+def test_reference_config_builds_builtin_identical_model_on_meta(name):
+    text = load_text_config(name)
+    moe = text["model_type"] == "qwen3_5_moe_text"
+    ours_config = (Qwen3_5MoePackedConfig if moe else Qwen3_5PackedConfig)(**text)
+    ref_config = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(**text)
+    assert ours_config.rope_parameters["rope_theta"] == 1e7 == ours_config.rope_theta
+    assert ours_config.layer_types == ref_config.layer_types
+    with torch.device("meta"):
+        ours = (Qwen3_5MoePackedForCausalLM if moe else Qwen3_5PackedForCausalLM)(ours_config)
+        ref = (transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM)(ref_config)
+    ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    assert ours_shapes == ref_shapes
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
+
+
+def test_v4_top_level_rope_keys_are_read():
+    config = Qwen3_5PackedConfig(
+        rope_theta=5e6, partial_rotary_factor=0.25,
+        rope_scaling={"type": "mrope", "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    )
+    assert config.rope_parameters["rope_theta"] == 5e6 == config.rope_theta
+    assert config.rope_parameters["mrope_section"] == [11, 11, 10]
+    assert config.rope_parameters["rope_type"] == "default"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rope_theta": 5e6, "rope_parameters": {"rope_theta": 1e7}},
+        {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}},
+        {"rope_scaling": {"mrope_section": [10, 11, 11]}, "rope_parameters": {"mrope_section": [11, 11, 10]}},
+    ],
+)
+def test_contradicting_rope_values_raise(kwargs):
+    with pytest.raises(ValueError, match="Contradicting rope values"):
+        Qwen3_5PackedConfig(**kwargs)
+
+
+def test_saved_config_gives_every_reader_the_same_rope(tmp_path):
+    Qwen3_5PackedConfig(rope_parameters={"rope_theta": 5e6}).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"] == 5e6  # v4 and v5 readers agree
+    builtin = transformers.AutoConfig.from_pretrained(tmp_path)  # model_type qwen3_5_text -> built-in class
+    assert type(builtin) is transformers.Qwen3_5TextConfig
+    assert builtin.rope_parameters["rope_theta"] == 5e6
+    assert Qwen3_5PackedConfig.from_pretrained(tmp_path).rope_parameters["rope_theta"] == 5e6
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_hidden_layers": 3, "layer_types": ["linear_attention"] * 2}, "layer_types has 2 entries"),
+        ({"num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention", "x", "y"]}, "Unknown layer"),
+        ({"num_hidden_layers": 4, "full_attention_interval": 2, "layer_types": ["full_attention"] * 4}, "contradicts"),
+        ({"rope_parameters": {"mrope_section": [8, 8, 8]}}, "must sum to the rotary half-dim"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "not supported"),
+        ({"gdn_kernel": "cuda"}, "gdn_kernel"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+    ],
+)
+def test_invalid_config_raises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Qwen3_5PackedConfig(**kwargs)
+
+
+def test_moe_aux_coefficient_must_be_a_number():
+    with pytest.raises(ValueError, match="router_aux_loss_coef must be a number"):
+        Qwen3_5MoePackedConfig(router_aux_loss_coef="0.001")

@@ -1,0 +1,165 @@
+"""Packed == per-document for every entry form of the packing contract, plus the contract's errors."""
+
+import pytest
+import torch
+
+from conftest import builtin_pair, random_doc_lengths
+from qwen35_packed.modeling.packing import build_packed_sequence
+
+N_DOCS = 22
+
+
+def _docs(seed=0, n_docs=N_DOCS):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_doc_lengths(gen, n_docs)
+    return [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
+
+
+def _per_doc_logits(model, docs):
+    with torch.no_grad():
+        return [model(doc.unsqueeze(0), use_cache=False).logits[0] for doc in docs]
+
+
+def _packed_row(docs):
+    ids = torch.cat(docs).unsqueeze(0)
+    lengths = torch.tensor([len(d) for d in docs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    positions = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    return ids, cu, positions, int(lengths.max())
+
+
+FORMS = ["position_ids", "cu_seq_lens", "cu_seqlens", "cu_seqlens+position_ids"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_packed_row_equals_per_document(kind, form):
+    _, model = builtin_pair(kind)
+    docs = _docs()
+    ids, cu, positions, max_len = _packed_row(docs)
+    kwargs = {
+        "position_ids": {"position_ids": positions},
+        "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len},
+        "cu_seqlens": {"cu_seqlens": cu},
+        "cu_seqlens+position_ids": {"cu_seqlens": cu, "position_ids": positions},
+    }[form]
+    with torch.no_grad():
+        packed = model(ids, use_cache=False, **kwargs).logits[0]
+    expected = torch.cat(_per_doc_logits(model, docs))
+    assert (packed - expected).abs().max().item() <= 1e-5
+
+
+def test_padded_batch_equals_per_document(kind):
+    """Form (a): one document per row, mixed left and right padding."""
+    _, model = builtin_pair(kind)
+    docs = _docs(seed=1)
+    width = max(len(d) for d in docs) + 3
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, doc in enumerate(docs):
+        start = (width - len(doc)) if i % 2 else (i % 3)  # left padding on odd rows, right (+ some left) on even
+        ids[i, start:start + len(doc)] = doc
+        mask[i, start:start + len(doc)] = 1
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, use_cache=False).logits
+    expected = _per_doc_logits(model, docs)
+    for i, exp in enumerate(expected):
+        assert (logits[i][mask[i].bool()] - exp).abs().max().item() <= 1e-5
+
+
+def test_several_packed_rows_with_position_ids(kind):
+    """Form (b) with batch > 1: each row holds several documents."""
+    _, model = builtin_pair(kind)
+    docs = _docs(seed=2, n_docs=20)
+    rows = [docs[:10], docs[10:]]
+    width = max(sum(len(d) for d in r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    positions = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for r, row_docs in enumerate(rows):
+        row_ids, _, row_pos, _ = _packed_row(row_docs)
+        n = row_ids.shape[1]
+        ids[r, :n], positions[r, :n], mask[r, :n] = row_ids[0], row_pos[0], 1
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    for r, row_docs in enumerate(rows):
+        expected = torch.cat(_per_doc_logits(model, row_docs))
+        assert (logits[r, : expected.shape[0]] - expected).abs().max().item() <= 1e-5
+
+
+def test_packed_loss_and_gradients_equal_per_document(kind):
+    _, model = builtin_pair(kind)
+    model.train()
+    docs = _docs(seed=3)
+    ids, cu, _, _ = _packed_row(docs)
+    # Sum reduction (num_items_in_batch=1): the packed gradient must be the sum of per-document gradients.
+    packed_loss = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1).loss
+    packed_loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    doc_losses, doc_targets = [], []
+    for doc in docs:
+        out = model(doc.unsqueeze(0), labels=doc.unsqueeze(0), num_items_in_batch=1)
+        out.loss.backward()
+        doc_losses.append(out.loss.item())
+        doc_targets.append(len(doc) - 1)
+    assert abs(packed_loss.item() - sum(doc_losses)) <= 1e-5 * max(1.0, abs(sum(doc_losses)))
+    for name, param in model.named_parameters():
+        assert torch.allclose(packed_grads[name], param.grad, atol=1e-5, rtol=1e-4), name
+
+    # Mean reduction: token-weighted average of the per-document mean losses.
+    with torch.no_grad():
+        mean_loss = model(ids, labels=ids, cu_seqlens=cu).loss.item()
+    assert abs(mean_loss - sum(doc_losses) / sum(doc_targets)) <= 1e-5
+
+
+def test_no_prediction_across_documents():
+    """The last token of a document never predicts the next document's first token."""
+    _, model = builtin_pair("dense")
+    docs = _docs(seed=4, n_docs=3)
+    ids, cu, _, _ = _packed_row(docs)
+    labels = ids.clone()
+    with torch.no_grad():
+        base = model(ids, labels=labels, cu_seqlens=cu, num_items_in_batch=1).loss
+        labels[0, cu[1]] = (labels[0, cu[1]] + 1) % 128  # first token of doc 2: not a target of anything
+        changed = model(ids, labels=labels, cu_seqlens=cu, num_items_in_batch=1).loss
+    assert base.item() == changed.item()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _build(**kwargs):
+    shape = kwargs.pop("shape", (1, 10))
+    return build_packed_sequence(shape, torch.device("cpu"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cu_seqlens": torch.tensor([1, 5, 10])}, "must start at 0"),
+        ({"cu_seqlens": torch.tensor([0, 6, 4, 10])}, "must be increasing"),
+        ({"cu_seqlens": torch.tensor([0, 4, 9])}, "must end at the token count 10"),
+        ({"cu_seqlens": torch.tensor([0, 4, 4, 10])}, "empty document"),
+        ({"cu_seqlens": torch.tensor([0, 4, 10]), "position_ids": torch.arange(10)[None]}, "position_ids contradict"),
+        ({"cu_seqlens": torch.tensor([0, 4, 10]), "shape": (2, 5)}, "batch has 2 rows"),
+        ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "cu_seq_lens_k": torch.tensor([0, 5, 10])}, "differ"),
+        ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "max_length_q": 4}, "max_length_q=4"),
+        ({"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]])}, "holes"),
+        ({"attention_mask": torch.zeros(1, 10, dtype=torch.long)}, "no real token"),
+        ({"position_ids": torch.tensor([[0, 1, 2, 4, 5, 6, 0, 1, 2, 3]])}, "count 0, 1, 2"),
+        (
+            {"cu_seqlens": torch.tensor([0, 4, 10]), "attention_mask": torch.tensor([[1] * 9 + [0]])},
+            "cannot be combined",
+        ),
+    ],
+)
+def test_bad_packing_input_raises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _build(**kwargs)
+
+
+def test_model_rejects_cache_with_packed_documents():
+    _, model = builtin_pair("dense")
+    ids, cu, _, _ = _packed_row(_docs(seed=5, n_docs=3))
+    with pytest.raises(ValueError, match="one document per row"):
+        model(ids, cu_seqlens=cu, use_cache=True)
