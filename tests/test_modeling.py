@@ -1,0 +1,97 @@
+"""Model features: fp32 decay parameters under bf16, router logits and aux loss, checkpointing, kernel forcing."""
+
+import logging
+
+import pytest
+import torch
+
+from conftest import builtin_pair, tiny_kwargs
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
+
+
+def test_decay_parameters_stay_fp32_when_cast_to_bf16():
+    _, model = builtin_pair("dense")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
+    model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if name in before:
+            assert param.dtype == torch.float32 and torch.equal(param, before[name]), name
+        else:
+            assert param.dtype == torch.bfloat16, name
+    ids = torch.randint(0, 128, (1, 20))
+    assert model(ids, use_cache=False).logits.dtype == torch.bfloat16
+
+
+def test_decay_parameters_stay_fp32_through_from_pretrained_bf16(tmp_path):
+    _, model = builtin_pair("dense")
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    a_log = loaded.model.layers[0].linear_attn.A_log
+    assert a_log.dtype == torch.float32
+    assert torch.equal(a_log, model.model.layers[0].linear_attn.A_log)
+
+
+def _moe(coef):
+    kwargs = tiny_kwargs("moe")
+    kwargs["router_aux_loss_coef"] = coef
+    torch.manual_seed(0)
+    return Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
+
+
+def test_router_logits_and_aux_loss_only_when_asked(caplog):
+    model = _moe(0.01)
+    ids = torch.randint(0, 128, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    plain = model(ids, attention_mask=mask, labels=ids)
+    assert plain.router_logits is None and plain.aux_loss is None
+    with caplog.at_level(logging.WARNING):
+        asked = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    n_moe_layers = model.config.num_hidden_layers
+    assert len(asked.router_logits) == n_moe_layers
+    assert asked.router_logits[0].shape == (int(mask.sum()), 4)  # real tokens only
+    assert torch.allclose(asked.loss, plain.loss + 0.01 * asked.aux_loss)
+    assert "router_aux_loss_coef=0.01" in caplog.text
+
+    silent = _moe(0.0)(ids, labels=ids, output_router_logits=True)
+    assert silent.aux_loss is not None and torch.allclose(silent.loss, _moe(0.0)(ids, labels=ids).loss)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    _, model = builtin_pair("moe")
+    model.train()
+    ids = torch.randint(0, 128, (2, 30))
+    model(ids, labels=ids).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, grads[name], atol=1e-6), name
+
+
+def test_forcing_an_unavailable_kernel_raises():
+    _, model = builtin_pair("dense")
+    model.config.gdn_kernel = "fla"
+    with pytest.raises(RuntimeError, match="gdn_kernel='fla' was forced"):
+        model(torch.randint(0, 128, (1, 8)))
+
+
+def test_unknown_kwargs_and_attention_outputs_are_refused():
+    _, model = builtin_pair("dense")
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(TypeError, match="token_type_ids"):
+        model(ids, token_type_ids=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids, output_attentions=True)
+
+
+def test_logits_to_keep_and_hidden_states():
+    _, model = builtin_pair("dense")
+    ids = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        full = model(ids, use_cache=False, output_hidden_states=True)
+        last = model(ids, use_cache=False, logits_to_keep=1).logits
+    assert last.shape == (2, 1, 128)
+    assert torch.allclose(last[:, 0], full.logits[:, -1], atol=1e-6)
+    assert len(full.hidden_states) == model.config.num_hidden_layers + 1
