@@ -1,0 +1,114 @@
+"""GPU checks (run on the H200, skipped elsewhere): packed == per-document with FLA kernels in bf16 and fp32,
+and the FLA path against the pure-PyTorch path. Set QWEN35_GPU_RESULTS=FILE to write the measured numbers."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import random_doc_lengths
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
+from qwen35_packed.modeling import kernels  # noqa: E402
+
+RESULTS: dict = {}
+GPU_CONFIG = dict(
+    vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_results():
+    yield
+    path = os.environ.get("QWEN35_GPU_RESULTS")
+    if path:
+        RESULTS["device"] = torch.cuda.get_device_name()
+        RESULTS["torch"] = torch.__version__
+        RESULTS["fla_available"] = kernels.FLA_AVAILABLE
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2)
+
+
+def _model(dtype, **overrides):
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**GPU_CONFIG, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.to("cuda", dtype).eval()
+
+
+def _docs(n=24):
+    gen = torch.Generator().manual_seed(0)
+    lengths = random_doc_lengths(gen, n) + [700, 1030]
+    return [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_packed_equals_per_document(dtype):
+    model = _model(dtype)
+    docs = _docs()
+    ids = torch.cat(docs).unsqueeze(0)
+    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    choice = kernels.select_kernels(model.config, ids.device)
+    with torch.no_grad():
+        packed = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
+        per_doc = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs]).float()
+        model.config.gdn_kernel, model.config.attention_kernel = "torch", "sdpa"
+        reference = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs]).float()
+    name = str(dtype).split(".")[-1]
+    diff_docs = (packed - per_doc).abs().max().item()
+    diff_ref = (packed - reference).abs().max().item()
+    RESULTS[f"packed_vs_per_document_{name}"] = diff_docs
+    RESULTS[f"fla_packed_vs_torch_per_document_{name}"] = diff_ref
+    RESULTS[f"kernels_{name}"] = {"gdn": choice.gdn, "attention": choice.attention}
+    RESULTS[f"logit_abs_max_{name}"] = reference.abs().max().item()
+    print(f"{name}: kernels {choice}, packed vs per-doc {diff_docs:.3g}, FLA vs torch {diff_ref:.3g}")
+    tolerance = 2e-3 if dtype == torch.float32 else 6e-2
+    assert choice.gdn == "fla"
+    assert diff_docs <= tolerance
+    assert diff_ref <= (2e-2 if dtype == torch.float32 else 1.5e-1)
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_fla_packed_gradients_equal_per_document_bf16():
+    model = _model(torch.bfloat16)
+    model.train()
+    docs = _docs(12)
+    ids = torch.cat(docs).unsqueeze(0)
+    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1).loss.backward()
+    packed = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for d in docs:
+        model(d[None], labels=d[None], num_items_in_batch=1).loss.backward()
+    worst = max(((packed[n] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)).item()
+                for n, p in model.named_parameters())
+    RESULTS["bf16_grad_relative_error_packed_vs_per_document"] = worst
+    print(f"bf16 grad packed vs per-doc, worst relative norm error {worst:.3g}")
+    assert worst <= 5e-2
+
+
+def test_torch_varlen_attention_is_causal_per_document():
+    if not kernels.TORCH_VARLEN_AVAILABLE:
+        pytest.skip("torch varlen_attn not available")
+    from qwen35_packed.modeling.packing import PackedSequence
+
+    lengths = [1, 37, 130, 64]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    packed = PackedSequence(cu, max(lengths), None, None, (1, int(cu[-1])))
+    q, k, v = (torch.randn(int(cu[-1]), h, 128, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    got = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernels.KernelChoice("fla", "torch_varlen"))
+    ref = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernels.KernelChoice("fla", "sdpa"))
+    RESULTS["torch_varlen_vs_sdpa_bf16"] = (got.float() - ref.float()).abs().max().item()
+    assert (got.float() - ref.float()).abs().max().item() <= 2e-2
