@@ -1,0 +1,70 @@
+"""The tensors a packed Qwen3.5 text checkpoint must hold, with shapes, derived from its config.
+
+This is this project's layout, which equals the keys of transformers' built-in text classes
+(`Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`) with fused experts, plus two config fields the built-in classes
+ignore: `attn_output_gate` (False: `q_proj` without the gate half) and `mlp_only_layers` (MoE: dense MLP layers).
+"""
+
+from __future__ import annotations
+
+
+def expected_text_tensors(config) -> dict[str, tuple[int, ...]]:
+    """`key -> shape` of every tensor of the text model described by `config` (a `Qwen3_5PackedConfig`)."""
+    c = config
+    hidden = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+    kv_rows = c.num_key_value_heads * c.head_dim
+    for i, layer_type in enumerate(c.layer_types):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if layer_type == "linear_attention":
+            a = p + "linear_attn."
+            shapes[a + "in_proj_qkv.weight"] = (conv_dim, hidden)
+            shapes[a + "in_proj_z.weight"] = (value_dim, hidden)
+            shapes[a + "in_proj_b.weight"] = (c.linear_num_value_heads, hidden)
+            shapes[a + "in_proj_a.weight"] = (c.linear_num_value_heads, hidden)
+            shapes[a + "conv1d.weight"] = (conv_dim, 1, c.linear_conv_kernel_dim)
+            shapes[a + "dt_bias"] = (c.linear_num_value_heads,)
+            shapes[a + "A_log"] = (c.linear_num_value_heads,)
+            shapes[a + "norm.weight"] = (c.linear_value_head_dim,)
+            shapes[a + "out_proj.weight"] = (hidden, value_dim)
+        else:
+            a = p + "self_attn."
+            shapes[a + "q_proj.weight"] = (q_rows, hidden)
+            shapes[a + "k_proj.weight"] = (kv_rows, hidden)
+            shapes[a + "v_proj.weight"] = (kv_rows, hidden)
+            shapes[a + "o_proj.weight"] = (hidden, c.num_attention_heads * c.head_dim)
+            if c.attention_bias:
+                shapes[a + "q_proj.bias"] = (q_rows,)
+                shapes[a + "k_proj.bias"] = (kv_rows,)
+                shapes[a + "v_proj.bias"] = (kv_rows,)
+                shapes[a + "o_proj.bias"] = (hidden,)
+            shapes[a + "q_norm.weight"] = (c.head_dim,)
+            shapes[a + "k_norm.weight"] = (c.head_dim,)
+        m = p + "mlp."
+        if getattr(c, "is_moe", False) and c.layer_uses_moe(i):
+            n_experts, inter, shared = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            shapes[m + "gate.weight"] = (n_experts, hidden)
+            shapes[m + "experts.gate_up_proj"] = (n_experts, 2 * inter, hidden)
+            shapes[m + "experts.down_proj"] = (n_experts, hidden, inter)
+            shapes[m + "shared_expert.gate_proj.weight"] = (shared, hidden)
+            shapes[m + "shared_expert.up_proj.weight"] = (shared, hidden)
+            shapes[m + "shared_expert.down_proj.weight"] = (hidden, shared)
+            shapes[m + "shared_expert_gate.weight"] = (1, hidden)
+        else:
+            inter = c.intermediate_size
+            shapes[m + "gate_proj.weight"] = (inter, hidden)
+            shapes[m + "up_proj.weight"] = (inter, hidden)
+            shapes[m + "down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
+
+
+__all__ = ["expected_text_tensors"]
