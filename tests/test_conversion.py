@@ -1,0 +1,570 @@
+"""`qwen35-packed convert`: official Qwen3.5 layouts -> this project's layout (CPU, fp32, tiny models)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import tiny_kwargs
+from qwen35_packed.cli import main
+from qwen35_packed.conversion import (
+    ConversionError,
+    Drop,
+    FuseExperts,
+    MappingEngine,
+    NotInvertibleError,
+    SplitExperts,
+    StripPrefix,
+    conversion_rules,
+    convert,
+    remote_code_files,
+)
+from qwen35_packed.conversion.convert import parse_size
+
+TOKENIZER_FILES = {
+    "tokenizer_config.json": '{"eos_token": "<|im_end|>"}\n',
+    "chat_template.jinja": "{{ messages }}\n",
+    "generation_config.json": '{"eos_token_id": [1, 2]}\n',
+}
+NOT_COPIED = {"preprocessor_config.json": "{}\n", "video_preprocessor_config.json": "{}\n", "notes.txt": "x\n"}
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+
+
+def build_builtin(kind: str, seed: int = 0, **overrides):
+    kwargs = tiny_kwargs(kind)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    if kind == "moe":
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kwargs))
+    with torch.no_grad():  # zero-initialised norms / routers would hide a swapped tensor
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+def builtin_class(kind: str):
+    return transformers.Qwen3_5MoeForCausalLM if kind == "moe" else transformers.Qwen3_5ForCausalLM
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                assert key not in out, key
+                out[key] = handle.get_tensor(key)
+    return out
+
+
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], n_shards: int) -> None:
+    """Write `tensors` as `n_shards` safetensors files (round-robin, so a layer's experts span shards) + index."""
+    keys = list(tensors)
+    names = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    weight_map = {}
+    for i, name in enumerate(names):
+        part = {k: tensors[k].contiguous() for k in keys[i::n_shards]}
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def add_side_files(folder: Path) -> None:
+    for name, text in {**TOKENIZER_FILES, **NOT_COPIED}.items():
+        if name == "generation_config.json" and (folder / name).exists():
+            continue
+        (folder / name).write_text(text)
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def logits(model, seed: int = 3) -> torch.Tensor:
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def assert_loads_with_builtin(out: Path, kind: str, reference) -> None:
+    model, info = builtin_class(kind).from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert torch.equal(logits(model.eval()), logits(reference))
+
+
+def composite_config(text_model, *, moe: bool, top_tie: bool | None, keep_text_tie: bool) -> dict:
+    text = text_model.config.to_dict()
+    for key in ("architectures", "transformers_version", "_name_or_path", "dtype"):
+        text.pop(key, None)
+    if not keep_text_tie:
+        text.pop("tie_word_embeddings", None)
+    text["mtp_num_hidden_layers"] = 1
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 32, "model_type": "qwen3_5_moe" if moe else "qwen3_5"},
+        "image_token_id": 120,
+    }
+    if top_tie is not None:
+        config["tie_word_embeddings"] = top_tie
+    return config
+
+
+def composite_tensors(text_model, *, per_expert_mtp: bool) -> dict[str, torch.Tensor]:
+    """Official composite layout: model.language_model.*, model.visual.*, lm_head, mtp.* (MTP experts per expert)."""
+    tensors = {}
+    for key, value in text_model.state_dict().items():
+        if key == "lm_head.weight" and text_model.config.tie_word_embeddings:
+            continue
+        tensors[key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key] = value
+    g = torch.Generator().manual_seed(5)
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 4, 4, generator=g)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(96, 32, generator=g)
+    tensors["model.visual.merger.linear_fc2.bias"] = torch.randn(64, generator=g)
+    tensors["mtp.fc.weight"] = torch.randn(64, 128, generator=g)
+    tensors["mtp.norm.weight"] = torch.randn(64, generator=g)
+    tensors["mtp.layers.0.self_attn.q_proj.weight"] = torch.randn(128, 64, generator=g)
+    if per_expert_mtp:
+        for e in range(4):
+            tensors[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = torch.randn(32, 64, generator=g)
+            tensors[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = torch.randn(32, 64, generator=g)
+            tensors[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = torch.randn(64, 32, generator=g)
+    return tensors
+
+
+def run_cli(*args) -> int:
+    return main(["convert", *map(str, args), "--no-progress"])
+
+
+# ---------------------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """Built-in dense text model saved by save_pretrained in several shards, with tokenizer-like side files."""
+    model = build_builtin("dense")
+    src = tmp_path_factory.mktemp("dense") / "src"
+    model.save_pretrained(src, max_shard_size="40KB")
+    add_side_files(src)
+    return model, src
+
+
+@pytest.fixture(scope="module")
+def moe_per_expert(tmp_path_factory):
+    """Built-in MoE text model saved by save_pretrained: per-expert tensors."""
+    model = build_builtin("moe", seed=1, router_aux_loss_coef=0.001)
+    src = tmp_path_factory.mktemp("moe_pe") / "src"
+    model.save_pretrained(src, max_shard_size="40KB")
+    return model, src
+
+
+@pytest.fixture(scope="module")
+def moe_fused(tmp_path_factory, moe_per_expert):
+    """The same MoE model stored the way official checkpoints are: fused experts (state_dict keys)."""
+    model, pe_src = moe_per_expert
+    src = tmp_path_factory.mktemp("moe_fused") / "src"
+    src.mkdir()
+    shutil.copy(pe_src / "config.json", src / "config.json")
+    write_shards(src, model.state_dict(), n_shards=3)
+    return model, src
+
+
+# ------------------------------------------------------------------------------------------------------------- tests
+
+
+def test_dense_sharded_conversion(dense, tmp_path, capsys):
+    model, src = dense
+    before = folder_digest(src)
+    out = tmp_path / "out"
+    assert run_cli(src, out, "--max-shard-size", "60KB") == 0
+    assert folder_digest(src) == before  # SRC untouched
+
+    tensors = read_folder(out)
+    expected = model.state_dict()
+    assert set(tensors) == set(expected)
+    for key, value in expected.items():
+        assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
+
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(expected)
+    assert {out / name for name in index["weight_map"].values()} == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    biggest = max(t.numel() * t.element_size() for t in expected.values())
+    for shard in shards:  # header overhead aside, no shard holds more than the limit (or one larger tensor)
+        assert shard.stat().st_size <= max(60_000, biggest) + 16_000
+
+    for name in TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    for name in NOT_COPIED:
+        assert not (out / name).exists()
+    for path in remote_code_files():
+        assert (out / path.name).read_bytes() == path.read_bytes()
+    assert not list(out.glob("__init__.py"))
+    assert not list(tmp_path.glob(".out.tmp-*"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not the private mode of a temporary folder
+
+    assert_loads_with_builtin(out, "dense", model)
+
+
+def test_dense_config(dense, tmp_path):
+    model, src = dense
+    out = tmp_path / "out"
+    convert(src, out, progress=False, log=lambda line: None)
+    data = json.loads((out / "config.json").read_text())
+    assert data["model_type"] == "qwen3_5_text"
+    assert data["architectures"] == ["Qwen3_5PackedForCausalLM"]
+    assert data["auto_map"] == {
+        "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5PackedConfig",
+        "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5PackedForCausalLM",
+    }
+    assert data["rope_parameters"] == {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "mrope_section": [3, 3, 2], "mrope_interleaved": True,
+    }  # fmt: skip
+    assert data["rope_theta"] == 10000.0 and data["partial_rotary_factor"] == 0.5
+    assert "rope_scaling" not in data
+    assert data["tie_word_embeddings"] is False
+    for key, value in tiny_kwargs("dense").items():
+        assert data[key] == value, key
+
+    builtin = transformers.AutoConfig.from_pretrained(out)
+    assert type(builtin) is transformers.Qwen3_5TextConfig
+    assert builtin.rope_parameters["rope_theta"] == 10000.0
+    assert builtin.rope_parameters["partial_rotary_factor"] == 0.5
+    remote = transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert type(remote).__name__ == "Qwen3_5PackedConfig"
+    assert remote.rope_parameters == data["rope_parameters"]
+    assert remote.rope_theta == 10000.0 and remote.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
+    model, src = moe_per_expert if layout == "per_expert" else moe_fused
+    out = tmp_path / "out"
+    assert run_cli(src, out, "--max-shard-size", "100KB") == 0
+    printed = capsys.readouterr().out
+    assert "router_aux_loss_coef is 0.001" in printed and "RL" in printed
+
+    tensors = read_folder(out)
+    expected = model.state_dict()
+    assert set(tensors) == set(expected)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    assert not any(".experts.0." in key for key in tensors)
+    for key, value in expected.items():
+        assert torch.equal(tensors[key], value), key
+
+    if layout == "per_expert":  # fused = stack over experts of cat([gate, up], dim=0), checked by hand
+        source = read_folder(src)
+        for layer in range(4):
+            p = f"model.layers.{layer}.mlp.experts"
+            manual = torch.stack(
+                [torch.cat([source[f"{p}.{e}.gate_proj.weight"], source[f"{p}.{e}.up_proj.weight"]], 0) for e in range(4)]
+            )
+            assert torch.equal(tensors[f"{p}.gate_up_proj"], manual)
+            manual_down = torch.stack([source[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+            assert torch.equal(tensors[f"{p}.down_proj"], manual_down)
+
+    data = json.loads((out / "config.json").read_text())
+    assert data["model_type"] == "qwen3_5_moe_text"
+    assert data["architectures"] == ["Qwen3_5MoePackedForCausalLM"]
+    assert data["auto_map"] == {
+        "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5MoePackedConfig",
+        "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5MoePackedForCausalLM",
+    }
+    assert type(transformers.AutoConfig.from_pretrained(out)) is transformers.Qwen3_5MoeTextConfig
+    assert type(transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)).__name__ == (
+        "Qwen3_5MoePackedConfig"
+    )
+    assert_loads_with_builtin(out, "moe", model)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_composite_text_only(kind, tmp_path, capsys):
+    """Official composite layout (prefix, vision tower, MTP head with per-expert MoE), tie only at the top level."""
+    tie = kind == "dense"  # like the small official models: tied, no lm_head.weight in the checkpoint
+    model = build_builtin(kind, seed=2, tie_word_embeddings=tie)
+    src = tmp_path / "src"
+    src.mkdir()
+    config = composite_config(model, moe=kind == "moe", top_tie=tie, keep_text_tie=False)
+    (src / "config.json").write_text(json.dumps(config))
+    source = composite_tensors(model, per_expert_mtp=kind == "moe")
+    write_shards(src, source, n_shards=2)
+    add_side_files(src)
+    tokenizer_config = {"eos_token": "<|im_end|>", "processor_class": "Qwen3VLProcessor", "chat_template": "{{ x }}"}
+    (src / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+    out = tmp_path / "out"
+    assert run_cli(src, out) == 2
+    err = capsys.readouterr().err
+    assert "not available yet" in err and "--text-only" in err
+    assert not out.exists()
+
+    assert run_cli(src, out, "--text-only") == 0
+    printed = capsys.readouterr().out
+    n_mtp = sum(k.startswith("mtp.") for k in source)
+    assert f"Drop('^mtp\\\\.'): dropped {n_mtp} tensors: multi-token-prediction head" in printed
+    assert "Drop('^model\\\\.visual\\\\.'): dropped 3 tensors: vision tower" in printed
+
+    tensors = read_folder(out)
+    expected = model.state_dict()
+    if tie:
+        expected.pop("lm_head.weight")
+    assert set(tensors) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(tensors[key], value), key
+    data = json.loads((out / "config.json").read_text())
+    assert data["tie_word_embeddings"] is tie
+    assert "text_config" not in data and "vision_config" not in data and "image_token_id" not in data
+    assert data["mtp_num_hidden_layers"] == 1
+    for name in NOT_COPIED:
+        assert not (out / name).exists()
+    # AutoProcessor would look for the VLM's image processor: processor_class is removed, nothing else changes
+    assert "removing processor_class" in printed
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        k: v for k, v in tokenizer_config.items() if k != "processor_class"
+    }
+    assert_loads_with_builtin(out, kind, model)
+
+
+def test_composite_saved_by_transformers(tmp_path, capsys):
+    """What transformers' composite class writes: tie true at the top level, false in text_config."""
+    text = tiny_kwargs("dense")
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(4)
+    vlm = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    ).eval()
+    src = tmp_path / "src"
+    vlm.save_pretrained(src, max_shard_size="50KB")
+    out = tmp_path / "out"
+    assert run_cli(src, out, "--text-only") == 0
+    assert "the converted model uses True" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    converted, info = transformers.Qwen3_5ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(logits(converted.eval()), logits(vlm))
+
+
+def test_legacy_rope_keys_are_normalised(dense, tmp_path):
+    model, src = dense
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    data = json.loads((legacy / "config.json").read_text())
+    rope = data.pop("rope_parameters")
+    data["rope_theta"] = rope["rope_theta"]
+    data["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    data["rope_scaling"] = {"type": "mrope", "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    (legacy / "config.json").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    assert run_cli(legacy, out) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_parameters"] == rope | {"rope_type": "default"}
+    assert written["rope_theta"] == 10000.0 and written["partial_rotary_factor"] == 0.5
+    assert "rope_scaling" not in written
+    assert_loads_with_builtin(out, "dense", model)
+
+
+def test_contradictory_rope_is_a_clean_error(dense, tmp_path, capsys):
+    _, src = dense
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    data = json.loads((bad / "config.json").read_text())
+    data["rope_theta"] = 1_000_000.0  # rope_parameters says 10000
+    (bad / "config.json").write_text(json.dumps(data))
+    assert run_cli(bad, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Contradicting rope values: rope_theta" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_exists_is_refused(dense, tmp_path, capsys):
+    _, src = dense
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_cli(src, out) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
+
+
+def test_unknown_tensor_is_listed(dense, tmp_path, capsys):
+    _, src = dense
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    save_file({"model.layers.0.mystery.weight": torch.zeros(2)}, str(bad / "extra.safetensors"))
+    index["weight_map"]["model.layers.0.mystery.weight"] = "extra.safetensors"
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run_cli(bad, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.mystery.weight" in err and "neither part of" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_and_misshaped_tensors_are_errors(moe_fused, tmp_path):
+    model, _ = moe_fused
+    state = model.state_dict()
+    config = json.loads((moe_fused[1] / "config.json").read_text())
+    for name, tensors, message in [
+        ("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}, "lacks 1 tensors"),
+        ("shape", state | {"model.layers.1.mlp.experts.down_proj": torch.zeros(4, 64, 16)}, "contradict config"),
+    ]:
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(config))
+        write_shards(src, tensors, n_shards=1)
+        with pytest.raises(ConversionError, match=message):
+            convert(src, tmp_path / f"out_{name}", log=lambda line: None)
+
+
+def test_incomplete_experts_are_an_error(moe_per_expert, tmp_path):
+    model, src = moe_per_expert
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(src / "config.json", bad / "config.json")
+    tensors = read_folder(src)
+    del tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    write_shards(bad, tensors, n_shards=2)
+    with pytest.raises(ConversionError, match=r"missing model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        convert(bad, tmp_path / "out", log=lambda line: None)
+
+
+def test_dry_run_writes_nothing(moe_per_expert, tmp_path, capsys):
+    _, src = moe_per_expert
+    out = tmp_path / "sub" / "out"
+    assert run_cli(src, out, "--dry-run") == 0
+    printed = capsys.readouterr().out
+    assert "48 tensors -> 8" in printed  # 4 layers x 4 experts x 3 -> 4 layers x 2
+    assert "qwen3_5_moe_text" in printed and "dry run: nothing written" in printed
+    assert not (tmp_path / "sub").exists()
+
+
+def test_tied_source_with_different_lm_head_is_refused(dense, tmp_path):
+    model, src = dense
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    data = json.loads((bad / "config.json").read_text())
+    data["tie_word_embeddings"] = True  # but lm_head.weight is a separate, different tensor
+    (bad / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConversionError, match="differs from model.embed_tokens.weight"):
+        convert(bad, tmp_path / "out", progress=False, log=lambda line: None)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+# -------------------------------------------------------------------------------------------- rules, unit level
+
+
+def test_rules_are_invertible_where_they_can_be():
+    g = torch.Generator().manual_seed(0)
+    per_expert = {}
+    for e in range(3):
+        per_expert[f"model.language_model.layers.0.mlp.experts.{e}.gate_proj.weight"] = torch.randn(5, 4, generator=g)
+        per_expert[f"model.language_model.layers.0.mlp.experts.{e}.up_proj.weight"] = torch.randn(5, 4, generator=g)
+        per_expert[f"model.language_model.layers.0.mlp.experts.{e}.down_proj.weight"] = torch.randn(4, 5, generator=g)
+    per_expert["model.language_model.norm.weight"] = torch.randn(4, generator=g)
+    per_expert["lm_head.weight"] = torch.randn(7, 4, generator=g)
+
+    engine = MappingEngine([StripPrefix("model.language_model.", "model."), FuseExperts()])
+    fused = engine.map_tensors(per_expert)
+    assert set(fused) == {
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj", "model.norm.weight",
+        "lm_head.weight",
+    }  # fmt: skip
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 10, 4)
+    back = engine.inverse().map_tensors(fused)
+    assert set(back) == set(per_expert)
+    for key, value in per_expert.items():
+        assert torch.equal(back[key], value), key
+    assert isinstance(engine.inverse().rules[0], SplitExperts)
+
+    with pytest.raises(NotInvertibleError):
+        MappingEngine([Drop(r"^mtp\.", "why")]).inverse()
+
+
+def test_rules_refuse_collisions():
+    tensors = {"model.language_model.norm.weight": torch.zeros(2), "model.norm.weight": torch.zeros(2)}
+    with pytest.raises(ConversionError, match="maps two tensors"):
+        MappingEngine([StripPrefix("model.language_model.", "model.")]).map_tensors(tensors)
+    both = {
+        "m.experts.gate_up_proj": torch.zeros(1, 4, 3),
+        "m.experts.0.gate_proj.weight": torch.zeros(2, 3),
+        "m.experts.0.up_proj.weight": torch.zeros(2, 3),
+        "m.experts.0.down_proj.weight": torch.zeros(3, 2),
+    }
+    with pytest.raises(ConversionError, match="maps two tensors"):
+        MappingEngine([FuseExperts()]).map_tensors(both)
+
+
+def test_conversion_rules_order():
+    rules = conversion_rules("composite", tie_word_embeddings=True)
+    assert [type(r).__name__ for r in rules] == ["Drop", "Drop", "StripPrefix", "Drop", "FuseExperts"]
+    assert [type(r).__name__ for r in conversion_rules("text", tie_word_embeddings=False)] == ["Drop", "FuseExperts"]
+
+
+def test_remote_code_files():
+    names = [p.name for p in remote_code_files()]
+    assert "configuration_qwen3_5_packed.py" in names
+    assert "__init__.py" not in names
+    assert len(names) == len(set(names))
+    assert all(p.suffix == ".py" and p.parent.name in ("configuration", "modeling") for p in remote_code_files())
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("100kb") == 100_000
+    assert parse_size(1234) == 1234
+    for bad in ("five", "5XB", "0"):
+        with pytest.raises(ConversionError):
+            parse_size(bad)
+
+
+def test_schema_matches_our_model_when_available():
+    """The expected tensors of the validation equal our modeling's state_dict (incl. fields the built-in ignores)."""
+    try:
+        from qwen35_packed import (
+            Qwen3_5MoePackedConfig,
+            Qwen3_5MoePackedForCausalLM,
+            Qwen3_5PackedConfig,
+            Qwen3_5PackedForCausalLM,
+        )
+    except ImportError:
+        pytest.skip("modeling not available")
+    from qwen35_packed.conversion.schema import expected_text_tensors
+
+    cases = [
+        (Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM, tiny_kwargs("dense")),
+        (Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM, tiny_kwargs("dense") | {"tie_word_embeddings": True}),
+        (Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM, tiny_kwargs("dense") | {"attn_output_gate": False}),
+        (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, tiny_kwargs("moe")),
+        (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM,
+         tiny_kwargs("moe") | {"mlp_only_layers": [1], "intermediate_size": 96}),
+    ]  # fmt: skip
+    for config_cls, model_cls, kwargs in cases:
+        config = config_cls(**kwargs)
+        with torch.device("meta"):
+            model = model_cls(config)
+        actual = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            actual.pop("lm_head.weight", None)
+        assert expected_text_tensors(config) == actual, kwargs
