@@ -471,6 +471,34 @@ def test_tied_source_with_different_lm_head_is_refused(dense, tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.parametrize("layout", ["dense", "moe"])
+def test_remote_code_loads_converted_folder(layout, dense, moe_per_expert, tmp_path):
+    """The flat remote-code files in OUT are importable by transformers and take every converted tensor."""
+    model, src = dense if layout == "dense" else moe_per_expert
+    out = tmp_path / "out"
+    convert(src, out, progress=False, log=lambda line: None)
+    ours, info = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
+    assert type(ours).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = ours.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.xfail(
+    reason="modeling: from_pretrained leaves the non-persistent rope buffers (inv_freq, axis) of MRotaryEmbedding "
+    "uninitialised (_init_weights does not rebuild them); remove this marker once fixed",
+    strict=False,
+)
+@pytest.mark.parametrize("layout", ["dense", "moe"])
+def test_remote_code_logits_match_builtin(layout, dense, moe_per_expert, tmp_path):
+    model, src = dense if layout == "dense" else moe_per_expert
+    out = tmp_path / "out"
+    convert(src, out, progress=False, log=lambda line: None)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert (logits(ours) - logits(model)).abs().max().item() <= 1e-4
+
+
 # -------------------------------------------------------------------------------------------- rules, unit level
 
 
