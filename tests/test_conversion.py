@@ -485,11 +485,6 @@ def test_remote_code_loads_converted_folder(layout, dense, moe_per_expert, tmp_p
         assert torch.equal(state[key], value), key
 
 
-@pytest.mark.xfail(
-    reason="modeling: from_pretrained leaves the non-persistent rope buffers (inv_freq, axis) of MRotaryEmbedding "
-    "uninitialised (_init_weights does not rebuild them); remove this marker once fixed",
-    strict=False,
-)
 @pytest.mark.parametrize("layout", ["dense", "moe"])
 def test_remote_code_logits_match_builtin(layout, dense, moe_per_expert, tmp_path):
     model, src = dense if layout == "dense" else moe_per_expert

@@ -60,7 +60,7 @@ def test_fla_packed_equals_per_document(dtype):
     docs = _docs()
     ids = torch.cat(docs).unsqueeze(0)
     cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
-    choice = kernels.select_kernels(model.config, ids.device)
+    choice = kernels.select_kernels(model.config, ids.device, dtype)
     with torch.no_grad():
         packed = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
         per_doc = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs]).float()

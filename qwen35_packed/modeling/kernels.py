@@ -59,9 +59,11 @@ class KernelChoice:
 _logged_choices: set = set()
 
 
-def select_kernels(config, device: torch.device) -> KernelChoice:
-    """Pick the kernels for `device`, honouring the config's forced choices; log each new choice once."""
+def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """Pick the kernels for `device` and activation `dtype`, honouring the config's forced choices; log each new
+    choice once. Flash-style varlen attention exists for fp16/bf16 only; fp32 attention runs SDPA per document."""
     on_cuda = device.type == "cuda"
+    half = dtype in (torch.float16, torch.bfloat16)
     gdn = config.gdn_kernel
     if gdn == "auto":
         gdn = "fla" if (on_cuda and FLA_AVAILABLE) else "torch"
@@ -73,25 +75,26 @@ def select_kernels(config, device: torch.device) -> KernelChoice:
 
     attention = config.attention_kernel
     if attention == "auto":
-        if on_cuda and FLASH_ATTN_AVAILABLE:
+        if on_cuda and half and FLASH_ATTN_AVAILABLE:
             attention = "flash_attn"
-        elif on_cuda and TORCH_VARLEN_AVAILABLE:
+        elif on_cuda and half and TORCH_VARLEN_AVAILABLE:
             attention = "torch_varlen"
         else:
             attention = "sdpa"
-    elif attention == "flash_attn" and not (on_cuda and FLASH_ATTN_AVAILABLE):
-        raise RuntimeError("attention_kernel='flash_attn' was forced but flash-attn is not usable here")
-    elif attention == "torch_varlen" and not (on_cuda and TORCH_VARLEN_AVAILABLE):
-        raise RuntimeError("attention_kernel='torch_varlen' was forced but torch varlen_attn is not usable here")
+    elif attention == "flash_attn" and not (on_cuda and half and FLASH_ATTN_AVAILABLE):
+        raise RuntimeError(f"attention_kernel='flash_attn' was forced but flash-attn is not usable here ({dtype})")
+    elif attention == "torch_varlen" and not (on_cuda and half and TORCH_VARLEN_AVAILABLE):
+        raise RuntimeError(f"attention_kernel='torch_varlen' was forced but varlen_attn is not usable here ({dtype})")
 
     choice = KernelChoice(gdn=gdn, attention=attention)
-    key = (device.type, choice)
+    key = (device.type, dtype, choice)
     if key not in _logged_choices:
         _logged_choices.add(key)
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""
-        logger.warning("qwen35-packed kernels on %s: GDN=%s, attention=%s%s", device.type, gdn, attention, slow)
+        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, attention=%s%s", device.type, dtype, gdn,
+                       attention, slow)
     return choice
 
 

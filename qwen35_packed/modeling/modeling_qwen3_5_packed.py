@@ -216,7 +216,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             hidden = self.embed_tokens(packed.pack(input_ids.unsqueeze(-1)).squeeze(-1))
         else:
             hidden = packed.pack(inputs_embeds)
-        choice = select_kernels(self.config, hidden.device)
+        choice = select_kernels(self.config, hidden.device, hidden.dtype)
         cos, sin = self.rotary_emb(packed.position_ids, hidden.dtype)
 
         all_hidden = [] if output_hidden_states else None

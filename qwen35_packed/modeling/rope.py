@@ -30,24 +30,28 @@ def mrope_axis_of_frequency(sections: list[int], interleaved: bool) -> torch.Ten
 
 
 class MRotaryEmbedding(nn.Module):
+    """Computes cos/sin from the config on every call: no buffers, so nothing to re-initialise after loading
+    from the meta device and nothing that a `.to(bfloat16)` could round (frequencies are always fp32)."""
+
     def __init__(self, config):
         super().__init__()
         rope = config.rope_parameters
-        dim = config.rotary_dim
-        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer(
-            "axis", mrope_axis_of_frequency(rope["mrope_section"], rope["mrope_interleaved"]), persistent=False
-        )
+        self.rotary_dim = config.rotary_dim
+        self.theta = rope["rope_theta"]
+        self.sections = list(rope["mrope_section"])
+        self.interleaved = bool(rope["mrope_interleaved"])
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids long [N] (text) or [3, N] (t, h, w) -> (cos, sin) [N, rotary_dim] in `dtype`."""
+        device = position_ids.device
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(3, -1)
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, N, half]
-        axis = self.axis.to(freqs.device).view(1, 1, -1).expand(1, freqs.shape[1], -1)
-        freqs = torch.gather(freqs, 0, axis).squeeze(0)
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        freqs = position_ids[..., None].float() * inv_freq  # [3, N, half]
+        axis = mrope_axis_of_frequency(self.sections, self.interleaved).to(device)
+        freqs = torch.gather(freqs, 0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
