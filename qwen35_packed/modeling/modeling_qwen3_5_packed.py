@@ -12,10 +12,10 @@ remote class named like a built-in one would silently be replaced by the built-i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,24 +54,26 @@ def _log_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 
-@dataclass
-class Qwen3_5PackedModelOutput(ModelOutput):
-    last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: Any = None
-    cache: Any = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
+def _output_class(name: str, doc: str, field_names: list[str]):
+    """A ModelOutput dataclass whose cache field carries the name the installed transformers uses (newer
+    releases alias `past_key_values` to `cache` and warn on the old name)."""
+    cls = dataclasses.make_dataclass(
+        name, [(f, Any, dataclasses.field(default=None)) for f in field_names], bases=(ModelOutput,)
+    )
+    cls.__doc__, cls.__module__ = doc, __name__
+    return cls
 
 
-@dataclass
-class Qwen3_5PackedCausalLMOutput(ModelOutput):
-    loss: torch.FloatTensor | None = None
-    aux_loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    past_key_values: Any = None
-    cache: Any = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
+Qwen3_5PackedModelOutput = _output_class(
+    "Qwen3_5PackedModelOutput",
+    "Decoder output in the caller's layout (pad positions are zeros); router_logits cover real tokens only.",
+    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits"],
+)
+Qwen3_5PackedCausalLMOutput = _output_class(
+    "Qwen3_5PackedCausalLMOutput",
+    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested.",
+    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits"],
+)
 
 
 class Qwen3_5PackedDecoderLayer(nn.Module):
