@@ -30,6 +30,7 @@ from .cache import Qwen3_5PackedCache
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
+from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, shift_labels_within_documents
@@ -317,15 +318,15 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
 
         full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
         loss = None
-        if full_logits:
-            packed_logits = self.lm_head(hidden)  # real tokens only
-            logits = packed.unpack(packed_logits)
-            if labels is not None:
-                targets = shift_labels_within_documents(labels, packed)
-                loss = causal_lm_loss(packed_logits, targets, kwargs.get("num_items_in_batch"))
-        else:
-            if labels is not None:
+        if labels is not None:
+            if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
+            targets = shift_labels_within_documents(labels, packed)
+            loss, packed_logits = self.packed_loss(hidden, targets, kwargs.get("num_items_in_batch"))
+            logits = packed.unpack(packed_logits)
+        elif full_logits:
+            logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
+        else:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
 
@@ -348,6 +349,21 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             **{_CACHE_KWARG: cache},
         )
 
+    def packed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None):
+        """Token-weighted fp32 cross-entropy on the packed stream; returns (loss, logits [N, V]).
+
+        With a plain nn.Linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
+        exist in full, and the returned logits are detached (they carry no gradient; the loss does). A wrapped head
+        (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
+        """
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            return chunked_linear_cross_entropy(hidden, self.lm_head.weight, targets, num_items_in_batch)
+        logits = self.lm_head(hidden)
+        total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        denominator = num_items_in_batch if num_items_in_batch is not None else (
+            (targets != IGNORE_INDEX).sum().clamp(min=1))
+        return total / denominator, logits
+
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, cache=None, use_cache=True, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -366,18 +382,6 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     def _reorder_cache(self, cache, beam_idx):
         cache.reorder_cache(beam_idx)
         return cache
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """Token-weighted cross-entropy in fp32 over the packed stream (ignore_index -100).
-
-    With `num_items_in_batch` (gradient accumulation in HF's Trainer) the sum is divided by it instead of the
-    number of targets in this micro-batch.
-    """
-    total = F.cross_entropy(logits.float(), targets.to(logits.device), ignore_index=-100, reduction="sum")
-    if num_items_in_batch is not None:
-        return total / num_items_in_batch
-    return total / (targets != -100).sum().clamp(min=1)
 
 
 class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM):
