@@ -33,15 +33,12 @@ MODELS = {
                         num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
                         rope_parameters=ROPE),
+    # The text_config of the official Qwen/Qwen3.5-0.8B (shared/reference/qwen3.5/Qwen3.5-0.8B/config.json).
+    "qwen35_0p8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+                        full_attention_interval=4, tie_word_embeddings=True, rope_parameters=ROPE),
 }
-
-
-def reference_text_config(name: str) -> dict:
-    path = ROOT.parent.parent / "shared" / "reference" / "qwen3.5" / name / "config.json"
-    config = json.loads(path.read_text())
-    text = dict(config["text_config"])
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    return text
 
 
 def batches() -> dict[str, list[int]]:
@@ -184,7 +181,7 @@ def main():
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1)}
     for name in args.models.split(","):
-        kwargs = MODELS[name] if name in MODELS else reference_text_config("Qwen3.5-0.8B")
+        kwargs = MODELS[name]
         run_model(name, kwargs, rate, results, args.profile)
     out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
     out.write_text(json.dumps(results, indent=1))
