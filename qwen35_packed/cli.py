@@ -8,16 +8,25 @@ exit status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from .conversion import convert
+    from .conversion import ConversionError, convert
 
+    if args.verify:
+        return _run_verify(args)
+    if args.json is not None:
+        raise ConversionError("--json belongs to --verify")
     convert(
         args.src,
         args.out,
+        to=args.to,
         text_only=args.text_only,
+        mtp_from=args.mtp_from,
+        vision_from=args.vision_from,
+        router_aux_loss_coef=args.router_aux_loss_coef,
         dry_run=args.dry_run,
         max_shard_size=args.max_shard_size,
         progress=not args.no_progress,
@@ -25,25 +34,66 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from .conversion import ConversionError
+    from .conversion.verify import verify_folders
+
+    used = [flag for flag, value in (("--text-only", args.text_only), ("--dry-run", args.dry_run),
+                                      ("--mtp-from", args.mtp_from), ("--vision-from", args.vision_from),
+                                      ("--router-aux-loss-coef", args.router_aux_loss_coef),
+                                      ("--to", args.to != "packed")) if value]  # fmt: skip
+    if used:
+        raise ConversionError(f"--verify A B compares two folders; {', '.join(used)} do not apply")
+    result, digests = verify_folders(args.src, args.out)
+    for line in result.lines():
+        print(line)
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result.to_json(digests), handle, indent=2)
+            handle.write("\n")
+    return 0 if result.identical else 1
+
+
+def _coefficient(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def _add_convert(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
-        help="convert an official Qwen3.5 text checkpoint folder into this project's layout",
+        help="convert a Qwen3.5 checkpoint folder between the official layout and this project's",
         description=(
-            "Convert a local Qwen3.5 checkpoint folder (what transformers' built-in text classes save, or the "
-            "official composite vision-language layout with --text-only) into this project's layout: the built-in "
-            "text-class keys with fused MoE experts, config.json with auto_map and normalised rope, the remote-code "
-            "files, and the tokenizer / generation files. mtp.* (and with --text-only model.visual.*) tensors are "
-            "dropped. SRC is never modified; OUT must not exist."
+            "Default (--to packed): convert a local official Qwen3.5 checkpoint folder (what transformers' built-in "
+            "text classes save, or the official composite vision-language layout with --text-only) into this "
+            "project's layout: fused MoE experts, config.json with auto_map and normalised rope, the remote-code "
+            "files, and the tokenizer / generation files; mtp.* (and with --text-only model.visual.*) tensors are "
+            "dropped. --to official goes back: transformers' architectures, no auto_map, fused experts, mtp.* "
+            "re-inserted from --mtp-from, and with --vision-from the composite checkpoint (its vision tower and "
+            "processor files). --verify A B compares the tensors of two folders by checksum. Inputs are never "
+            "modified; OUT must not exist and appears only when complete."
         ),
     )
-    p.add_argument("src", metavar="SRC", help="source checkpoint folder (config.json + safetensors)")
-    p.add_argument("out", metavar="OUT", help="output folder (must not exist)")
+    p.add_argument("src", metavar="SRC", help="source checkpoint folder (config.json + safetensors); A with --verify")
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist); B with --verify")
+    p.add_argument("--to", choices=("packed", "official"), default="packed",
+                   help="direction: this project's layout (default) or the official one")  # fmt: skip
     p.add_argument(
         "--text-only",
         action="store_true",
         help="accept a composite (vision-language) SRC and convert its language model only",
     )
+    p.add_argument("--mtp-from", metavar="DIR",
+                   help="--to official: copy the mtp.* tensors (MTP head) of this official checkpoint, as stored")
+    p.add_argument("--vision-from", metavar="DIR",
+                   help="--to official: write a composite checkpoint with the vision tower, config and processor files "
+                        "of this official composite checkpoint")  # fmt: skip
+    p.add_argument("--router-aux-loss-coef", type=_coefficient, metavar="X",
+                   help="MoE: write this router_aux_loss_coef (e.g. 0 for RL) instead of SRC's")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument(
         "--max-shard-size",
@@ -51,6 +101,10 @@ def _add_convert(subparsers) -> None:
         help="largest output shard, e.g. 5GB, 500MB, 2GiB or bytes (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verify", action="store_true",
+                   help="compare the tensors of the folders A and B (dtype, shape, sha256 of the bytes); exit status 0 "
+                        "when identical, 1 when not")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", help="--verify: write the result and every tensor's checksum of A here")
     p.set_defaults(handler=_run_convert)
 
 
@@ -71,10 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     from .conversion.errors import ConversionError
 
     try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
         return args.handler(args)
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was left in OUT (temporary files removed)", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    # SIGTERM (e.g. a job scheduler) unwinds like Ctrl-C, so the temporary output folder is removed.
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def test_dense_config(dense, tmp_path):
         "mrope_section": [3, 3, 2], "mrope_interleaved": True,
     }  # fmt: skip
     assert data["rope_theta"] == 10000.0 and data["partial_rotary_factor"] == 0.5
-    assert "rope_scaling" not in data
+    assert data["rope_scaling"] == data["rope_parameters"]  # v4-style readers look for mrope_section there
     assert data["tie_word_embeddings"] is False
     for key, value in tiny_kwargs("dense").items():
         assert data[key] == value, key
@@ -381,7 +381,7 @@ def test_legacy_rope_keys_are_normalised(dense, tmp_path):
     written = json.loads((out / "config.json").read_text())
     assert written["rope_parameters"] == rope | {"rope_type": "default"}
     assert written["rope_theta"] == 10000.0 and written["partial_rotary_factor"] == 0.5
-    assert "rope_scaling" not in written
+    assert written["rope_scaling"] == written["rope_parameters"]
     assert_loads_with_builtin(out, "dense", model)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from ..configuration.configuration_qwen3_5_packed import (
     Qwen3_5MoePackedConfig,
@@ -11,6 +12,7 @@ from ..configuration.configuration_qwen3_5_packed import (
     resolve_rope_parameters,
 )
 from .errors import ConversionError
+from .rope_readers import disagreements, normalized_rope_keys, rope_table, rope_views
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
 COMPOSITE_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
@@ -19,6 +21,11 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_fa
 CONFIG_MODULE = "configuration_qwen3_5_packed"
 MODELING_MODULE = "modeling_qwen3_5_packed"
 ARCHITECTURES = {False: "Qwen3_5PackedForCausalLM", True: "Qwen3_5MoePackedForCausalLM"}
+OFFICIAL_TEXT_ARCHITECTURES = {False: "Qwen3_5ForCausalLM", True: "Qwen3_5MoeForCausalLM"}
+OFFICIAL_COMPOSITE_ARCHITECTURES = {False: "Qwen3_5ForConditionalGeneration", True: "Qwen3_5MoeForConditionalGeneration"}
+OFFICIAL_COMPOSITE_MODEL_TYPES = {False: "qwen3_5", True: "qwen3_5_moe"}
+# Fields of this project's config class that official readers do not know; not written to official configs.
+PROJECT_ONLY_KEYS = ("gdn_kernel", "attention_kernel")
 CONFIG_CLASSES = {False: Qwen3_5PackedConfig, True: Qwen3_5MoePackedConfig}
 
 # Keys of a source config that describe the file, not the model; they are not carried over.
@@ -34,6 +41,13 @@ class OutputConfig:
     is_moe: bool
     source_layout: str  # "text" or "composite"
     notes: list[str]  # lines to print (warnings about the conversion)
+    rope_lines: list[str] = field(default_factory=list)  # the rope table(s): source and written config
+    layout: str = "packed"  # what `data` is: "packed", "official-text" or "official-composite"
+
+    @property
+    def text_data(self) -> dict:
+        """The text config inside `data` (`data` itself except for the composite layout)."""
+        return self.data["text_config"] if self.layout == "official-composite" else self.data
 
 
 def detect_layout(src_config: dict) -> str:
@@ -51,13 +65,8 @@ def auto_map(is_moe: bool) -> dict:
     }
 
 
-def build_output_config(src_config: dict, *, text_only: bool) -> OutputConfig:
-    """Normalise a source config.json (text or composite layout) into this project's text config.
-
-    Raises ConversionError for a composite source without `text_only`, an unknown model_type, contradicting rope or
-    tie settings, and anything the project's config class rejects.
-    """
-    notes: list[str] = []
+def _source_text_config(src_config: dict, *, text_only: bool, notes: list[str]) -> tuple[dict, str, str]:
+    """(a copy of the text config, its model_type, the source layout) of a source config.json."""
     layout = detect_layout(src_config)
     if layout == "composite":
         if not text_only:
@@ -70,13 +79,7 @@ def build_output_config(src_config: dict, *, text_only: bool) -> OutputConfig:
         if not isinstance(text, dict):
             raise ConversionError("SRC config.json: composite config without a text_config dict")
         text = copy.deepcopy(text)
-        top_rope = [k for k in ROPE_KEYS if src_config.get(k) is not None]
-        if top_rope:
-            raise ConversionError(
-                f"SRC config.json has rope settings at the top level ({', '.join(top_rope)}); the language model reads "
-                "rope only from text_config, so they would be ignored or contradict it. Move them into text_config "
-                "(or remove them) and convert again."
-            )
+        _refuse_top_level_rope(src_config, "SRC")
         # transformers' composite class ties (or not) by the top-level flag; its text_config's flag is not used (and
         # transformers 5 itself saves composite configs with tie true at the top and false in text_config). The
         # small official models carry true in both places; the larger ones only at the top level (false).
@@ -105,10 +108,27 @@ def build_output_config(src_config: dict, *, text_only: bool) -> OutputConfig:
             f"SRC config.json: model_type {model_type!r} is not a Qwen3.5 text model; expected one of "
             f"{sorted(TEXT_MODEL_TYPES)} (or a composite {sorted(COMPOSITE_MODEL_TYPES)} with --text-only)"
         )
-    is_moe = TEXT_MODEL_TYPES[model_type]
+    return text, model_type, layout
 
+
+def _refuse_top_level_rope(composite: dict, name: str) -> None:
+    top_rope = [k for k in ROPE_KEYS if composite.get(k) is not None]
+    if top_rope:
+        raise ConversionError(
+            f"{name} config.json has rope settings at the top level ({', '.join(top_rope)}); the language model reads "
+            "rope only from text_config, so they would be ignored or contradict it. Move them into text_config "
+            "(or remove them) and convert again."
+        )
+
+
+def _normalize_text(
+    text: dict, model_type: str, *, router_aux_loss_coef: float | None, notes: list[str], rope_lines: list[str]
+) -> Qwen3_5PackedConfig:
+    """Normalise rope (in place) and the aux-loss coefficient; return the validated project config object."""
+    is_moe = TEXT_MODEL_TYPES[model_type]
     for key in _NOT_CARRIED:
         text.pop(key, None)
+    source_views = rope_views(text)
     try:
         rope = resolve_rope_parameters(
             text.pop("rope_parameters", None),
@@ -117,31 +137,127 @@ def build_output_config(src_config: dict, *, text_only: bool) -> OutputConfig:
             text.pop("partial_rotary_factor", None),
         )
     except ValueError as exc:
-        raise ConversionError(f"SRC config.json: {exc}") from exc
-    text["rope_parameters"] = rope
-    # Legacy mirrors for v4-style readers; equal to rope_parameters by construction.
-    text["rope_theta"] = rope["rope_theta"]
-    text["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        table = "\n".join(rope_table(source_views, "rope as each reader sees SRC's config.json:"))
+        raise ConversionError(f"SRC config.json: {exc}\n{table}") from exc
+    # v5 dict, v4 dict and legacy top-level keys, all equal: every reader sees the same values.
+    text.update(normalized_rope_keys(rope))
+    written_views = rope_views(text)
+    if disagreements(written_views):  # a bug in normalized_rope_keys, never the user's input
+        raise AssertionError(f"normalised rope keys still disagree: {rope_table(written_views, '')}")
+    if not disagreements(source_views) and source_views == written_views:
+        rope_lines.extend(rope_table(written_views, "rope as each reader sees it (SRC and the written config.json):"))
+    else:
+        rope_lines.extend(rope_table(source_views, "rope as each reader sees SRC's config.json:"))
+        rope_lines.extend(rope_table(written_views, "rope as each reader sees the written config.json:"))
     text["model_type"] = model_type
-    text["architectures"] = [ARCHITECTURES[is_moe]]
-    text["auto_map"] = auto_map(is_moe)
-    text.setdefault("tie_word_embeddings", False)
 
+    if router_aux_loss_coef is not None:
+        if not is_moe:
+            raise ConversionError("--router-aux-loss-coef applies to MoE models; SRC is a dense model")
+        if isinstance(router_aux_loss_coef, bool) or not isinstance(router_aux_loss_coef, (int, float)) or not (
+            math.isfinite(router_aux_loss_coef) and router_aux_loss_coef >= 0
+        ):
+            raise ConversionError(f"--router-aux-loss-coef must be a finite number >= 0, got {router_aux_loss_coef!r}")
+        old = text.get("router_aux_loss_coef")
+        text["router_aux_loss_coef"] = float(router_aux_loss_coef)
+        notes.append(f"router_aux_loss_coef set to {float(router_aux_loss_coef)} (SRC had {old})")
+    text.setdefault("tie_word_embeddings", False)
     try:
         config = CONFIG_CLASSES[is_moe](**copy.deepcopy(text))
     except (ValueError, TypeError) as exc:
         raise ConversionError(f"SRC config.json is not a valid {model_type} config: {exc}") from exc
-
     coef = getattr(config, "router_aux_loss_coef", 0.0)
     if is_moe and coef > 0:
         notes.append(
             f"warning: router_aux_loss_coef is {coef} (> 0). In qwen35-packed the load-balancing loss is added to the "
             "loss only when router logits are requested (output_router_logits=True); other stacks (transformers' "
             "built-in class with output_router_logits, TRL's MoE handling) may add it silently, which adds a "
-            "gradient that is not part of the objective and hurts RL. Set router_aux_loss_coef to 0 in config.json "
-            "for RL if in doubt."
+            "gradient that is not part of the objective and hurts RL. Set it explicitly for RL with "
+            "--router-aux-loss-coef 0 if in doubt."
         )
-    return OutputConfig(data=text, config=config, is_moe=is_moe, source_layout=layout, notes=notes)
+    return config
+
+
+def build_output_config(
+    src_config: dict, *, text_only: bool, router_aux_loss_coef: float | None = None
+) -> OutputConfig:
+    """Normalise a source config.json (text or composite layout) into this project's text config.
+
+    Raises ConversionError for a composite source without `text_only`, an unknown model_type, contradicting rope or
+    tie settings, and anything the project's config class rejects.
+    """
+    notes: list[str] = []
+    rope_lines: list[str] = []
+    text, model_type, layout = _source_text_config(src_config, text_only=text_only, notes=notes)
+    is_moe = TEXT_MODEL_TYPES[model_type]
+    config = _normalize_text(
+        text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
+    )
+    text["architectures"] = [ARCHITECTURES[is_moe]]
+    text["auto_map"] = auto_map(is_moe)
+    return OutputConfig(text, config, is_moe, layout, notes, rope_lines, "packed")
+
+
+def build_official_config(
+    src_config: dict, *, vision_config: dict | None = None, router_aux_loss_coef: float | None = None
+) -> OutputConfig:
+    """The official config.json for a text model SRC (this project's layout or transformers' text classes).
+
+    Without `vision_config`: transformers' text class (architectures `Qwen3_5ForCausalLM` /
+    `Qwen3_5MoeForCausalLM`, no auto_map). With it (the config.json of the composite checkpoint the text model came
+    from): that composite config with its text_config replaced by SRC's, and the top-level tie flag set from it.
+    """
+    if detect_layout(src_config) == "composite":
+        raise ConversionError(
+            "SRC is a composite vision-language checkpoint; --to official expects a text model (this project's layout "
+            "or what transformers' text classes save). To merge a text model back into a composite checkpoint, pass "
+            "the text model as SRC and the composite one as --vision-from."
+        )
+    notes: list[str] = []
+    rope_lines: list[str] = []
+    text, model_type, _ = _source_text_config(src_config, text_only=False, notes=notes)
+    is_moe = TEXT_MODEL_TYPES[model_type]
+    for key in PROJECT_ONLY_KEYS:
+        text.pop(key, None)
+    config = _normalize_text(
+        text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
+    )
+    if vision_config is None:
+        text["architectures"] = [OFFICIAL_TEXT_ARCHITECTURES[is_moe]]
+        _check_builtin_reads(text, model_type)
+        return OutputConfig(text, config, is_moe, "text", notes, rope_lines, "official-text")
+
+    if detect_layout(vision_config) != "composite" or not isinstance(vision_config.get("vision_config"), dict):
+        raise ConversionError("--vision-from: config.json is not a composite Qwen3.5 config (no vision_config)")
+    expected_type = OFFICIAL_COMPOSITE_MODEL_TYPES[is_moe]
+    if vision_config.get("model_type") != expected_type:
+        raise ConversionError(
+            f"--vision-from has model_type {vision_config.get('model_type')!r} but SRC is a "
+            f"{'MoE' if is_moe else 'dense'} model; the composite checkpoint must be {expected_type!r}"
+        )
+    _refuse_top_level_rope(vision_config, "--vision-from")
+    composite = copy.deepcopy(vision_config)
+    for key in ("transformers_version", "_name_or_path"):
+        composite.pop(key, None)
+    composite["architectures"] = [OFFICIAL_COMPOSITE_ARCHITECTURES[is_moe]]
+    # transformers' composite class ties by the top-level flag; text_config carries the same value for readers that
+    # look there.
+    composite["tie_word_embeddings"] = bool(text["tie_word_embeddings"])
+    composite["text_config"] = text
+    _check_builtin_reads(composite, expected_type)
+    return OutputConfig(composite, config, is_moe, "text", notes, rope_lines, "official-composite")
+
+
+def _check_builtin_reads(data: dict, model_type: str) -> None:
+    """transformers' built-in config class must accept the official config (skipped if it is not installed)."""
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.for_model(model_type, **copy.deepcopy({k: v for k, v in data.items() if k != "model_type"}))
+    except (KeyError, ImportError):  # no built-in Qwen3.5 in this transformers: nothing to check against
+        return
+    except (ValueError, TypeError) as exc:
+        raise ConversionError(f"transformers' built-in {model_type} config rejects the official config: {exc}") from exc
 
 
 def summarize(out: OutputConfig) -> str:
@@ -170,4 +286,4 @@ def summarize(out: OutputConfig) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["OutputConfig", "auto_map", "build_output_config", "detect_layout", "summarize"]
+__all__ = ["OutputConfig", "auto_map", "build_official_config", "build_output_config", "detect_layout", "summarize"]

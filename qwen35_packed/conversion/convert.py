@@ -1,9 +1,19 @@
-"""`qwen35-packed convert`: an official-layout Qwen3.5 text checkpoint -> this project's layout.
+"""`qwen35-packed convert`: official Qwen3.5 layouts <-> this project's layout.
+
+Two directions, one engine:
+
+* `to="packed"` (default): an official text or (with `text_only`) composite checkpoint -> this project's text layout
+  (fused experts, `auto_map`, remote code, normalised rope; `mtp.*` and `model.visual.*` dropped).
+* `to="official"`: a text model (this project's layout, or what transformers' text classes save) -> the official
+  layout: transformers' architectures and model_type, no `auto_map`, fused main-layer experts; `mtp.*` tensors
+  re-inserted as stored in `mtp_from`; with `vision_from` (the composite checkpoint the text model came from) a
+  composite checkpoint: `model.language_model.*` from SRC, `model.visual.*` from `vision_from`.
 
 Streaming: only safetensors headers are read to plan and validate; output shards are then built one at a time, each
-output tensor from just the source tensors it needs (a fused expert tensor from one layer's experts, wherever they
-are stored). The output is written into a temporary folder next to OUT and renamed to OUT at the end; SRC is only
-read.
+output tensor from just the source tensors it needs, and a source shard is closed (its memory map released) as soon
+as no later output needs it, so memory stays around one input plus one output shard whatever the model size. The
+output is written into a temporary folder next to OUT (config.json last) and renamed to OUT at the end; SRC and the
+`*_from` folders are only read.
 """
 
 from __future__ import annotations
@@ -17,15 +27,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import OutputConfig, build_output_config, summarize
+from .config import OutputConfig, build_official_config, build_output_config, summarize
 from .errors import ConversionError
 from .remote_code import copy_remote_code, remote_code_files
-from .rules import Drop, FuseExperts, LazyTensor, MappingEngine, MappingPlan, Rule, StripPrefix, materialize
-from .schema import expected_text_tensors
+from .rules import (
+    Drop,
+    FuseExperts,
+    LazyTensor,
+    MappingEngine,
+    MappingPlan,
+    Rule,
+    RuleReport,
+    StripPrefix,
+    materialize,
+)
+from .schema import expected_mtp_tensors, expected_text_tensors
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+DIRECTIONS = ("packed", "official")
 
 # Files copied from SRC when present. An allow-list: processor / preprocessor files of the VLM are not carried.
 COPIED_FILES = (
@@ -37,17 +58,25 @@ COPIED_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "generation_config.json",
+    "LICENSE",
+)
+# Files of the composite checkpoint that only it has (the VLM processor); `--vision-from` brings them back.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
 )
 
 MTP_REASON = (
-    "multi-token-prediction head: the packed model ignores it (putting it back is the job of a later "
-    "`--to official` step)"
+    "multi-token-prediction head: the packed model ignores it (`convert --to official --mtp-from SRC` puts it back)"
 )
 VISUAL_REASON = "vision tower: --text-only converts the language model only"
 # processor_class in tokenizer_config.json makes AutoProcessor (used e.g. by TRL) look for the image processor of the
 # VLM, whose files a text checkpoint does not have; without it AutoProcessor returns the tokenizer.
 TOKENIZER_CONFIG_DROPPED_KEYS = ("processor_class",)
 TIED_REASON = "tie_word_embeddings is true: the output layer is model.embed_tokens.weight"
+MAIN_LAYERS = r"^model\."  # official MTP experts stay per expert; only the main layers are fused
 
 
 def conversion_rules(layout: str, *, tie_word_embeddings: bool) -> list[Rule]:
@@ -58,6 +87,17 @@ def conversion_rules(layout: str, *, tie_word_embeddings: bool) -> list[Rule]:
     if tie_word_embeddings:
         rules.append(Drop(r"^lm_head\.weight$", TIED_REASON))
     rules.append(FuseExperts())
+    return rules
+
+
+def official_rules(*, composite: bool, tie_word_embeddings: bool) -> list[Rule]:
+    """The mapping from a text model (ours or transformers' text classes) to the official layout."""
+    rules: list[Rule] = []
+    if tie_word_embeddings:
+        rules.append(Drop(r"^lm_head\.weight$", TIED_REASON))
+    rules.append(FuseExperts(scope=MAIN_LAYERS))
+    if composite:
+        rules.append(StripPrefix("model.", "model.language_model."))
     return rules
 
 
@@ -89,67 +129,100 @@ class SourceCheckpoint:
     shard_files: list[str]
     shard_of: dict[str, str]  # key -> shard file name
     tensors: dict[str, LazyTensor]  # in stream order (shard, then key)
+    role: str = "SRC"
+
+    def path_of(self, key: str) -> Path:
+        return self.folder / self.shard_of[key]
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, role: str = "SRC") -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConversionError(f"{path.name} in SRC is not valid JSON: {exc}") from exc
+        raise ConversionError(f"{path.name} in {role} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ConversionError(f"{path.name} in SRC is not a JSON object")
+        raise ConversionError(f"{path.name} in {role} is not a JSON object")
     return data
 
 
-def read_source(src: Path) -> SourceCheckpoint:
-    """Read config.json and the safetensors headers of SRC (no tensor data)."""
+def read_source(src: Path, role: str = "SRC") -> SourceCheckpoint:
+    """Read config.json and the safetensors headers of a checkpoint folder (no tensor data)."""
     from safetensors import safe_open
 
+    src = Path(src)
     if not src.is_dir():
-        raise ConversionError(f"SRC {src} is not a folder")
+        raise ConversionError(f"{role} {src} is not a folder")
     config_path = src / "config.json"
     if not config_path.is_file():
-        raise ConversionError(f"SRC {src} has no config.json")
-    config = _read_json(config_path)
+        raise ConversionError(f"{role} {src} has no config.json")
+    config = _read_json(config_path, role)
 
     index_path = src / WEIGHTS_INDEX_NAME
     index_map: dict[str, str] | None = None
     if index_path.is_file():
-        index_map = _read_json(index_path).get("weight_map")
+        index_map = _read_json(index_path, role).get("weight_map")
         if not isinstance(index_map, dict) or not index_map:
-            raise ConversionError(f"{index_path} has no weight_map")
+            raise ConversionError(f"{WEIGHTS_INDEX_NAME} in {role} has no weight_map")
         shard_files = sorted(set(index_map.values()))
     elif (src / WEIGHTS_NAME).is_file():
         shard_files = [WEIGHTS_NAME]
     else:
         found = sorted(p.name for p in src.iterdir() if p.is_file())
         raise ConversionError(
-            f"SRC {src} has neither {WEIGHTS_INDEX_NAME} nor {WEIGHTS_NAME} (files: {found[:20]}); only safetensors "
-            "checkpoints are supported"
+            f"{role} {src} has neither {WEIGHTS_INDEX_NAME} nor {WEIGHTS_NAME} (files: {found[:20]}); only "
+            "safetensors checkpoints are supported"
         )
     missing_files = [name for name in shard_files if not (src / name).is_file()]
     if missing_files:
-        raise ConversionError(f"{WEIGHTS_INDEX_NAME} names shard files that do not exist: {missing_files}")
+        raise ConversionError(f"{WEIGHTS_INDEX_NAME} in {role} names shard files that do not exist: {missing_files}")
 
     shard_of: dict[str, str] = {}
     tensors: dict[str, LazyTensor] = {}
     for name in shard_files:
-        with safe_open(src / name, framework="pt") as handle:
-            for key in handle.keys():
-                if key in shard_of:
-                    raise ConversionError(f"Tensor {key!r} is stored twice: in {shard_of[key]} and in {name}")
-                piece = handle.get_slice(key)
-                tensors[key] = LazyTensor.source(key, piece.get_shape(), piece.get_dtype())
-                shard_of[key] = name
+        try:
+            with safe_open(src / name, framework="pt") as handle:
+                for key in handle.keys():
+                    if key in shard_of:
+                        raise ConversionError(
+                            f"Tensor {key!r} is stored twice in {role}: in {shard_of[key]} and in {name}"
+                        )
+                    piece = handle.get_slice(key)
+                    tensors[key] = LazyTensor.source(key, piece.get_shape(), piece.get_dtype())
+                    shard_of[key] = name
+        except ConversionError:
+            raise
+        except Exception as exc:  # safetensors raises its own error type (truncated file, bad header)
+            raise ConversionError(
+                f"{role} shard {name} is not a readable safetensors file (truncated or damaged?): {exc}"
+            ) from exc
     if index_map is not None:
         wrong = sorted(k for k, name in index_map.items() if shard_of.get(k) != name)
         unlisted = sorted(set(shard_of) - set(index_map))
         if wrong or unlisted:
             raise ConversionError(
-                f"{WEIGHTS_INDEX_NAME} does not match the shard files: {len(wrong)} listed tensors not found where the "
-                f"index says (e.g. {wrong[:5]}), {len(unlisted)} stored tensors not in the index (e.g. {unlisted[:5]})"
+                f"{WEIGHTS_INDEX_NAME} in {role} does not match the shard files: {len(wrong)} listed tensors not "
+                f"found where the index says (e.g. {wrong[:5]}), {len(unlisted)} stored tensors not in the index "
+                f"(e.g. {unlisted[:5]})"
             )
-    return SourceCheckpoint(src, config, shard_files, shard_of, tensors)
+    return SourceCheckpoint(src, config, shard_files, shard_of, tensors, role)
+
+
+@dataclass
+class CopiedFile:
+    name: str
+    source: Path
+    drop_keys: tuple[str, ...] = ()  # JSON keys removed (tokenizer_config.json -> packed)
+    add_keys: dict = field(default_factory=dict)  # JSON keys added (tokenizer_config.json -> composite)
+
+    def write(self, dest: Path) -> None:
+        if not self.drop_keys and not self.add_keys:
+            shutil.copyfile(self.source, dest / self.name)
+            return
+        data = _read_json(self.source)
+        for key in self.drop_keys:
+            data.pop(key, None)
+        data.update(self.add_keys)
+        (dest / self.name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 @dataclass
@@ -163,29 +236,39 @@ class ConversionPlan:
     mapping: MappingPlan
     shards: list[list[str]]  # output keys per output shard, in write order
     shard_names: list[str]
-    copied_files: list[str]  # names of SRC files copied (tokenizer_config.json minus TOKENIZER_CONFIG_DROPPED_KEYS)
+    copied: list[CopiedFile]
     remote_code: list[Path]
     source: SourceCheckpoint
+    locations: dict[str, Path]  # source key -> shard file, over SRC and the *_from checkpoints
+    direction: str = "packed"
     lines: list[str] = field(default_factory=list)  # the printed plan
+
+    @property
+    def copied_files(self) -> list[str]:
+        return [c.name for c in self.copied]
 
     @property
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.mapping.outputs.values())
 
 
-def _validate(mapping: MappingPlan, output_config: OutputConfig) -> None:
-    expected = expected_text_tensors(output_config.config)
-    outputs = mapping.outputs
+def _describe_unknown(outputs: dict[str, LazyTensor], unknown: list[str]) -> str:
+    shown = []
+    for key in unknown[:20]:
+        sources = outputs[key].source_keys()
+        more = " ..." if len(sources) > 3 else ""
+        shown.append(key if sources == [key] else f"{key} (from {', '.join(sources[:3])}{more})")
+    more = f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+    return "\n  ".join(shown) + more
+
+
+def _check_against(outputs: dict[str, LazyTensor], expected: dict[str, tuple], what: str, role: str) -> None:
+    """Exactly the `expected` keys with the expected shapes, or a ConversionError that lists the differences."""
     unknown = [k for k in outputs if k not in expected]
     if unknown:
-        shown = []
-        for key in unknown[:20]:
-            sources = outputs[key].source_keys()
-            shown.append(key if sources == [key] else f"{key} (from {', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''})")
-        more = f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else ""
         raise ConversionError(
-            f"{len(unknown)} SRC tensors are neither part of the {output_config.data['model_type']} text model "
-            "described by config.json nor dropped by a rule:\n  " + "\n  ".join(shown) + more
+            f"{len(unknown)} {role} tensors are neither part of the {what} described by config.json nor dropped by a "
+            "rule:\n  " + _describe_unknown(outputs, unknown)
         )
     missing = [k for k in expected if k not in outputs]
     if missing:
@@ -193,15 +276,38 @@ def _validate(mapping: MappingPlan, output_config: OutputConfig) -> None:
         if "lm_head.weight" in missing:
             hint = " (lm_head.weight is required because tie_word_embeddings is false)"
         more = f" ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ConversionError(
-            f"SRC lacks {len(missing)} tensors the text model needs{hint}: {', '.join(missing[:20])}{more}"
-        )
+        raise ConversionError(f"{role} lacks {len(missing)} tensors the {what} needs{hint}: {', '.join(missing[:20])}{more}")
     wrong = [(k, outputs[k].shape, expected[k]) for k in expected if tuple(outputs[k].shape) != expected[k]]
     if wrong:
         raise ConversionError(
-            "SRC tensors have shapes that contradict config.json:\n  "
+            f"{role} tensors have shapes that contradict config.json:\n  "
             + "\n  ".join(f"{k}: {list(got)}, config says {list(want)}" for k, got, want in wrong[:20])
         )
+
+
+def _validate(mapping: MappingPlan, output_config: OutputConfig) -> None:
+    what = f"{output_config.text_data['model_type']} text model"
+    _check_against(mapping.outputs, expected_text_tensors(output_config.config), what, "SRC")
+
+
+def _mtp_layers(output_config: OutputConfig) -> int:
+    n = output_config.text_data.get("mtp_num_hidden_layers", 0) or 0
+    if not isinstance(n, int) or n < 0:
+        raise ConversionError(f"config.json: mtp_num_hidden_layers must be a non-negative integer, got {n!r}")
+    return n
+
+
+def validate_mtp(mtp: dict[str, LazyTensor], output_config: OutputConfig, role: str) -> None:
+    """The `mtp.*` tensors must be the MTP head config.json describes (experts per expert or fused)."""
+    n_layers = _mtp_layers(output_config)
+    if n_layers == 0:
+        raise ConversionError(
+            f"{role} holds {len(mtp)} mtp.* tensors but config.json says mtp_num_hidden_layers is 0 (or absent); set "
+            "it to the number of MTP layers"
+        )
+    fused = MappingEngine([FuseExperts()]).plan(mtp).outputs
+    what = f"MTP head ({n_layers} layer(s), mtp_num_hidden_layers)"
+    _check_against(fused, expected_mtp_tensors(output_config.config, n_layers), what, role)
 
 
 def _plan_shards(mapping: MappingPlan, max_shard_size: int) -> list[list[str]]:
@@ -219,7 +325,7 @@ def _plan_shards(mapping: MappingPlan, max_shard_size: int) -> list[list[str]]:
     return shards
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -227,90 +333,312 @@ def _format_bytes(n: int) -> str:
     return f"{n:.2f} TB"
 
 
-def plan_conversion(src, out, *, text_only: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
-    """Read and validate SRC and return the `ConversionPlan` (writes nothing)."""
-    src, out = Path(src).resolve(), Path(out).resolve()
+def _check_out(src: Path, out: Path, others: list[Path]) -> None:
     if out.exists():
         raise ConversionError(f"OUT {out} already exists; choose a new folder (convert never overwrites)")
-    if out == src or src in out.parents:
-        raise ConversionError(f"OUT {out} is inside SRC {src}; SRC is never modified, choose a folder outside it")
+    for folder in [src, *others]:
+        if out == folder or folder in out.parents:
+            raise ConversionError(f"OUT {out} is inside {folder}; inputs are never modified, choose a folder outside")
+
+
+def _prefixed(tensors: dict[str, LazyTensor], prefix: str) -> dict[str, LazyTensor]:
+    return {k: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def _insert(mapping: MappingPlan, extra: dict[str, LazyTensor], description: str) -> None:
+    report = RuleReport(description)
+    for key, value in extra.items():
+        if key in mapping.outputs:
+            raise ConversionError(f"{description}: {key!r} is also produced from SRC")
+        mapping.outputs[key] = value
+        report.consumed.append(key)
+        report.produced.append(key)
+    mapping.reports.append(report)
+
+
+def plan_official_mapping(
+    tensors: dict[str, LazyTensor],
+    src_config: dict,
+    *,
+    mtp: tuple[dict[str, LazyTensor], str] | None = None,
+    vision: tuple[dict[str, LazyTensor], dict, str] | None = None,
+    router_aux_loss_coef: float | None = None,
+) -> tuple[OutputConfig, list[Rule], MappingPlan]:
+    """Headers-only planning of `--to official`: (config, rules, mapping) for SRC tensors and config.
+
+    `mtp` is (the tensors of the `--mtp-from` checkpoint, its name); `vision` is (the tensors of the `--vision-from`
+    checkpoint, its config.json, its name). Validates every part against config.json.
+    """
+    output_config = build_official_config(
+        src_config, vision_config=vision[1] if vision else None, router_aux_loss_coef=router_aux_loss_coef
+    )
+    own_mtp = _prefixed(tensors, "mtp.")
+    if own_mtp and mtp is not None:
+        raise ConversionError(
+            f"SRC already holds {len(own_mtp)} mtp.* tensors and --mtp-from names another source; use one of them"
+        )
+    text_tensors = {k: v for k, v in tensors.items() if k not in own_mtp}
+    composite = vision is not None
+    text_mapping = MappingEngine(
+        official_rules(composite=False, tie_word_embeddings=output_config.config.tie_word_embeddings)
+    ).plan(text_tensors)
+    _validate(text_mapping, output_config)  # validated in the text namespace, before the composite prefix
+
+    rules = official_rules(composite=composite, tie_word_embeddings=output_config.config.tie_word_embeddings)
+    mapping = MappingEngine(rules).plan(text_tensors)
+    mtp_tensors, mtp_role = (own_mtp, "SRC") if own_mtp else (_prefixed(mtp[0], "mtp."), mtp[1]) if mtp else ({}, "")
+    if mtp is not None and not mtp_tensors:
+        raise ConversionError(f"--mtp-from {mtp[1]} holds no mtp.* tensors")
+    if mtp_tensors:
+        validate_mtp(mtp_tensors, output_config, mtp_role)
+        what = "kept from SRC" if own_mtp else f"from --mtp-from {mtp_role}"
+        _insert(mapping, mtp_tensors, f"Insert mtp.* {what}, as stored")
+    if vision is not None:
+        vision_tensors, _, vision_role = vision
+        visual = _prefixed(vision_tensors, "model.visual.")
+        if not visual:
+            raise ConversionError(f"--vision-from {vision_role} holds no model.visual.* tensors")
+        theirs = {k: v.shape for k, v in _prefixed(vision_tensors, "model.language_model.").items()}
+        ours = {k: v.shape for k, v in mapping.outputs.items() if k.startswith("model.language_model.")}
+        if theirs != ours:
+            differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            raise ConversionError(
+                f"--vision-from {vision_role} holds a language model of another shape than SRC's, so its vision "
+                f"tower does not belong to this model ({len(differ)} keys differ, e.g. "
+                + ", ".join(f"{k}: SRC {list(ours[k]) if k in ours else '-'}, vision-from "
+                            f"{list(theirs[k]) if k in theirs else '-'}" for k in differ[:3])
+                + ")"
+            )
+        _insert(mapping, visual, f"Insert model.visual.* from --vision-from {vision_role}, as stored")
+    return output_config, rules, mapping
+
+
+def plan_packed_mapping(
+    tensors: dict[str, LazyTensor], src_config: dict, *, text_only: bool, router_aux_loss_coef: float | None = None
+) -> tuple[OutputConfig, list[Rule], MappingPlan]:
+    """Headers-only planning of the default direction: (config, rules, mapping), validated."""
+    output_config = build_output_config(src_config, text_only=text_only, router_aux_loss_coef=router_aux_loss_coef)
+    rules = conversion_rules(output_config.source_layout, tie_word_embeddings=output_config.config.tie_word_embeddings)
+    mapping = MappingEngine(rules).plan(tensors)
+    _validate(mapping, output_config)
+    return output_config, rules, mapping
+
+
+def plan_conversion(
+    src,
+    out,
+    *,
+    to: str = "packed",
+    text_only: bool = False,
+    mtp_from=None,
+    vision_from=None,
+    router_aux_loss_coef: float | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+):
+    """Read and validate SRC (and the `*_from` folders) and return the `ConversionPlan` (writes nothing)."""
+    if to not in DIRECTIONS:
+        raise ConversionError(f"--to must be one of {DIRECTIONS}, got {to!r}")
+    if to == "packed" and (mtp_from is not None or vision_from is not None):
+        raise ConversionError("--mtp-from and --vision-from belong to --to official")
+    if to == "official" and text_only:
+        raise ConversionError("--text-only belongs to the packed direction; --to official reads a text model")
+    src, out = Path(src).resolve(), Path(out).resolve()
+    others = [Path(p).resolve() for p in (mtp_from, vision_from) if p is not None]
+    _check_out(src, out, others)
     max_bytes = parse_size(max_shard_size)
     source = read_source(src)
-    output_config = build_output_config(source.config, text_only=text_only)
-    rules = conversion_rules(output_config.source_layout, tie_word_embeddings=output_config.config.tie_word_embeddings)
-    mapping = MappingEngine(rules).plan(source.tensors)
-    _validate(mapping, output_config)
-    _stream_order(mapping, source)
+    extra_sources: list[SourceCheckpoint] = []
+    if to == "packed":
+        output_config, rules, mapping = plan_packed_mapping(
+            source.tensors, source.config, text_only=text_only, router_aux_loss_coef=router_aux_loss_coef
+        )
+    else:
+        mtp_source = read_source(Path(mtp_from).resolve(), "--mtp-from") if mtp_from is not None else None
+        vision_source = None
+        if vision_from is not None:
+            vision_path = Path(vision_from).resolve()
+            same = mtp_source is not None and vision_path == mtp_source.folder
+            vision_source = mtp_source if same else read_source(vision_path, "--vision-from")
+        output_config, rules, mapping = plan_official_mapping(
+            source.tensors,
+            source.config,
+            mtp=(mtp_source.tensors, mtp_source.folder.name) if mtp_source else None,
+            vision=(vision_source.tensors, vision_source.config, vision_source.folder.name) if vision_source else None,
+            router_aux_loss_coef=router_aux_loss_coef,
+        )
+        extra_sources = [s for s in (mtp_source, vision_source) if s is not None]
+        if len(extra_sources) == 2 and extra_sources[0] is extra_sources[1]:
+            extra_sources = extra_sources[:1]
+            extra_sources[0].role = "--mtp-from / --vision-from"
 
+    locations = _locations(mapping, [source, *extra_sources])
+    _stream_order(mapping, [source, *extra_sources])
     shards = _plan_shards(mapping, max_bytes)
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    copied = [name for name in COPIED_FILES if (src / name).is_file()]
-    plan = ConversionPlan(src, out, output_config, rules, mapping, shards, names, copied, remote_code_files(), source)
-
-    lines = plan.lines
-    lines.append(
-        f"SRC {src}: {output_config.source_layout} layout, {len(source.tensors)} tensors in "
-        f"{len(source.shard_files)} shard file(s)"
+    copied = _copied_files(src, output_config, Path(vision_from).resolve() if vision_from is not None else None)
+    remote = remote_code_files() if to == "packed" else []
+    plan = ConversionPlan(
+        src, out, output_config, rules, mapping, shards, names, copied, remote, source, locations, to
     )
-    for report in mapping.reports:
-        lines.append(f"  {report.summary()}")
-    lines.append(
-        f"OUT {out}: {len(mapping.outputs)} tensors, {_format_bytes(plan.total_size)} in {n} shard(s) of at most "
-        f"{_format_bytes(max_bytes)}"
-    )
-    lines.append(f"  config: {summarize(output_config)}")
-    lines.append(f"  remote code: {', '.join(p.name for p in plan.remote_code)}")
-    lines.append(f"  copied from SRC: {', '.join(copied) if copied else '(no tokenizer / generation files found)'}")
-    if "tokenizer_config.json" in copied:
-        dropped = [k for k in TOKENIZER_CONFIG_DROPPED_KEYS if k in _read_json(src / "tokenizer_config.json")]
-        if dropped:
-            lines.append(
-                f"  tokenizer_config.json: removing {', '.join(dropped)} (it names the VLM processor, whose image "
-                "processor files a text checkpoint lacks; AutoProcessor would fail, without it AutoProcessor returns "
-                "the tokenizer)"
-            )
-    lines.extend(output_config.notes)
+    _describe(plan, max_bytes, extra_sources)
     return plan
 
 
-def _stream_order(mapping: MappingPlan, source: SourceCheckpoint) -> None:
-    """Reorder the outputs so that they follow the source stream (shard file, then key): reads stay local."""
-    position = {key: i for i, key in enumerate(source.tensors)}
-    order = sorted(
-        mapping.outputs.items(), key=lambda kv: min((position[k] for k in kv[1].source_keys()), default=-1)
+def _locations(mapping: MappingPlan, sources: list[SourceCheckpoint]) -> dict[str, Path]:
+    """Source key -> shard file for every source tensor the outputs need (found by identity, not by name)."""
+    where: dict[int, Path] = {}
+    for source in sources:
+        for key, tensor in source.tensors.items():
+            where[id(tensor)] = source.path_of(key)
+    locations: dict[str, Path] = {}
+    for tensor in mapping.outputs.values():
+        stack = [tensor]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.inputs)
+            if not node.is_source:
+                continue
+            path = where[id(node)]
+            if locations.setdefault(node.key, path) != path:
+                raise ConversionError(f"{node.key!r} is needed from two checkpoints ({locations[node.key]} and {path})")
+    return locations
+
+
+def _stream_order(mapping: MappingPlan, sources: list[SourceCheckpoint]) -> None:
+    """Reorder the outputs to follow the source stream (checkpoint, shard file, key): reads stay local."""
+    position: dict[int, int] = {}
+    for source in sources:
+        for tensor in source.tensors.values():
+            position.setdefault(id(tensor), len(position))
+
+    def first(node: LazyTensor) -> int:
+        stack, best = [node], -1
+        while stack:
+            n = stack.pop()
+            if n.is_source:
+                p = position.get(id(n), -1)
+                best = p if best < 0 else min(best, p)
+            stack.extend(n.inputs)
+        return best
+
+    mapping.outputs = dict(sorted(mapping.outputs.items(), key=lambda kv: first(kv[1])))
+
+
+def _copied_files(src: Path, output_config: OutputConfig, vision_folder: Path | None) -> list[CopiedFile]:
+    copied: list[CopiedFile] = []
+    for name in COPIED_FILES:
+        path = src / name
+        if not path.is_file() and vision_folder is not None and (vision_folder / name).is_file():
+            path = vision_folder / name  # the composite checkpoint's file where SRC lacks it
+        if not path.is_file():
+            continue
+        item = CopiedFile(name, path)
+        if name == "tokenizer_config.json":
+            data = _read_json(path)
+            if output_config.layout == "packed":
+                item.drop_keys = tuple(k for k in TOKENIZER_CONFIG_DROPPED_KEYS if k in data)
+            elif vision_folder is not None and (vision_folder / name).is_file():
+                theirs = _read_json(vision_folder / name, "--vision-from")
+                item.add_keys = {k: theirs[k] for k in TOKENIZER_CONFIG_DROPPED_KEYS if k in theirs and k not in data}
+        copied.append(item)
+    if vision_folder is not None:
+        copied += [CopiedFile(n, vision_folder / n) for n in PROCESSOR_FILES if (vision_folder / n).is_file()]
+    return copied
+
+
+def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCheckpoint]) -> None:
+    source, output_config, mapping, lines = plan.source, plan.output_config, plan.mapping, plan.lines
+    lines.append(
+        f"SRC {plan.src}: {output_config.source_layout} layout, {len(source.tensors)} tensors in "
+        f"{len(source.shard_files)} shard file(s)"
     )
-    mapping.outputs = dict(order)
+    for extra in extra_sources:
+        lines.append(f"{extra.role} {extra.folder}: {len(extra.tensors)} tensors in {len(extra.shard_files)} shard(s)")
+    for report in mapping.reports:
+        lines.append(f"  {report.summary()}")
+    layout = {"packed": "this project's layout", "official-text": "official text layout",
+              "official-composite": "official composite layout"}[output_config.layout]  # fmt: skip
+    lines.append(
+        f"OUT {plan.out} ({layout}): {len(mapping.outputs)} tensors, {format_bytes(plan.total_size)} in "
+        f"{len(plan.shards)} shard(s) of at most {format_bytes(max_bytes)}"
+    )
+    lines.append(f"  config: {summarize(output_config)}")
+    if plan.remote_code:
+        lines.append(f"  remote code: {', '.join(p.name for p in plan.remote_code)}")
+    copied = [c.name if c.source.parent == plan.src else f"{c.name} (from {c.source.parent.name})" for c in plan.copied]
+    lines.append(f"  copied: {', '.join(copied) if copied else '(no tokenizer / generation files found)'}")
+    for item in plan.copied:
+        if item.drop_keys:
+            lines.append(
+                f"  {item.name}: removing {', '.join(item.drop_keys)} (it names the VLM processor, whose image "
+                "processor files a text checkpoint lacks; AutoProcessor would fail, without it AutoProcessor returns "
+                "the tokenizer)"
+            )
+        if item.add_keys:
+            lines.append(f"  {item.name}: restoring {', '.join(item.add_keys)} from the composite checkpoint")
+    if output_config.layout != "packed" and _mtp_layers(output_config) and not any(
+        k.startswith("mtp.") for k in mapping.outputs
+    ):
+        lines.append(
+            f"note: config.json says mtp_num_hidden_layers={_mtp_layers(output_config)} but OUT holds no mtp.* "
+            "tensors; serving with MTP speculative decoding needs them: pass --mtp-from ORIGINAL_CHECKPOINT"
+        )
+    lines.extend(output_config.rope_lines)
+    lines.extend(output_config.notes)
 
 
 class _ShardReader:
-    """Open source shards lazily (memory-mapped by safetensors) and load single tensors."""
+    """Open source shards lazily (memory-mapped by safetensors) and close each one after its last use.
 
-    def __init__(self, source: SourceCheckpoint):
+    An open safetensors handle keeps its memory map, and every page read through it stays resident in this process;
+    closing a shard once no later output needs it keeps memory at about one input shard.
+    """
+
+    def __init__(self, locations: dict[str, Path], order: list[list[str]]):
         from safetensors import safe_open
 
         self._open = safe_open
-        self.source = source
-        self.handles: dict[str, object] = {}
+        self.locations = locations
+        self.handles: dict[Path, object] = {}
+        self.last_use: dict[Path, int] = {}
+        for step, keys in enumerate(order):
+            for key in keys:
+                self.last_use[locations[key]] = step
 
     def load(self, key: str):
-        name = self.source.shard_of[key]
-        if name not in self.handles:
-            self.handles[name] = self._open(self.source.folder / name, framework="pt")
-        return self.handles[name].get_tensor(key)
+        path = self.locations[key]
+        if path not in self.handles:
+            try:
+                self.handles[path] = self._open(path, framework="pt")
+            except Exception as exc:
+                raise ConversionError(f"cannot read {path.name}: {exc}") from exc
+        try:
+            return self.handles[path].get_tensor(key)
+        except Exception as exc:
+            raise ConversionError(f"cannot read {key!r} from {path.name} (truncated or damaged?): {exc}") from exc
+
+    def done(self, step: int) -> None:
+        """Close every shard whose last use is at or before `step`."""
+        for path in [p for p in self.handles if self.last_use.get(p, -1) <= step]:
+            del self.handles[path]
 
     def close(self) -> None:
         self.handles.clear()
 
 
-def _check_tied_lm_head(plan: ConversionPlan, reader: _ShardReader) -> None:
+def _check_tied_lm_head(plan: ConversionPlan) -> None:
     """A tied SRC that still stores lm_head.weight: it is dropped, so it must equal the embedding."""
     import torch
+    from safetensors import safe_open
 
     if not plan.output_config.config.tie_word_embeddings or "lm_head.weight" not in plan.source.tensors:
         return
-    (embed_key,) = plan.mapping.outputs["model.embed_tokens.weight"].source_keys()
-    if not torch.equal(reader.load("lm_head.weight"), reader.load(embed_key)):
+    embed_key = next(k for k in plan.source.tensors if k.endswith("embed_tokens.weight") and not k.startswith("mtp."))
+    with safe_open(plan.source.path_of("lm_head.weight"), framework="pt") as a:
+        with safe_open(plan.source.path_of(embed_key), framework="pt") as b:
+            same = torch.equal(a.get_tensor("lm_head.weight"), b.get_tensor(embed_key))
+    if not same:
         raise ConversionError(
             f"config.json says tie_word_embeddings is true, but SRC stores an lm_head.weight that differs from "
             f"{embed_key}; dropping it would change the model. Fix tie_word_embeddings in SRC's config.json."
@@ -322,9 +650,11 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True) -> Path:
     from safetensors.torch import save_file
 
     out = plan.out
-    reader = _ShardReader(plan.source)
-    _check_tied_lm_head(plan, reader)
+    order = [plan.mapping.outputs[k].source_keys() for keys in plan.shards for k in keys]
+    reader = _ShardReader(plan.locations, order)
+    _check_tied_lm_head(plan)
     out.parent.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in out.parent.glob(f".{out.name}.tmp-*"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
@@ -334,35 +664,35 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True) -> Path:
         try:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(plan.mapping.outputs), unit="tensor", desc="convert")
+            bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="convert")
         except ImportError:
             bar = None
+    if stale:
+        print(f"note: {len(stale)} temporary folder(s) of an interrupted conversion next to OUT: {', '.join(stale)}")
     try:
         weight_map: dict[str, str] = {}
+        step = 0
         for keys, name in zip(plan.shards, plan.shard_names):
             items = [(k, plan.mapping.outputs[k]) for k in keys]
             tensors = {}
             for key, tensor in materialize(items, reader.load):
                 tensors[key] = tensor.contiguous()
                 weight_map[key] = name
+                reader.done(step)
+                step += 1
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(plan.mapping.outputs[key].nbytes)
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             del tensors
         if len(plan.shard_names) > 1:
             index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if plan.remote_code:
+            copy_remote_code(tmp)
+        for item in plan.copied:
+            item.write(tmp)
+        # config.json last: a temporary folder left by a killed conversion never looks like a checkpoint
         (tmp / "config.json").write_text(json.dumps(plan.output_config.data, indent=2, sort_keys=True) + "\n")
-        copy_remote_code(tmp)
-        for name in plan.copied_files:
-            if name == "tokenizer_config.json":
-                data = _read_json(plan.src / name)
-                if any(k in data for k in TOKENIZER_CONFIG_DROPPED_KEYS):
-                    for key in TOKENIZER_CONFIG_DROPPED_KEYS:
-                        data.pop(key, None)
-                    (tmp / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-                    continue
-            shutil.copyfile(plan.src / name, tmp / name)
         if out.exists():
             raise ConversionError(f"OUT {out} appeared while converting; nothing was written to it")
         os.rename(tmp, out)
@@ -379,17 +709,30 @@ def convert(
     src,
     out,
     *,
+    to: str = "packed",
     text_only: bool = False,
+    mtp_from=None,
+    vision_from=None,
+    router_aux_loss_coef: float | None = None,
     dry_run: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> ConversionPlan:
-    """Convert SRC (official Qwen3.5 text or, with `text_only`, composite layout) into OUT; see the module doc.
+    """Convert SRC into OUT in the direction `to` ('packed' or 'official'); see the module doc.
 
     With `dry_run` the plan is printed and nothing is written. Raises ConversionError with a readable message.
     """
-    plan = plan_conversion(src, out, text_only=text_only, max_shard_size=max_shard_size)
+    plan = plan_conversion(
+        src,
+        out,
+        to=to,
+        text_only=text_only,
+        mtp_from=mtp_from,
+        vision_from=vision_from,
+        router_aux_loss_coef=router_aux_loss_coef,
+        max_shard_size=max_shard_size,
+    )
     for line in plan.lines:
         log(line)
     if dry_run:
@@ -402,11 +745,17 @@ def convert(
 
 __all__ = [
     "COPIED_FILES",
+    "DIRECTIONS",
+    "PROCESSOR_FILES",
     "ConversionPlan",
     "conversion_rules",
     "convert",
+    "official_rules",
     "parse_size",
     "plan_conversion",
+    "plan_official_mapping",
+    "plan_packed_mapping",
     "read_source",
+    "validate_mtp",
     "write_conversion",
 ]

@@ -207,13 +207,21 @@ class FuseExperts(Rule):
     forward undoes with `linear(x, gate_up_proj[e]).chunk(2, dim=-1)` -> (gate, up). Every expert 0..E-1 must have
     all three tensors with consistent shapes and one dtype. The fused tensors take the place of the first
     per-expert tensor in the key order.
+
+    `scope` (a regex, re.search) limits the rule to matching keys: official checkpoints store the MTP layer's
+    experts per expert, and `--to official` keeps them so.
     """
+
+    scope: str | None = None
+
+    def _in_scope(self, key: str) -> bool:
+        return self.scope is None or re.search(self.scope, key) is not None
 
     def apply(self, tensors, report):
         groups: dict[str, dict[str, dict[int, tuple[str, LazyTensor]]]] = {}
         first_member: dict[str, str] = {}
         for key, value in tensors.items():
-            m = _PER_EXPERT.match(key)
+            m = _PER_EXPERT.match(key) if self._in_scope(key) else None
             if m:
                 prefix = m["prefix"]
                 groups.setdefault(prefix, {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
@@ -230,7 +238,7 @@ class FuseExperts(Rule):
                 for new_key, new_value in fused[emit_at[key]].items():
                     report.produced.append(new_key)
                     _put(out, new_key, new_value, self)
-            elif not _PER_EXPERT.match(key):
+            elif not (_PER_EXPERT.match(key) and self._in_scope(key)):
                 _put(out, key, value, self)
         return out
 
@@ -276,20 +284,24 @@ class FuseExperts(Rule):
         }
 
     def inverse(self) -> Rule:
-        return SplitExperts()
+        return SplitExperts(self.scope)
 
     def describe(self) -> str:
-        return "FuseExperts(experts.{e}.{gate,up,down}_proj.weight -> experts.{gate_up_proj,down_proj})"
+        where = f" in {self.scope!r}" if self.scope else ""
+        return f"FuseExperts(experts.{{e}}.{{gate,up,down}}_proj.weight -> experts.{{gate_up_proj,down_proj}}{where})"
 
 
 @dataclass(frozen=True)
 class SplitExperts(Rule):
     """Inverse of `FuseExperts`: fused `<p>.experts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` -> per expert."""
 
+    scope: str | None = None
+
     def apply(self, tensors, report):
         out: dict[str, LazyTensor] = {}
         for key, value in tensors.items():
-            m = _FUSED_EXPERT.match(key)
+            in_scope = self.scope is None or re.search(self.scope, key) is not None
+            m = _FUSED_EXPERT.match(key) if in_scope else None
             if not m:
                 _put(out, key, value, self)
                 continue
@@ -316,10 +328,11 @@ class SplitExperts(Rule):
         return out
 
     def inverse(self) -> Rule:
-        return FuseExperts()
+        return FuseExperts(self.scope)
 
     def describe(self) -> str:
-        return "SplitExperts(experts.{gate_up_proj,down_proj} -> experts.{e}.{gate,up,down}_proj.weight)"
+        where = f" in {self.scope!r}" if self.scope else ""
+        return f"SplitExperts(experts.{{gate_up_proj,down_proj}} -> experts.{{e}}.{{gate,up,down}}_proj.weight{where})"
 
 
 def _slice(value: LazyTensor, expert: int, start: int | None, stop: int | None):

@@ -16,8 +16,6 @@ def expected_text_tensors(config) -> dict[str, tuple[int, ...]]:
     key_dim = c.linear_num_key_heads * c.linear_key_head_dim
     value_dim = c.linear_num_value_heads * c.linear_value_head_dim
     conv_dim = 2 * key_dim + value_dim
-    q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
-    kv_rows = c.num_key_value_heads * c.head_dim
     for i, layer_type in enumerate(c.layer_types):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
@@ -34,37 +32,77 @@ def expected_text_tensors(config) -> dict[str, tuple[int, ...]]:
             shapes[a + "norm.weight"] = (c.linear_value_head_dim,)
             shapes[a + "out_proj.weight"] = (hidden, value_dim)
         else:
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (q_rows, hidden)
-            shapes[a + "k_proj.weight"] = (kv_rows, hidden)
-            shapes[a + "v_proj.weight"] = (kv_rows, hidden)
-            shapes[a + "o_proj.weight"] = (hidden, c.num_attention_heads * c.head_dim)
-            if c.attention_bias:
-                shapes[a + "q_proj.bias"] = (q_rows,)
-                shapes[a + "k_proj.bias"] = (kv_rows,)
-                shapes[a + "v_proj.bias"] = (kv_rows,)
-                shapes[a + "o_proj.bias"] = (hidden,)
-            shapes[a + "q_norm.weight"] = (c.head_dim,)
-            shapes[a + "k_norm.weight"] = (c.head_dim,)
-        m = p + "mlp."
-        if getattr(c, "is_moe", False) and c.layer_uses_moe(i):
-            n_experts, inter, shared = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-            shapes[m + "gate.weight"] = (n_experts, hidden)
-            shapes[m + "experts.gate_up_proj"] = (n_experts, 2 * inter, hidden)
-            shapes[m + "experts.down_proj"] = (n_experts, hidden, inter)
-            shapes[m + "shared_expert.gate_proj.weight"] = (shared, hidden)
-            shapes[m + "shared_expert.up_proj.weight"] = (shared, hidden)
-            shapes[m + "shared_expert.down_proj.weight"] = (hidden, shared)
-            shapes[m + "shared_expert_gate.weight"] = (1, hidden)
-        else:
-            inter = c.intermediate_size
-            shapes[m + "gate_proj.weight"] = (inter, hidden)
-            shapes[m + "up_proj.weight"] = (inter, hidden)
-            shapes[m + "down_proj.weight"] = (hidden, inter)
+            shapes.update(_full_attention_shapes(c, p + "self_attn."))
+        shapes.update(_mlp_shapes(c, p + "mlp.", moe=getattr(c, "is_moe", False) and c.layer_uses_moe(i)))
     shapes["model.norm.weight"] = (hidden,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
     return shapes
 
 
-__all__ = ["expected_text_tensors"]
+def _full_attention_shapes(c, a: str) -> dict[str, tuple[int, ...]]:
+    hidden = c.hidden_size
+    q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+    kv_rows = c.num_key_value_heads * c.head_dim
+    shapes = {
+        a + "q_proj.weight": (q_rows, hidden),
+        a + "k_proj.weight": (kv_rows, hidden),
+        a + "v_proj.weight": (kv_rows, hidden),
+        a + "o_proj.weight": (hidden, c.num_attention_heads * c.head_dim),
+    }
+    if c.attention_bias:
+        shapes[a + "q_proj.bias"] = (q_rows,)
+        shapes[a + "k_proj.bias"] = (kv_rows,)
+        shapes[a + "v_proj.bias"] = (kv_rows,)
+        shapes[a + "o_proj.bias"] = (hidden,)
+    shapes[a + "q_norm.weight"] = (c.head_dim,)
+    shapes[a + "k_norm.weight"] = (c.head_dim,)
+    return shapes
+
+
+def _mlp_shapes(c, m: str, *, moe: bool) -> dict[str, tuple[int, ...]]:
+    hidden = c.hidden_size
+    if moe:
+        n_experts, inter, shared = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        return {
+            m + "gate.weight": (n_experts, hidden),
+            m + "experts.gate_up_proj": (n_experts, 2 * inter, hidden),
+            m + "experts.down_proj": (n_experts, hidden, inter),
+            m + "shared_expert.gate_proj.weight": (shared, hidden),
+            m + "shared_expert.up_proj.weight": (shared, hidden),
+            m + "shared_expert.down_proj.weight": (hidden, shared),
+            m + "shared_expert_gate.weight": (1, hidden),
+        }
+    inter = c.intermediate_size
+    return {
+        m + "gate_proj.weight": (inter, hidden),
+        m + "up_proj.weight": (inter, hidden),
+        m + "down_proj.weight": (hidden, inter),
+    }
+
+
+def expected_mtp_tensors(config, n_layers: int) -> dict[str, tuple[int, ...]]:
+    """`key -> shape` of the multi-token-prediction head of an official checkpoint, experts shown fused.
+
+    The head (`mtp.*`, unused by the text model, used by vLLM / SGLang for MTP speculative decoding): `fc` [H, 2H]
+    (concatenated embedding and hidden state -> H), three norms and `n_layers` full-attention decoder layers whose
+    MLP is an MoE block in MoE models (official checkpoints store its experts per expert; compare after fusing).
+    """
+    c = config
+    hidden = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc.weight": (hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,),
+        "mtp.norm.weight": (hidden,),
+    }
+    for i in range(n_layers):
+        p = f"mtp.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes.update(_full_attention_shapes(c, p + "self_attn."))
+        shapes.update(_mlp_shapes(c, p + "mlp.", moe=getattr(c, "is_moe", False)))
+    return shapes
+
+
+__all__ = ["expected_mtp_tensors", "expected_text_tensors"]
