@@ -1,0 +1,366 @@
+"""Packed-varlen Qwen3.5 vision-language models: `Qwen3_5PackedForConditionalGeneration` (dense) and
+`Qwen3_5MoePackedForConditionalGeneration` (MoE).
+
+Remote code: imports only torch, transformers and sibling files. State-dict keys and shapes are those of
+transformers' `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (`model.visual.*`,
+`model.language_model.*`, `lm_head`); the architecture names differ on purpose (see modeling_qwen3_5_packed.py).
+
+A forward resolves the batch into one packed stream of real tokens with document boundaries (the packing contract
+of packing.py, every entry form), then:
+  1. encodes all images (and videos) of all documents in one vision-tower call (`pixel_values` /
+     `image_grid_thw` in the order the images appear in the batch, row by row);
+  2. computes 3D rope positions on the packed stream (mrope_positions.py): they restart per document, image
+     tokens get grid positions, text after an image continues after it; 3D `position_ids` given by the caller
+     are used as given instead;
+  3. writes the image features onto the image placeholder tokens of the stream (the i-th image onto the i-th run
+     of image tokens, so features land on their own documents);
+  4. runs the packed text decoder (`Qwen3_5PackedTextModel.run_packed`) on the embeddings with those positions
+     and boundaries, and computes logits / loss per document.
+Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py for `freeze_vision` and
+`vision_dummy_pass` (the FSDP-symmetric vision pass on ranks without images).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
+from .gated_deltanet import FP32_PARAMETERS
+from .modeling_qwen3_5_packed import (
+    Qwen3_5PackedForCausalLM,
+    Qwen3_5PackedTextModel,
+    _check_kwargs,
+    _log_once,
+    _wants_router_logits,
+)
+from .moe import load_balancing_loss
+from .mrope_positions import packed_mrope_positions
+from .packing import PackedSequence, build_packed_sequence, shift_labels_within_documents
+from .vision import Qwen3_5PackedVisionModel
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+@dataclass
+class Qwen3_5PackedVLModelOutput(ModelOutput):
+    """Decoder output in the caller's layout (pad positions are zeros); router_logits cover real tokens only."""
+
+    last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple | None = None
+    router_logits: tuple | None = None
+    rope_position_ids: torch.Tensor | None = None
+
+
+@dataclass
+class Qwen3_5PackedVLCausalLMOutput(ModelOutput):
+    """Causal-LM output in the caller's layout; aux_loss is set when router logits were requested.
+    rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions)."""
+
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple | None = None
+    router_logits: tuple | None = None
+    rope_position_ids: torch.Tensor | None = None
+
+
+@dataclass
+class PackedMultimodalResult:
+    hidden: torch.Tensor  # [N, H] final hidden states of the real tokens
+    packed: PackedSequence  # the caller's batch as a packed stream
+    positions: torch.Tensor  # long [3, N] rope positions
+    all_hidden: list | None
+    router_logits: list | None
+
+
+class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
+    config_class = Qwen3_5PackedVLConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3_5PackedDecoderLayer", "Qwen3_5PackedVisionBlock"]
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\."]
+    _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
+    _supports_sdpa = True
+    _is_stateful = True
+
+    def _init_weights(self, module):
+        # The vision tower and the text decoder are PreTrainedModels that initialise their own modules;
+        # what is left here is lm_head.
+        if isinstance(module, nn.Linear):
+            init = getattr(transformers, "initialization", None) or nn.init
+            init.normal_(module.weight, mean=0.0, std=self.config.text_config.initializer_range)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+
+
+class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
+    """`model`: the vision tower (`visual`) and the packed text decoder (`language_model`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.visual = Qwen3_5PackedVisionModel(config.vision_config)
+        self.visual.attention_kernel_config = config.text_config
+        self.language_model = Qwen3_5PackedTextModel(config.text_config)
+        if config.vision_config.out_hidden_size != config.text_config.hidden_size:
+            raise ValueError(
+                f"vision_config.out_hidden_size={config.vision_config.out_hidden_size} must equal "
+                f"text_config.hidden_size={config.text_config.hidden_size}"
+            )
+        self.post_init()
+        if getattr(config, "freeze_vision", False):
+            self.set_vision_frozen(True)
+
+    def get_input_embeddings(self):
+        return self.language_model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.language_model.embed_tokens = value
+
+    def set_vision_frozen(self, frozen: bool = True) -> None:
+        """Freeze (or unfreeze) the vision tower: no gradients for its parameters, and it runs without autograd."""
+        self.config.freeze_vision = bool(frozen)
+        self.visual.requires_grad_(not frozen)
+
+    def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """All images (or videos) of the batch in one vision-tower call: [placeholder tokens, text hidden]."""
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        if getattr(self.config, "freeze_vision", False):
+            with torch.no_grad():
+                return self.visual(pixel_values, grid_thw)
+        return self.visual(pixel_values, grid_thw)
+
+    def dummy_vision_output(self, device) -> torch.Tensor:
+        """The vision tower on one all-zero image of merge x merge patches (the FSDP-symmetric pass)."""
+        merge = self.visual.spatial_merge_size
+        grid = torch.tensor([[1, merge, merge]], device=device)
+        pixels = torch.zeros(merge * merge, self.visual.patch_embed.patch_dim, device=device)
+        return self.encode_vision(pixels, grid)
+
+    def run_packed(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        mm_token_type_ids=None,
+        output_hidden_states: bool = False,
+        output_router_logits: bool = False,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+    ) -> PackedMultimodalResult:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {shape}")
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
+                                   (pixel_values_videos, video_grid_thw, "video")):
+            pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
+            if (pixels is None) != (grid is None):
+                given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (
+                    f"{what}_grid_thw", pixel_name)
+                raise ValueError(f"{given} was given without {missing}; {what}s need both")
+        has_vision = pixel_values is not None or pixel_values_videos is not None
+        if input_ids is None and has_vision:
+            raise ValueError("images and videos need input_ids to locate their placeholder tokens")
+
+        packed = build_packed_sequence(
+            shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
+            max_length_q, max_length_k,
+        )
+        given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
+        text_config = self.config.text_config
+        if input_ids is not None:
+            ids = packed.pack(input_ids.unsqueeze(-1)).squeeze(-1)
+            types = None
+            if mm_token_type_ids is not None:
+                mm = torch.as_tensor(mm_token_type_ids, device=device)
+                if tuple(mm.shape) != shape:
+                    raise ValueError(f"mm_token_type_ids must have the shape of input_ids {shape}, got "
+                                     f"{tuple(mm.shape)}")
+                types = packed.pack(mm.unsqueeze(-1)).squeeze(-1)
+            # Also the check that image/video token runs match the grids one to one, in order.
+            positions = packed_mrope_positions(
+                ids, packed.cu_seqlens, image_grid_thw, video_grid_thw,
+                image_token_id=self.config.image_token_id, video_token_id=self.config.video_token_id,
+                spatial_merge_size=self.visual.spatial_merge_size, mm_token_type_ids=types,
+            )
+            embeds = self.language_model.embed_tokens(ids)
+        else:
+            positions = packed.position_ids.unsqueeze(0).expand(3, -1) if packed.position_ids.dim() == 1 else None
+            embeds = packed.pack(inputs_embeds)
+        if given_3d:
+            positions = packed.position_ids
+
+        for pixels, grid, token_id in ((pixel_values, image_grid_thw, self.config.image_token_id),
+                                       (pixel_values_videos, video_grid_thw, self.config.video_token_id)):
+            if pixels is None:
+                continue
+            features = self.encode_vision(pixels, torch.as_tensor(grid, device=pixels.device))
+            slots = torch.nonzero(ids == token_id).flatten()
+            if slots.numel() != features.shape[0]:  # guaranteed by the checks above; a last line of defence
+                raise ValueError(f"{slots.numel()} placeholder tokens but {features.shape[0]} vision features")
+            embeds = embeds.index_copy(0, slots, features.to(device=embeds.device, dtype=embeds.dtype))
+        if not has_vision and getattr(self.config, "vision_dummy_pass", False):
+            dummy = self.dummy_vision_output(embeds.device)
+            embeds = embeds + (dummy.sum() * 0.0).to(embeds.dtype)
+
+        hidden, _, _, all_hidden, router_logits = self.language_model.run_packed(
+            inputs_embeds=embeds.unsqueeze(0),
+            position_ids=positions.unsqueeze(1),
+            cu_seqlens=packed.cu_seqlens,
+            use_cache=False,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+        )
+        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
+                mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, use_cache=None,
+                **kwargs):
+        _check_kwargs(kwargs)
+        _refuse_cache(use_cache)
+        result = self.run_packed(
+            input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
+            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states),
+            _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
+            cu_seq_lens_k, max_length_q, max_length_k,
+        )
+        packed = result.packed
+        return Qwen3_5PackedVLModelOutput(
+            last_hidden_state=packed.unpack(result.hidden),
+            hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
+            router_logits=tuple(result.router_logits) if result.router_logits else None,
+            rope_position_ids=_unpack_positions(packed, result.positions),
+        )
+
+
+def _refuse_cache(use_cache) -> None:
+    if use_cache:
+        raise ValueError(
+            "use_cache=True is not supported by the packed vision-language classes (no generate() with images "
+            "here; use vLLM or the built-in class for generation)"
+        )
+
+
+def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed.unpack(p) for p in positions])
+
+
+class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
+    config_class = Qwen3_5PackedVLConfig
+    _tied_weights_keys = (
+        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
+        else ["lm_head.weight"]
+    )
+    # The same fp32 (chunked) cross-entropy on the packed stream as the text model.
+    packed_loss = Qwen3_5PackedForCausalLM.packed_loss
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Qwen3_5PackedVLModel(config)
+        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.post_init()
+
+    @property
+    def visual(self):
+        return self.model.visual
+
+    @property
+    def language_model(self):
+        return self.model.language_model
+
+    def set_vision_frozen(self, frozen: bool = True) -> None:
+        self.model.set_vision_frozen(frozen)
+
+    def get_input_embeddings(self):
+        return self.model.language_model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.language_model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def get_decoder(self):
+        return self.model.language_model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
+                mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
+                logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                max_length_q=None, max_length_k=None, use_cache=None, **kwargs):
+        _check_kwargs(kwargs)
+        _refuse_cache(use_cache)
+        text_config = self.config.text_config
+        want_router = _wants_router_logits(text_config, output_router_logits)
+        result = self.model.run_packed(
+            input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
+            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states), want_router,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )
+        packed, hidden = result.packed, result.hidden
+
+        full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        loss = None
+        if labels is not None:
+            if not full_logits:
+                raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
+            targets = shift_labels_within_documents(labels, packed)
+            loss, packed_logits = self.packed_loss(hidden, targets, kwargs.get("num_items_in_batch"))
+            logits = packed.unpack(packed_logits)
+        elif full_logits:
+            logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
+
+        aux_loss = None
+        if want_router and result.router_logits:
+            aux_loss = load_balancing_loss(tuple(result.router_logits), text_config.num_experts,
+                                           text_config.num_experts_per_tok)
+            coef = text_config.router_aux_loss_coef
+            if loss is not None and coef > 0:
+                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
+                loss = loss + coef * aux_loss.to(loss.device)
+
+        return Qwen3_5PackedVLCausalLMOutput(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
+            router_logits=tuple(result.router_logits) if result.router_logits else None,
+            rope_position_ids=_unpack_positions(packed, result.positions),
+        )
+
+
+class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration):
+    config_class = Qwen3_5MoePackedVLConfig
+
+
+__all__ = [
+    "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5PackedForConditionalGeneration",
+    "Qwen3_5PackedVLModel",
+    "Qwen3_5PackedVLPreTrainedModel",
+]
