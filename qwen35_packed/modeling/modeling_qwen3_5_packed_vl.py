@@ -89,6 +89,15 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _is_stateful = True
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # Loading replaces the parameters (requires_grad back to True): re-apply freeze_vision afterwards.
+        result = super().from_pretrained(*args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        if getattr(model.config, "freeze_vision", False):
+            model.set_vision_frozen(True)
+        return result
+
     def _init_weights(self, module):
         # The vision tower and the text decoder are PreTrainedModels that initialise their own modules;
         # what is left here is lm_head.
