@@ -1,0 +1,361 @@
+"""Vision-language classes: parity with transformers' built-in composite classes, packed == per-document with
+images, text-only batches, freeze_vision, the FSDP dummy vision pass, configs, and bad input (fp32, CPU)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import builtin_pair
+from vl_tiny import (
+    IMAGE,
+    PATCH_DIM,
+    PAD,
+    VIDEO,
+    VISION_END,
+    VISION_START,
+    builtin_vl_pair,
+    grid_tensor,
+    image_tokens,
+    make_document,
+    our_vl_model,
+    pixels_for,
+    token_types,
+    video_tokens,
+)
+
+REFERENCE_DIR = Path(os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared" / "reference"
+                                    / "qwen3.5"))
+
+
+def _padded_batch(rows, left: bool):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        start = width - len(row) if left else 0
+        ids[i, start:start + len(row)] = row
+        mask[i, start:start + len(row)] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["unpadded-or-right", "left-padded"])
+def test_logits_match_builtin_with_images(kind, left):
+    ref, ours = builtin_vl_pair(kind)
+    gen = torch.Generator().manual_seed(1)
+    docs = [make_document(gen, n) for n in (2, 1, 0)]
+    rows = [d[0] for d in docs]
+    images = [g for d in docs for g in d[1]]
+    ids, mask = _padded_batch(rows, left)
+    pixels, grid = pixels_for(images, gen), grid_tensor(images)
+    inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                  mm_token_type_ids=token_types(ids))
+    with torch.no_grad():
+        expected = ref(**inputs, use_cache=False).logits
+        got = ours(**inputs).logits
+        no_image = ours(**dict(inputs, pixel_values=torch.zeros_like(pixels))).logits
+    real = mask.bool()
+    diff = (got[real] - expected[real]).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert got[~real].abs().max().item() == 0.0 if (~real).any() else True
+    # The images matter: replacing them moves the logits far more than the tolerance.
+    assert (no_image[real] - got[real]).abs().max().item() > 1e-2
+
+
+def test_logits_match_builtin_with_videos():
+    ref, ours = builtin_vl_pair("dense")
+    gen = torch.Generator().manual_seed(2)
+    videos = [[2, 4, 2], [1, 2, 4]]
+    image = [1, 4, 4]
+    ids = torch.tensor([3, 4] + video_tokens(videos[0], gen) + [5] + image_tokens(image) + [6]
+                       + video_tokens(videos[1], gen) + [7, 8]).unsqueeze(0)
+    inputs = dict(input_ids=ids, pixel_values=pixels_for([image], gen), image_grid_thw=grid_tensor([image]),
+                  pixel_values_videos=pixels_for(videos, gen), video_grid_thw=grid_tensor(videos),
+                  mm_token_type_ids=token_types(ids))
+    with torch.no_grad():
+        expected = ref(**inputs, use_cache=False).logits
+        got = ours(**inputs).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def _processor():
+    """The real Qwen3VLProcessor: its image processor built from the reference preprocessor_config.json (patch
+    size and pixel limits scaled down to the tiny vision tower), and a tiny local word-level tokenizer with the
+    Qwen3.5 vision special tokens. The video processor needs torchvision, which CI does not install: images only."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    vocab = {f"w{i}": i for i in range(100)}
+    vocab.update({"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VISION_START,
+                  "<|vision_end|>": VISION_END, "<|endoftext|>": PAD, "[UNK]": 125})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|endoftext|>",
+        additional_special_tokens=["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+    )
+    reference = json.loads((REFERENCE_DIR / "Qwen3.5-0.8B" / "preprocessor_config.json").read_text())
+    assert reference["merge_size"] == 2 and reference["temporal_patch_size"] == 2
+    kwargs = {k: v for k, v in reference.items() if k not in ("processor_class", "image_processor_type")}
+    kwargs.update(patch_size=4, size={"shortest_edge": 8 * 8, "longest_edge": 40 * 40})
+    image_processor = Qwen2VLImageProcessorPil(**kwargs)
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, argument):
+            if name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(name, argument)
+
+    return ImageOnlyQwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+
+
+@pytest.mark.skipif(not (REFERENCE_DIR / "Qwen3.5-0.8B").is_dir(), reason="reference configs not available")
+def test_processor_batch_matches_builtin(kind):
+    import numpy as np
+
+    processor = _processor()
+    rng = np.random.default_rng(0)
+    images = [(rng.random((h, w, 3)) * 255).astype(np.uint8) for h, w in ((24, 40), (30, 17), (16, 16))]
+    texts = [
+        "w1 w2 <|vision_start|><|image_pad|><|vision_end|> w3 <|vision_start|><|image_pad|><|vision_end|> w4",
+        "w5 w6 w7",
+        "w8 <|vision_start|><|image_pad|><|vision_end|> w9 w10",
+    ]
+    batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="left")
+    assert batch["image_grid_thw"].shape == (3, 3) and batch["pixel_values"].shape[1] == PATCH_DIM
+    ref, ours = builtin_vl_pair(kind, seed=5)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
+                                    "mm_token_type_ids")}
+    with torch.no_grad():
+        expected = ref(**inputs, use_cache=False).logits
+        got = ours(**inputs).logits
+    real = batch["attention_mask"].bool()
+    assert (got[real] - expected[real]).abs().max().item() <= 1e-4
+
+
+def _documents(seed: int, image_counts):
+    gen = torch.Generator().manual_seed(seed)
+    docs = [make_document(gen, n, min_text=1) for n in image_counts]
+    pixels = [pixels_for(d[1], gen) for d in docs]
+    return docs, pixels
+
+
+def _cat(values):
+    values = [v for v in values if v is not None]
+    return torch.cat(values) if values else None
+
+
+@pytest.mark.parametrize("kind, form", [("dense", "cu_seqlens"), ("dense", "position_ids"), ("dense", "padded-rows"),
+                                        ("moe", "cu_seqlens")])
+def test_packed_equals_per_document_with_images(kind, form):
+    _, model = builtin_vl_pair(kind, seed=2)
+    counts = [0, 2, 1, 0, 2, 0, 3, 1]
+    docs, pixels = _documents(3, counts)
+    per_doc = []
+    with torch.no_grad():
+        for (ids, images, _), pix in zip(docs, pixels):
+            per_doc.append(model(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
+                                 labels=ids.unsqueeze(0)))
+    all_pixels = _cat(pixels)
+    all_grids = grid_tensor([g for d in docs for g in d[1]])
+    lengths = [len(d[0]) for d in docs]
+    if form == "padded-rows":
+        ids, mask = _padded_batch([d[0] for d in docs], left=True)
+        kwargs = dict(input_ids=ids, attention_mask=mask)
+    else:
+        ids = torch.cat([d[0] for d in docs]).unsqueeze(0)
+        if form == "cu_seqlens":
+            kwargs = dict(input_ids=ids, cu_seqlens=torch.tensor([0] + lengths).cumsum(0))
+        else:
+            kwargs = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0))
+    with torch.no_grad():
+        out = model(**kwargs, pixel_values=all_pixels, image_grid_thw=all_grids, labels=kwargs["input_ids"])
+    if form == "padded-rows":
+        got = [out.logits[i, mask[i].bool()] for i in range(len(docs))]
+    else:
+        got = list(out.logits[0].split(lengths))
+    worst = max((g - d.logits[0]).abs().max().item() for g, d in zip(got, per_doc))
+    assert worst <= 1e-5, worst
+    # The loss is token-weighted over documents: each document has len - 1 targets.
+    expected_loss = sum(d.loss * (n - 1) for d, n in zip(per_doc, lengths)) / sum(n - 1 for n in lengths)
+    assert abs(out.loss.item() - expected_loss.item()) <= 1e-5
+
+
+def test_packed_gradients_equal_sum_of_per_document_gradients():
+    _, model = builtin_vl_pair("dense", seed=4)
+    model.train()
+    docs, pixels = _documents(5, [2, 0, 1])
+    lengths = [len(d[0]) for d in docs]
+    targets = sum(n - 1 for n in lengths)
+    for (ids, images, _), pix in zip(docs, pixels):
+        out = model(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
+                    labels=ids.unsqueeze(0), num_items_in_batch=targets)
+        out.loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([d[0] for d in docs]).unsqueeze(0)
+    out = model(input_ids=ids, cu_seqlens=torch.tensor([0] + lengths).cumsum(0), pixel_values=_cat(pixels),
+                image_grid_thw=grid_tensor([g for d in docs for g in d[1]]), labels=ids)
+    out.loss.backward()
+    visual_grads = 0
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, expected[name], atol=1e-6, rtol=1e-4), name
+        visual_grads += name.startswith("model.visual.") and bool(param.grad.abs().sum() > 0)
+    assert visual_grads == len([n for n, _ in model.named_parameters() if n.startswith("model.visual.")])
+
+
+def test_text_only_batch_equals_text_model():
+    """No pixel values needed; the language part is the packed text decoder itself."""
+    _, text_model = builtin_pair("dense", seed=6)
+    vl = our_vl_model("dense")
+    state = {f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k: v
+             for k, v in text_model.state_dict().items()}
+    missing, unexpected = vl.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("model.visual.") for k in missing)
+    vl.eval()
+    ids = torch.randint(0, 100, (1, 60), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 25, 60])
+    with torch.no_grad():
+        expected = text_model(ids, cu_seqlens=cu, use_cache=False).logits
+        got = vl(input_ids=ids, cu_seqlens=cu).logits
+    assert (got - expected).abs().max().item() <= 1e-6
+
+
+def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
+    _, plain = builtin_vl_pair("dense", seed=7)
+    dummy = our_vl_model("dense", vision_dummy_pass=True)
+    dummy.load_state_dict(plain.state_dict())
+    plain.train()
+    dummy.train()
+    ids = torch.randint(0, 100, (2, 30), generator=torch.Generator().manual_seed(1))
+    out_plain = plain(input_ids=ids, labels=ids)
+    out_dummy = dummy(input_ids=ids, labels=ids)
+    assert torch.equal(out_plain.logits, out_dummy.logits)
+    assert out_plain.loss.item() == out_dummy.loss.item()
+    out_plain.loss.backward()
+    out_dummy.loss.backward()
+    visual = [(n, p) for n, p in dummy.named_parameters() if n.startswith("model.visual.")]
+    assert visual and all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for _, p in visual)
+    assert all(p.grad is None for n, p in plain.named_parameters() if n.startswith("model.visual."))
+    plain_grads = dict(plain.named_parameters())
+    for name, param in dummy.named_parameters():
+        if not name.startswith("model.visual."):
+            assert torch.equal(param.grad, plain_grads[name].grad), name
+
+
+def test_freeze_vision():
+    _, model = builtin_vl_pair("dense", seed=8)
+    frozen = our_vl_model("dense", freeze_vision=True)
+    frozen.load_state_dict(model.state_dict())
+    assert not any(p.requires_grad for p in frozen.model.visual.parameters())
+    assert all(p.requires_grad for p in frozen.model.language_model.parameters())
+    docs, pixels = _documents(9, [2])
+    (ids, images, _), pix = docs[0], pixels[0]
+    inputs = dict(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
+                  labels=ids.unsqueeze(0))
+    frozen.train()
+    out = frozen(**inputs)
+    out.loss.backward()
+    assert all(p.grad is None for p in frozen.model.visual.parameters())
+    assert frozen.lm_head.weight.grad is not None
+    with torch.no_grad():
+        assert torch.equal(out.logits, model.train()(**inputs).logits)
+    frozen.set_vision_frozen(False)
+    assert all(p.requires_grad for p in frozen.model.visual.parameters()) and not frozen.config.freeze_vision
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("tokens_without_pixels", "no pixel values"),
+        ("grid_without_tokens", "grids without tokens"),
+        ("count_mismatch", "tokens, but its token run"),
+        ("pixels_without_grid", "pixel_values was given without image_grid_thw"),
+        ("grid_without_pixels", "image_grid_thw was given without pixel_values"),
+        ("pixel_rows_mismatch", "patches but the grids"),
+        ("pixel_width", "must be \\[num_patches"),
+        ("embeds_with_images", "need input_ids"),
+        ("type_ids", "mm_token_type_ids contradict"),
+        ("use_cache", "use_cache=True is not supported"),
+    ],
+)
+def test_bad_input(case, message):
+    model = our_vl_model("dense").eval()
+    gen = torch.Generator().manual_seed(0)
+    grids = [[1, 4, 4], [1, 2, 4]]
+    ids = torch.tensor([1] + image_tokens(grids[0]) + [2, 3] + image_tokens(grids[1]) + [4]).unsqueeze(0)
+    kwargs = dict(input_ids=ids, pixel_values=pixels_for(grids, gen), image_grid_thw=grid_tensor(grids))
+    if case == "tokens_without_pixels":
+        kwargs.update(pixel_values=None, image_grid_thw=None)
+    elif case == "grid_without_tokens":
+        kwargs.update(pixel_values=pixels_for(grids + [[1, 2, 2]], gen), image_grid_thw=grid_tensor(grids + [[1, 2, 2]]))
+    elif case == "count_mismatch":
+        kwargs.update(pixel_values=pixels_for([[1, 4, 4], [1, 4, 4]], gen),
+                      image_grid_thw=grid_tensor([[1, 4, 4], [1, 4, 4]]))
+    elif case == "pixels_without_grid":
+        kwargs.update(image_grid_thw=None)
+    elif case == "grid_without_pixels":
+        kwargs.update(pixel_values=None)
+    elif case == "pixel_rows_mismatch":
+        kwargs.update(pixel_values=kwargs["pixel_values"][:-1])
+    elif case == "pixel_width":
+        kwargs.update(pixel_values=kwargs["pixel_values"][:, :-1])
+    elif case == "embeds_with_images":
+        kwargs.update(input_ids=None, inputs_embeds=torch.zeros(1, ids.shape[1], 64))
+    elif case == "type_ids":
+        kwargs.update(mm_token_type_ids=torch.zeros_like(ids))
+    elif case == "use_cache":
+        kwargs.update(use_cache=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(**kwargs)
+
+
+def test_config_classes_and_round_trip(tmp_path):
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+    from qwen35_packed.configuration import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+
+    for cls, builtin, text_cls, model_type in (
+        (Qwen3_5PackedVLConfig, transformers.Qwen3_5Config, Qwen3_5PackedConfig, "qwen3_5"),
+        (Qwen3_5MoePackedVLConfig, transformers.Qwen3_5MoeConfig, Qwen3_5MoePackedConfig, "qwen3_5_moe"),
+    ):
+        kind = "moe" if "Moe" in cls.__name__ else "dense"
+        from vl_tiny import composite_kwargs
+
+        config = cls(**composite_kwargs(kind), freeze_vision=True)
+        assert isinstance(config, builtin) and config.model_type == model_type
+        assert type(config.text_config) is text_cls
+        config.save_pretrained(tmp_path / kind)
+        loaded = cls.from_pretrained(tmp_path / kind)
+        assert type(loaded.text_config) is text_cls and loaded.freeze_vision is True
+        assert loaded.text_config.rope_parameters == config.text_config.rope_parameters
+        assert loaded.vision_config.to_dict() == config.vision_config.to_dict()
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
+def test_reference_configs_give_builtin_keys_and_shapes(name):
+    path = REFERENCE_DIR / name / "config.json"
+    if not path.is_file():
+        pytest.skip("reference configs not available")
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+    from qwen35_packed.modeling import Qwen3_5MoePackedForConditionalGeneration, Qwen3_5PackedForConditionalGeneration
+
+    data = json.loads(path.read_text())
+    moe = data["model_type"] == "qwen3_5_moe"
+    ours_cls = Qwen3_5MoePackedForConditionalGeneration if moe else Qwen3_5PackedForConditionalGeneration
+    ours_cfg = (Qwen3_5MoePackedVLConfig if moe else Qwen3_5PackedVLConfig)(**data)
+    ref_cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    ref_cfg = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(**data)
+    with torch.device("meta"):
+        ours = {k: tuple(v.shape) for k, v in ours_cls(ours_cfg).state_dict().items()}
+        ref = {k: tuple(v.shape) for k, v in ref_cls(ref_cfg).state_dict().items()}
+    assert ours == ref
