@@ -366,8 +366,9 @@ def plan_official_mapping(
 ) -> tuple[OutputConfig, list[Rule], MappingPlan]:
     """Headers-only planning of `--to official`: (config, rules, mapping) for SRC tensors and config.
 
-    `mtp` is (the tensors of the `--mtp-from` checkpoint, its name); `vision` is (the tensors of the `--vision-from`
-    checkpoint, its config.json, its name). Validates every part against config.json.
+    `mtp` is (the tensors of the `--mtp-from` checkpoint, its config.json, its name); `vision` is (the tensors of
+    the `--vision-from` checkpoint, its config.json, its name). Validates every part against config.json. A SRC
+    config without `mtp_num_hidden_layers` (transformers' text classes drop it) takes the `--mtp-from` value.
     """
     output_config = build_official_config(
         src_config, vision_config=vision[1] if vision else None, router_aux_loss_coef=router_aux_loss_coef
@@ -386,9 +387,15 @@ def plan_official_mapping(
 
     rules = official_rules(composite=composite, tie_word_embeddings=output_config.config.tie_word_embeddings)
     mapping = MappingEngine(rules).plan(text_tensors)
-    mtp_tensors, mtp_role = (own_mtp, "SRC") if own_mtp else (_prefixed(mtp[0], "mtp."), mtp[1]) if mtp else ({}, "")
+    mtp_tensors, mtp_role = (own_mtp, "SRC") if own_mtp else (_prefixed(mtp[0], "mtp."), mtp[2]) if mtp else ({}, "")
     if mtp is not None and not mtp_tensors:
-        raise ConversionError(f"--mtp-from {mtp[1]} holds no mtp.* tensors")
+        raise ConversionError(f"--mtp-from {mtp[2]} holds no mtp.* tensors")
+    text_data = output_config.text_data
+    if mtp is not None and "mtp_num_hidden_layers" not in text_data:
+        theirs = mtp[1].get("text_config", mtp[1]).get("mtp_num_hidden_layers")
+        if theirs is not None:
+            text_data["mtp_num_hidden_layers"] = theirs
+            output_config.notes.append(f"mtp_num_hidden_layers: SRC has none, taken from --mtp-from ({theirs})")
     if mtp_tensors:
         validate_mtp(mtp_tensors, output_config, mtp_role)
         what = "kept from SRC" if own_mtp else f"from --mtp-from {mtp_role}"
@@ -462,7 +469,7 @@ def plan_conversion(
         output_config, rules, mapping = plan_official_mapping(
             source.tensors,
             source.config,
-            mtp=(mtp_source.tensors, mtp_source.folder.name) if mtp_source else None,
+            mtp=(mtp_source.tensors, mtp_source.config, mtp_source.folder.name) if mtp_source else None,
             vision=(vision_source.tensors, vision_source.config, vision_source.folder.name) if vision_source else None,
             router_aux_loss_coef=router_aux_loss_coef,
         )
@@ -645,7 +652,7 @@ def _check_tied_lm_head(plan: ConversionPlan) -> None:
         )
 
 
-def write_conversion(plan: ConversionPlan, *, progress: bool = True) -> Path:
+def write_conversion(plan: ConversionPlan, *, progress: bool = True, log: Callable[[str], None] = print) -> Path:
     """Carry out a plan: write everything into a temporary folder next to OUT, then rename it to OUT."""
     from safetensors.torch import save_file
 
@@ -668,7 +675,7 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True) -> Path:
         except ImportError:
             bar = None
     if stale:
-        print(f"note: {len(stale)} temporary folder(s) of an interrupted conversion next to OUT: {', '.join(stale)}")
+        log(f"note: {len(stale)} temporary folder(s) of an interrupted conversion next to OUT: {', '.join(stale)}")
     try:
         weight_map: dict[str, str] = {}
         step = 0
@@ -738,7 +745,7 @@ def convert(
     if dry_run:
         log("dry run: nothing written")
         return plan
-    write_conversion(plan, progress=progress)
+    write_conversion(plan, progress=progress, log=log)
     log(f"wrote {plan.out}")
     return plan
 
