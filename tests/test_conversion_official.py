@@ -169,7 +169,9 @@ def test_per_expert_text_model_goes_back_fused(tmp_path):
     convert(src, tmp_path / "official", to="official", **QUIET)
     tensors, source = read_folder(tmp_path / "official"), read_folder(src)
     p = "model.layers.1.mlp.experts"
-    manual = torch.stack([torch.cat([source[f"{p}.{e}.gate_proj.weight"], source[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+    manual = torch.stack(
+        [torch.cat([source[f"{p}.{e}.gate_proj.weight"], source[f"{p}.{e}.up_proj.weight"]]) for e in range(4)]
+    )
     assert torch.equal(tensors[f"{p}.gate_up_proj"], manual)
     assert not any(re.search(r"experts\.\d+\.", k) for k in tensors)
     assert set(tensors) == set(model.state_dict())
@@ -190,7 +192,8 @@ def test_real_vlm_merge_back_loads_with_identical_logits(tmp_path):
     convert(src, tmp_path / "ours", text_only=True, **QUIET)
     convert(tmp_path / "ours", tmp_path / "back", to="official", vision_from=src, **QUIET)
     assert verify_folders(src, tmp_path / "back")[0].identical
-    back, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "back", output_loading_info=True)
+    vlm_class = transformers.Qwen3_5ForConditionalGeneration
+    back, info = vlm_class.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert torch.equal(logits(back.eval()), logits(vlm))
 
@@ -256,7 +259,8 @@ def test_reference_key_lists_map_both_ways(name):
     assert consumed | passed == set(keys) and not consumed & passed  # every key accounted for exactly once
 
     packed_specs = {k: LazyTensor.source(k, v.shape, "BF16") for k, v in to_packed.outputs.items()}
-    _, _, back = plan_official_mapping(packed_specs, packed.data, mtp=(specs, official, "ref"), vision=(specs, official, "ref"))
+    reference = (specs, official, "ref")
+    _, _, back = plan_official_mapping(packed_specs, packed.data, mtp=reference, vision=reference)
     assert set(back.outputs) == set(keys)
     assert all(tuple(back.outputs[k].shape) == specs[k].shape for k in keys)
 

@@ -46,8 +46,9 @@ def write_checkpoint(folder: Path, n_layers: int, *, moe: bool = False) -> int:
         if moe and key.endswith("experts.gate_up_proj"):  # per expert, as transformers' save_pretrained writes
             p = key[: -len("gate_up_proj")]
             for e in range(shape[0]):
-                groups.setdefault(group, {})[f"{p}{e}.gate_proj.weight"] = torch.randn(shape[1] // 2, shape[2], generator=g)
-                groups[group][f"{p}{e}.up_proj.weight"] = torch.randn(shape[1] // 2, shape[2], generator=g)
+                layer = groups.setdefault(group, {})
+                layer[f"{p}{e}.gate_proj.weight"] = torch.randn(shape[1] // 2, shape[2], generator=g)
+                layer[f"{p}{e}.up_proj.weight"] = torch.randn(shape[1] // 2, shape[2], generator=g)
         elif moe and key.endswith("experts.down_proj"):
             p = key[: -len("down_proj")]
             for e in range(shape[0]):

@@ -22,7 +22,10 @@ CONFIG_MODULE = "configuration_qwen3_5_packed"
 MODELING_MODULE = "modeling_qwen3_5_packed"
 ARCHITECTURES = {False: "Qwen3_5PackedForCausalLM", True: "Qwen3_5MoePackedForCausalLM"}
 OFFICIAL_TEXT_ARCHITECTURES = {False: "Qwen3_5ForCausalLM", True: "Qwen3_5MoeForCausalLM"}
-OFFICIAL_COMPOSITE_ARCHITECTURES = {False: "Qwen3_5ForConditionalGeneration", True: "Qwen3_5MoeForConditionalGeneration"}
+OFFICIAL_COMPOSITE_ARCHITECTURES = {
+    False: "Qwen3_5ForConditionalGeneration",
+    True: "Qwen3_5MoeForConditionalGeneration",
+}
 OFFICIAL_COMPOSITE_MODEL_TYPES = {False: "qwen3_5", True: "qwen3_5_moe"}
 # Fields of this project's config class that official readers do not know; not written to official configs.
 PROJECT_ONLY_KEYS = ("gdn_kernel", "attention_kernel")

@@ -276,7 +276,9 @@ def _check_against(outputs: dict[str, LazyTensor], expected: dict[str, tuple], w
         if "lm_head.weight" in missing:
             hint = " (lm_head.weight is required because tie_word_embeddings is false)"
         more = f" ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ConversionError(f"{role} lacks {len(missing)} tensors the {what} needs{hint}: {', '.join(missing[:20])}{more}")
+        raise ConversionError(
+            f"{role} lacks {len(missing)} tensors the {what} needs{hint}: {', '.join(missing[:20])}{more}"
+        )
     wrong = [(k, outputs[k].shape, expected[k]) for k in expected if tuple(outputs[k].shape) != expected[k]]
     if wrong:
         raise ConversionError(

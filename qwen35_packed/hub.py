@@ -1,0 +1,577 @@
+"""Upload a model or PEFT adapter folder to the Hugging Face Hub, with a generated model card.
+
+`hub_upload.py FOLDER --repo-id ORG/NAME` (a thin entry point at the repository root) calls `main`. The logic:
+
+* `plan_upload` decides what goes: an allow-list of top-level files (weights and their index, configs, this
+  package's remote-code modules, tokenizer / processor files, LICENSE, the card, the verification report). Anything
+  else is left out with the reason: symlinks (even with an allowed name), hidden files, folders (caches), files that
+  look like credentials, shards the index does not name, unknown files. A folder is a `packed` model (auto_map to
+  this package's classes), an `official` one (transformers' architectures) or a PEFT `adapter` (adapter_config.json).
+* The card (a huggingface_hub `ModelCard`) carries metadata (library_name, base_model, tags, license: `--license`,
+  else the report's `source.license`, else recognised from the LICENSE file copied from the source checkpoint),
+  usage snippets for transformers, `trl grpo`, vLLM and PEFT, and the measured numbers of
+  `qwen35_packed_report.json` when the folder has one. A README.md already in the folder is uploaded instead unless
+  `--replace-card`.
+* `upload` is the only place that talks to the Hub: `api.create_repo(...)` then one `api.create_commit(...)` with
+  an explicit list of `CommitOperationAdd`. The token comes from `HF_TOKEN` or the cached login (huggingface_hub
+  resolves it); it is never printed, only where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPORT_NAME = "qwen35_packed_report.json"
+REPORT_SCHEMA = "qwen35_packed_report/1"
+CARD_NAME = "README.md"
+
+CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+OTHER_FILES = ("LICENSE", CARD_NAME, REPORT_NAME)
+WEIGHT_PATTERN = re.compile(r"^(model(-\d{5}-of-\d{5})?|adapter_model)\.safetensors$")
+INDEX_NAME = "model.safetensors.index.json"
+CREDENTIAL_PATTERN = re.compile(r"(^|[._-])(token|credentials?|secrets?|netrc|api[_-]?key)([._-]|$)", re.IGNORECASE)
+PACKED_ARCHITECTURES = ("Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM")
+OFFICIAL_ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": True,
+    "Qwen3_5ForConditionalGeneration": False, "Qwen3_5MoeForConditionalGeneration": True,
+}  # fmt: skip
+
+
+class UploadError(Exception):
+    """The folder or the options cannot be uploaded as asked; the message says why."""
+
+
+@dataclass
+class UploadFile:
+    path_in_repo: str
+    size: int
+    local: Path | None = None  # None: `content` (the generated card)
+    content: bytes | None = None
+
+
+@dataclass
+class UploadPlan:
+    folder: Path
+    repo_id: str
+    private: bool
+    kind: str  # "packed", "official" or "adapter"
+    is_moe: bool
+    files: list[UploadFile]
+    skipped: list[tuple[str, str]]  # (name, reason)
+    card_text: str
+    card_source: str  # "generated" or "README.md in FOLDER"
+    token_source: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def lines(self) -> list[str]:
+        visibility = "private" if self.private else "public"
+        out = [
+            f"repo {self.repo_id} (model repository, {visibility}; created if missing)",
+            f"folder {self.folder}: {self.kind} {'MoE' if self.is_moe else 'dense'}"
+            + (" adapter" if self.kind == "adapter" else " model"),
+            f"token: {self.token_source}",
+            f"upload {len(self.files)} files, {_format_bytes(self.total_size)}:",
+        ]
+        for f in self.files:
+            origin = "" if f.local is not None else "  (generated model card)"
+            out.append(f"  {f.path_in_repo}  {_format_bytes(f.size)}{origin}")
+        if self.skipped:
+            out.append(f"left out ({len(self.skipped)}):")
+            out.extend(f"  {name}: {reason}" for name, reason in self.skipped)
+        out.extend(self.notes)
+        return out
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def token_source() -> str:
+    """Where huggingface_hub will take the token from; never the token itself."""
+    if os.environ.get("HF_TOKEN"):
+        return "from the HF_TOKEN environment variable"
+    try:
+        from huggingface_hub import get_token
+
+        if get_token():
+            return "from the cached login (hf auth login)"
+    except ImportError:
+        pass
+    return "none found (set HF_TOKEN or run `hf auth login` before uploading)"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UploadError(f"{path.name} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UploadError(f"{path.name} is not a JSON object")
+    return data
+
+
+def remote_code_names() -> set[str]:
+    from .conversion.remote_code import remote_code_files
+
+    return {p.name for p in remote_code_files()}
+
+
+def _classify(folder: Path) -> tuple[str, bool, dict]:
+    """(kind, is_moe, config or adapter config)."""
+    if (folder / "adapter_config.json").is_file():
+        adapter = _read_json(folder / "adapter_config.json")
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise UploadError("adapter_config.json without adapter_model.safetensors (only safetensors are uploaded)")
+        targets = json.dumps(adapter.get("target_parameters") or [])
+        return "adapter", "experts" in targets, adapter
+    if not (folder / "config.json").is_file():
+        raise UploadError(f"{folder} has neither config.json (a model) nor adapter_config.json (a PEFT adapter)")
+    config = _read_json(folder / "config.json")
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if arch in PACKED_ARCHITECTURES:
+        auto_map = config.get("auto_map") or {}
+        modules = {v.split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)}
+        missing = sorted(m for m in modules if not (folder / m).is_file())
+        if not auto_map or missing:
+            raise UploadError(
+                f"config.json names {arch} but the remote code is incomplete (auto_map {auto_map or 'missing'}, "
+                f"missing files {missing}); convert the checkpoint with `qwen35-packed convert`"
+            )
+        return "packed", arch == "Qwen3_5MoePackedForCausalLM", config
+    if arch in OFFICIAL_ARCHITECTURES:
+        return "official", OFFICIAL_ARCHITECTURES[arch], config
+    raise UploadError(
+        f"config.json has architectures {architectures}; expected one of {list(PACKED_ARCHITECTURES)} (this "
+        f"project's layout) or {list(OFFICIAL_ARCHITECTURES)} (official)"
+    )
+
+
+def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, str]], list[str]]:
+    """(files to upload, (name, reason) left out, notes) by the allow-list; README.md is decided by the caller."""
+    allowed = set(CONFIG_FILES) | set(TOKENIZER_FILES) | set(PROCESSOR_FILES) | set(OTHER_FILES)
+    code = remote_code_names() if kind == "packed" else set()
+    indexed: set[str] | None = None
+    if (folder / INDEX_NAME).is_file():
+        weight_map = _read_json(folder / INDEX_NAME).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UploadError(f"{INDEX_NAME} has no weight_map")
+        indexed = set(weight_map.values())
+        absent = sorted(n for n in indexed if not (folder / n).is_file() or (folder / n).is_symlink())
+        if absent:
+            raise UploadError(f"{INDEX_NAME} names shards that are missing (or symlinks): {absent[:10]}")
+    chosen, skipped, notes = [], [], []
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        name = path.name
+        if path.is_symlink():
+            skipped.append((name, "symlink (never uploaded; copy the file if it belongs)"))
+        elif name.startswith("."):
+            skipped.append((name, "hidden"))
+        elif path.is_dir():
+            skipped.append((name, "folder (only top-level files are uploaded)"))
+        elif CREDENTIAL_PATTERN.search(name) and name not in allowed:
+            skipped.append((name, "looks like a credential"))
+        elif WEIGHT_PATTERN.match(name):
+            if indexed is not None and name not in indexed and name != "adapter_model.safetensors":
+                skipped.append((name, f"a shard {INDEX_NAME} does not name (stale?)"))
+            elif indexed is None and name != "model.safetensors" and name != "adapter_model.safetensors":
+                skipped.append((name, f"a shard without {INDEX_NAME}"))
+            else:
+                chosen.append(path)
+        elif name == INDEX_NAME or name in allowed:
+            chosen.append(path)
+        elif name in code:
+            chosen.append(path)
+        elif name.endswith(".py"):
+            skipped.append((name, "Python file that is not one of this package's remote-code modules"))
+        else:
+            skipped.append((name, "not on the allow-list"))
+    if not any(WEIGHT_PATTERN.match(p.name) for p in chosen):
+        raise UploadError(f"{folder} holds no safetensors weights to upload")
+    if kind == "packed":
+        missing = sorted(code - {p.name for p in chosen})
+        if missing:
+            notes.append(f"note: remote-code modules of this package version not in the folder: {', '.join(missing)}")
+    return chosen, skipped, notes
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+
+def load_report(folder: Path) -> dict | None:
+    """The folder's verification report, validated against REPORT_SCHEMA, or None when there is none.
+
+    Schema `qwen35_packed_report/1` (every section optional):
+      {"schema": "qwen35_packed_report/1",
+       "source": {"base_model": "Qwen/Qwen3.5-0.8B", "license": "apache-2.0"},
+       "round_trip": {"identical": true, "tensors": 488, "digest": "<convert --verify digest>"},
+       "parity": [{"check": str, "value": number, "unit": str, "dtype": str, "device": str, "notes": str}, ...],
+       "performance": [same fields as parity]}
+    """
+    path = folder / REPORT_NAME
+    if not path.is_file():
+        return None
+    report = _read_json(path)
+    if report.get("schema") != REPORT_SCHEMA:
+        raise UploadError(f"{REPORT_NAME}: schema must be {REPORT_SCHEMA!r}, got {report.get('schema')!r}")
+    source = report.get("source", {})
+    if not isinstance(source, dict) or any(not isinstance(v, str) for v in source.values()):
+        raise UploadError(f"{REPORT_NAME}: source must be an object of strings")
+    for section in ("parity", "performance"):
+        entries = report.get(section, [])
+        if not isinstance(entries, list):
+            raise UploadError(f"{REPORT_NAME}: {section} must be a list")
+        for i, entry in enumerate(entries):
+            value = entry.get("value") if isinstance(entry, dict) else None
+            if (not isinstance(entry, dict) or not isinstance(entry.get("check"), str)
+                    or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise UploadError(f"{REPORT_NAME}: {section}[{i}] needs a string 'check' and a finite number 'value'")
+            extra = sorted(set(entry) - {"check", "value", "unit", "dtype", "device", "notes"})
+            if extra or any(not isinstance(entry.get(k, ""), str) for k in ("unit", "dtype", "device", "notes")):
+                raise UploadError(f"{REPORT_NAME}: {section}[{i}] has unknown or non-string fields {extra}")
+    round_trip = report.get("round_trip")
+    if round_trip is not None and not (isinstance(round_trip, dict) and isinstance(round_trip.get("identical"), bool)):
+        raise UploadError(f"{REPORT_NAME}: round_trip needs a boolean 'identical'")
+    return report
+
+
+def license_from_file(folder: Path) -> str | None:
+    """The license id of a LICENSE file copied from the source checkpoint, for the texts recognised here."""
+    path = folder / "LICENSE"
+    if not path.is_file():
+        return None
+    head = path.read_text(encoding="utf-8", errors="replace")[:2000]
+    if "Apache License" in head and "Version 2.0" in head:
+        return "apache-2.0"
+    if re.search(r"\bMIT License\b", head):
+        return "mit"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------- card
+
+
+def usage_snippets(repo_id: str, kind: str, is_moe: bool, base_model: str | None) -> dict[str, str]:
+    """The code blocks of the card, by name; each is complete as shown (the tests run the transformers one)."""
+    builtin = "Qwen3_5MoeForCausalLM" if is_moe else "Qwen3_5ForCausalLM"
+    remote = ", trust_remote_code=True" if kind == "packed" else ""
+    snippets = {}
+    if kind == "adapter":
+        base = base_model or "BASE_MODEL"
+        snippets["peft"] = (
+            "from peft import PeftModel\n"
+            "from transformers import AutoModelForCausalLM\n\n"
+            f'base = AutoModelForCausalLM.from_pretrained("{base}", trust_remote_code=True)\n'
+            f'model = PeftModel.from_pretrained(base, "{repo_id}")\n'
+            "merged = model.merge_and_unload()  # plain weights with the base model's names (vLLM loads them)\n"
+        )
+        return snippets
+    snippets["transformers"] = (
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n\n"
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{remote})\n'
+        "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
+        "logits = model(ids).logits\n"
+    )
+    if kind == "packed":
+        snippets["packed"] = (
+            "import torch\n"
+            "from transformers import AutoModelForCausalLM\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+            "# two documents (4 and 3 tokens) packed in one row: each one sees only itself\n"
+            "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
+            "out = model(ids, cu_seqlens=torch.tensor([0, 4, 7]), labels=ids)\n"
+            "# also accepted: position_ids restarting at 0 per document (DataCollatorWithFlattening)\n"
+        )
+        snippets["trl"] = (
+            f"trl grpo --model_name_or_path {repo_id} --trust_remote_code true \\\n"
+            "    --dataset_name YOUR_DATASET --reward_funcs my_rewards.reward_fn \\\n"
+            "    --output_dir grpo-out\n"
+            "# my_rewards.py (on PYTHONPATH): def reward_fn(completions, **kwargs) -> list[float]\n"
+        )
+        snippets["peft"] = (
+            "from peft import LoraConfig, get_peft_model\n"
+            "from transformers import AutoModelForCausalLM\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+            "config = LoraConfig(\n"
+            "    r=16, lora_alpha=32, lora_dropout=0.0, task_type=\"CAUSAL_LM\",\n"
+            "    target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\",  # gated attention\n"
+            "                    \"in_proj_qkv\", \"in_proj_z\", \"in_proj_a\", \"in_proj_b\", \"out_proj\",  # GDN\n"
+            "                    \"gate_proj\", \"up_proj\", \"down_proj\"],  # MLP / shared expert\n"
+            + ("    target_parameters=[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"],  # needs dropout 0\n"
+               if is_moe else "")
+            + ")\n"
+            "model = get_peft_model(model, config)  # never conv1d: the GDN conv reads its weight directly\n"
+        )
+        snippets["vllm"] = (
+            "# with the qwen35-packed package installed next to vLLM, its `qwen35_packed` plugin (entry point group\n"
+            "# vllm.general_plugins) maps this folder's architecture onto vLLM's native Qwen3.5 classes\n"
+            "from vllm import LLM, SamplingParams\n\n"
+            f'llm = LLM(model="{repo_id}")\n'
+            "# without the plugin, name vLLM's class yourself:\n"
+            f'# llm = LLM(model="{repo_id}", hf_overrides={{"architectures": ["{builtin}"]}})\n'
+            'print(llm.generate(["Hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)\n'
+        )
+    else:
+        snippets["vllm"] = (
+            "from vllm import LLM, SamplingParams\n\n"
+            f'llm = LLM(model="{repo_id}")\n'
+            'print(llm.generate(["Hello"], SamplingParams(max_tokens=16))[0].outputs[0].text)\n'
+        )
+    return snippets
+
+
+_LANGUAGES = {"transformers": "python", "packed": "python", "trl": "bash", "peft": "python", "vllm": "python"}
+_TITLES = {
+    "transformers": "transformers",
+    "packed": "Packed documents (exact)",
+    "trl": "TRL GRPO (`trl grpo` CLI)",
+    "peft": "PEFT LoRA",
+    "vllm": "vLLM",
+}
+
+
+def _report_section(report: dict) -> list[str]:
+    lines = ["## Verification", "", f"Measured numbers from `{REPORT_NAME}` (schema `{REPORT_SCHEMA}`).", ""]
+    round_trip = report.get("round_trip")
+    if round_trip:
+        verdict = "bit-identical" if round_trip["identical"] else "NOT identical"
+        extra = f", {round_trip['tensors']} tensors" if "tensors" in round_trip else ""
+        digest = f", digest `{round_trip['digest'][:16]}`" if "digest" in round_trip else ""
+        lines += [f"- Round trip official -> packed -> official: {verdict}{extra}{digest}.", ""]
+    for section, title in (("parity", "Parity"), ("performance", "Performance")):
+        entries = report.get(section) or []
+        if not entries:
+            continue
+        lines += [f"### {title}", "", "| check | value | unit | dtype | device | notes |", "|---|---|---|---|---|---|"]
+        for e in entries:
+            cells = [e["check"], f"{e['value']:.4g}", e.get("unit", ""), e.get("dtype", ""), e.get("device", ""),
+                     e.get("notes", "")]  # fmt: skip
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
+def build_card(
+    repo_id: str,
+    kind: str,
+    is_moe: bool,
+    *,
+    base_model: str | None,
+    license: str | None,
+    config: dict,
+    report: dict | None,
+):
+    """The model card (a huggingface_hub ModelCard) for the folder."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    tags = ["qwen3_5", "qwen35-packed", "packed-sequences"]
+    tags += ["moe"] if is_moe else []
+    tags += ["peft", "lora"] if kind == "adapter" else []
+    data = ModelCardData(
+        library_name="peft" if kind == "adapter" else "transformers",
+        base_model=base_model,
+        license=license,
+        tags=tags,
+        pipeline_tag="text-generation",
+    )
+    name = repo_id.split("/")[-1]
+    size = "MoE" if is_moe else "dense"
+    about = {
+        "packed": (
+            f"Qwen3.5 {size} text model in the `qwen35-packed` layout: "
+            "transformers remote code (`trust_remote_code=True`) that is exact for packed documents (the GDN conv, "
+            "the delta-rule recurrence, attention, rope positions and the loss all honour document boundaries). The "
+            "weights have the names and shapes of transformers' built-in Qwen3.5 text classes, which load them "
+            "without `trust_remote_code` (unpacked input only)."
+        ),
+        "official": (
+            f"Qwen3.5 {size} checkpoint in the official layout, written by `qwen35-packed convert --to official` "
+            "(transformers' architectures, fused experts; the MTP head and the vision tower where the source had them)."
+        ),
+        "adapter": f"PEFT LoRA adapter for a Qwen3.5 {size} model (qwen35-packed).",
+    }[kind]
+    lines = [f"# {name}", "", about, ""]
+    if base_model:
+        lines += [f"Base model: [{base_model}](https://huggingface.co/{base_model}).", ""]
+    lines += ["## Usage", ""]
+    for key, code in usage_snippets(repo_id, kind, is_moe, base_model).items():
+        lines += [f"### {_TITLES[key]}", "", f"```{_LANGUAGES[key]}", code.rstrip("\n"), "```", ""]
+    coef = (config.get("text_config") or config).get("router_aux_loss_coef") if kind != "adapter" else None
+    if is_moe and coef is not None:
+        lines += [
+            "## MoE load-balancing loss",
+            "",
+            f"`router_aux_loss_coef` is {coef} in config.json. "
+            + ("A value > 0 adds a load-balancing gradient in stacks that compute it whenever router logits are "
+               "returned, which is not part of an RL objective; convert with `--router-aux-loss-coef 0` for RL."
+               if coef else "It is 0: no load-balancing loss is added."),
+            "",
+        ]
+    if report:
+        lines += _report_section(report)
+    content = "---\n" + data.to_yaml() + "\n---\n\n" + "\n".join(lines).rstrip("\n") + "\n"
+    return ModelCard(content)
+
+
+# ------------------------------------------------------------------------------------------------------- upload
+
+
+def plan_upload(
+    folder,
+    repo_id: str,
+    *,
+    private: bool = False,
+    base_model: str | None = None,
+    license: str | None = None,
+    replace_card: bool = False,
+) -> UploadPlan:
+    """Decide everything `upload` will send; reads the folder, writes nothing, needs no network."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UploadError(f"{folder} is not a folder")
+    if repo_id.count("/") != 1:
+        raise UploadError(f"--repo-id must be ORG/NAME, got {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise UploadError(f"--repo-id {repo_id!r}: {exc}") from exc
+    kind, is_moe, config = _classify(folder)
+    chosen, skipped, notes = select_files(folder, kind)
+    report = load_report(folder)
+    source = (report or {}).get("source", {})
+    if base_model is None:
+        base_model = config.get("base_model_name_or_path") if kind == "adapter" else None
+        base_model = base_model or source.get("base_model")
+    if license is None:
+        license = source.get("license") or license_from_file(folder)
+    if base_model is None:
+        notes.append("note: no base model known; pass --base-model ORG/NAME to link the source model")
+    if license is None:
+        notes.append("note: no license known (no --license, report source.license or recognised LICENSE file)")
+
+    has_card = any(p.name == CARD_NAME for p in chosen)
+    files = [
+        UploadFile(p.name, p.stat().st_size, local=p) for p in chosen if not (p.name == CARD_NAME and replace_card)
+    ]
+    if has_card and not replace_card:
+        card_text, card_source = (folder / CARD_NAME).read_text(encoding="utf-8"), f"{CARD_NAME} in FOLDER"
+        notes.append(f"note: uploading the folder's own {CARD_NAME}; --replace-card uploads the generated card")
+    else:
+        card = build_card(repo_id, kind, is_moe, base_model=base_model, license=license, config=config, report=report)
+        card_text, card_source = str(card), "generated"
+        data = card_text.encode("utf-8")
+        files.append(UploadFile(CARD_NAME, len(data), content=data))
+    files.sort(key=lambda f: f.path_in_repo)
+    return UploadPlan(folder, repo_id, private, kind, is_moe, files, skipped, card_text, card_source,
+                      token_source(), notes)  # fmt: skip
+
+
+def upload(plan: UploadPlan, api) -> object:
+    """Create the repository (if missing) and upload the planned files in one commit; returns the commit info."""
+    from huggingface_hub import CommitOperationAdd
+
+    api.create_repo(repo_id=plan.repo_id, repo_type="model", private=plan.private, exist_ok=True)
+    operations = [
+        CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local) if f.local else f.content)
+        for f in plan.files
+    ]
+    kind = "PEFT adapter" if plan.kind == "adapter" else f"{plan.kind} model"
+    return api.create_commit(
+        repo_id=plan.repo_id,
+        repo_type="model",
+        operations=operations,
+        commit_message=f"Upload {kind} with qwen35-packed hub_upload ({len(operations)} files)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hub_upload.py",
+        description=(
+            "Upload a model folder (qwen35-packed or official layout) or a PEFT adapter folder to the Hugging Face "
+            "Hub with a generated model card. Only allow-listed top-level files go; --dry-run prints the plan and "
+            "the card. The token comes from HF_TOKEN or the cached login and is never printed."
+        ),
+    )
+    p.add_argument("folder", metavar="FOLDER")
+    p.add_argument("--repo-id", required=True, metavar="ORG/NAME")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--base-model", metavar="ORG/NAME", help="the source model for the card's base_model")
+    p.add_argument("--license", help="license id for the card (default: the report's source.license or LICENSE)")
+    p.add_argument("--replace-card", action="store_true", help="upload the generated card over the folder's README.md")
+    p.add_argument("--dry-run", action="store_true", help="print what would be uploaded and the card; send nothing")
+    return p
+
+
+def main(argv: list[str] | None = None, *, api=None) -> int:
+    """Entry point of hub_upload.py. `api` replaces `huggingface_hub.HfApi()` (tests pass a recording fake)."""
+    args = build_parser().parse_args(argv)
+    try:
+        plan = plan_upload(
+            args.folder,
+            args.repo_id,
+            private=args.private,
+            base_model=args.base_model,
+            license=args.license,
+            replace_card=args.replace_card,
+        )
+        for line in plan.lines():
+            print(line)
+        if args.dry_run:
+            print(f"--- model card ({plan.card_source}) ---")
+            print(plan.card_text.rstrip("\n"))
+            print("--- dry run: nothing uploaded ---")
+            return 0
+        if api is None:
+            if plan.token_source.startswith("none"):
+                raise UploadError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        info = upload(plan, api)
+    except UploadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # huggingface_hub's HTTP errors are OSErrors; the token is never in them
+        print(f"error: the upload failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    url = getattr(info, "commit_url", None) or f"https://huggingface.co/{plan.repo_id}"
+    print(f"uploaded {len(plan.files)} files: {url}")
+    return 0
+
+
+__all__ = [
+    "REPORT_NAME",
+    "REPORT_SCHEMA",
+    "UploadError",
+    "UploadPlan",
+    "build_card",
+    "load_report",
+    "main",
+    "plan_upload",
+    "upload",
+    "usage_snippets",
+]

@@ -1,0 +1,254 @@
+"""hub_upload.py: the upload plan (allow-list), the model card, and the HfApi call boundary through a recording fake
+(the Hub is not reachable from CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import save_file
+
+from qwen35_packed import hub
+from qwen35_packed.conversion import convert, remote_code_files
+from test_conversion import build_builtin
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "hf_NotARealTokenButSecret0123456789"
+APACHE = "\n                                 Apache License\n                           Version 2.0, January 2004\n"
+
+
+class RecordingApi:
+    """Stands in for huggingface_hub.HfApi: records the calls `upload` makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, **kwargs):
+        self.calls.append(("create_repo", kwargs))
+        return f"https://huggingface.co/{kwargs['repo_id']}"
+
+    def create_commit(self, **kwargs):
+        self.calls.append(("create_commit", kwargs))
+
+        class Info:
+            commit_url = f"https://huggingface.co/{kwargs['repo_id']}/commit/0"
+
+        return Info()
+
+
+@pytest.fixture(autouse=True)
+def no_real_login(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no cached login of this machine is read
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A converted (packed) dense folder with a LICENSE, a tokenizer config and a verification report."""
+    root = tmp_path_factory.mktemp("hub")
+    src = root / "src"
+    build_builtin("dense", seed=1).save_pretrained(src)
+    (src / "LICENSE").write_text(APACHE)
+    (src / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    out = root / "packed"
+    convert(src, out, progress=False, log=lambda line: None)
+    return out
+
+
+def with_junk(folder: Path, dest: Path) -> Path:
+    """A copy of `folder` with every kind of file that must not be uploaded."""
+    import shutil
+
+    shutil.copytree(folder, dest)
+    (dest / ".cache").mkdir()
+    (dest / ".cache" / "x.lock").write_text("")
+    (dest / "__pycache__").mkdir()
+    (dest / ".hf_token").write_text(SECRET)
+    (dest / "hf_token.txt").write_text(SECRET)
+    (dest / "notes.txt").write_text("my notes")
+    (dest / "helper.py").write_text("print('hi')\n")
+    (dest / "optimizer.pt").write_bytes(b"\0" * 10)
+    (dest / "tokenizer.json").symlink_to(dest / "tokenizer_config.json")
+    save_file({"x": torch.zeros(1)}, str(dest / "model-00009-of-00009.safetensors"))  # not in any index
+    return dest
+
+
+def test_dry_run_plan_lists_exactly_the_allowed_files(packed, tmp_path, capsys):
+    folder = with_junk(packed, tmp_path / "folder")
+    api = RecordingApi()
+    assert hub.main([str(folder), "--repo-id", "me/tiny-packed", "--dry-run"], api=api) == 0
+    printed = capsys.readouterr().out
+    assert api.calls == []  # nothing sent
+    expected = {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json", "LICENSE",
+                "README.md"}  # fmt: skip
+    expected |= {p.name for p in remote_code_files()}
+    listed = {line.split()[0] for line in printed.split("left out")[0].splitlines() if line.startswith("  ")}
+    assert listed == expected
+    left_out = printed.split("left out")[1].split("--- model card")[0]
+    for name, reason in [(".cache", "hidden"), (".hf_token", "hidden"), ("__pycache__", "folder"),
+                         ("hf_token.txt", "credential"), ("notes.txt", "allow-list"), ("optimizer.pt", "allow-list"),
+                         ("helper.py", "not one of this package's remote-code"), ("tokenizer.json", "symlink"),
+                         ("model-00009-of-00009.safetensors", "without model.safetensors.index.json")]:  # fmt: skip
+        assert any(line.strip().startswith(f"{name}:") and reason in line for line in left_out.splitlines()), name
+    assert "token: from the HF_TOKEN environment variable" in printed
+    assert SECRET not in printed
+    assert "--- model card (generated) ---" in printed and "dry run: nothing uploaded" in printed
+
+
+def test_upload_goes_through_create_repo_and_one_commit(packed, tmp_path, capsys):
+    folder = with_junk(packed, tmp_path / "folder")
+    api = RecordingApi()
+    assert hub.main([str(folder), "--repo-id", "me/tiny-packed", "--private", "--base-model", "Qwen/Qwen3.5-0.8B"],
+                    api=api) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err
+    assert [name for name, _ in api.calls] == ["create_repo", "create_commit"]
+    assert api.calls[0][1] == {"repo_id": "me/tiny-packed", "repo_type": "model", "private": True, "exist_ok": True}
+    commit = api.calls[1][1]
+    assert commit["repo_id"] == "me/tiny-packed" and commit["repo_type"] == "model"
+    ops = {op.path_in_repo: op for op in commit["operations"]}
+    plan = hub.plan_upload(folder, "me/tiny-packed", base_model="Qwen/Qwen3.5-0.8B")
+    assert set(ops) == {f.path_in_repo for f in plan.files}
+    for name, op in ops.items():
+        if name == "README.md":  # the generated card, sent as bytes
+            card = ModelCard(op.path_or_fileobj.decode())
+            assert card.data.base_model == "Qwen/Qwen3.5-0.8B"
+        else:
+            assert Path(op.path_or_fileobj).resolve() == (folder / name).resolve()
+            assert not (folder / name).is_symlink() and not name.startswith(".")
+    assert "uploaded" in out and "/commit/0" in out
+
+
+def test_card_metadata_and_report(packed, tmp_path):
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(packed, folder)
+    report = {
+        "schema": hub.REPORT_SCHEMA,
+        "source": {"base_model": "Qwen/Qwen3.5-0.8B"},
+        "round_trip": {"identical": True, "tensors": 488, "digest": "ab" * 32},
+        "parity": [{"check": "packed vs per-document logits", "value": 5.2e-4, "unit": "max |diff|", "dtype": "fp32",
+                    "device": "H200"}],
+        "performance": [{"check": "training step", "value": 1234.5, "unit": "tokens/s", "device": "H200"}],
+    }  # fmt: skip
+    (folder / hub.REPORT_NAME).write_text(json.dumps(report))
+    plan = hub.plan_upload(folder, "org/qwen35-tiny")
+    card = ModelCard(plan.card_text)
+    assert card.data.library_name == "transformers"
+    assert card.data.base_model == "Qwen/Qwen3.5-0.8B"  # from the report
+    assert card.data.license == "apache-2.0"  # from the LICENSE copied from the source
+    assert set(card.data.tags) >= {"qwen3_5", "qwen35-packed"} and "moe" not in card.data.tags
+    text = card.text
+    assert "| packed vs per-document logits | 0.00052 | max \\|diff\\| | fp32 | H200 |" in text
+    assert "| training step | 1234 | tokens/s |  | H200 |" in text  # :.4g
+    assert "bit-identical, 488 tensors" in text
+    for needle in ('trust_remote_code=True', "trl grpo --model_name_or_path org/qwen35-tiny --trust_remote_code true",
+                   'hf_overrides={"architectures": ["Qwen3_5ForCausalLM"]}', "vllm.general_plugins",
+                   "LoraConfig("):  # fmt: skip
+        assert needle in text, needle
+    assert hub.REPORT_NAME in {f.path_in_repo for f in plan.files}
+    assert hub.plan_upload(folder, "org/x", license="mit").card_text.count("license: mit") == 1
+
+    report["parity"][0]["value"] = "small"
+    (folder / hub.REPORT_NAME).write_text(json.dumps(report))
+    with pytest.raises(hub.UploadError, match=r"parity\[0\] needs a string 'check' and a finite number"):
+        hub.plan_upload(folder, "org/x")
+    (folder / hub.REPORT_NAME).write_text(json.dumps({"schema": "other/2"}))
+    with pytest.raises(hub.UploadError, match="schema must be"):
+        hub.plan_upload(folder, "org/x")
+
+
+def test_card_python_snippets_run(packed):
+    """The transformers and packed snippets of the card run as written, with the repo id pointing at the folder."""
+    snippets = hub.usage_snippets(str(packed), "packed", False, None)
+    for name in ("transformers", "packed"):
+        scope = {}
+        exec(compile(snippets[name], f"<card:{name}>", "exec"), scope)
+        if name == "packed":
+            assert torch.isfinite(scope["out"].loss)
+        else:
+            assert scope["logits"].shape == (1, 7, 128)
+    for name in ("peft", "vllm"):  # not installed here: at least valid Python
+        compile(snippets[name], f"<card:{name}>", "exec")
+
+
+def test_official_and_adapter_folders(tmp_path, capsys):
+    official = tmp_path / "official"
+    build_builtin("moe", seed=2).save_pretrained(official)  # per expert, one shard
+    plan = hub.plan_upload(official, "org/official")
+    assert plan.kind == "official" and plan.is_moe
+    assert not any(f.path_in_repo.endswith(".py") for f in plan.files)
+    snippets = hub.usage_snippets("org/official", "official", True, None)
+    assert "trust_remote_code" not in snippets["transformers"]
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 8,
+                                                             "peft_type": "LORA"}))  # fmt: skip
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(2, 2)}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "training_args.bin").write_bytes(b"\0")
+    plan = hub.plan_upload(adapter, "org/adapter")
+    assert plan.kind == "adapter"
+    assert {f.path_in_repo for f in plan.files} == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    card = ModelCard(plan.card_text)
+    assert card.data.library_name == "peft" and card.data.base_model == "org/base"
+    assert 'PeftModel.from_pretrained(base, "org/adapter")' in card.text
+
+
+def test_existing_readme_is_kept_unless_replaced(packed, tmp_path):
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(packed, folder)
+    (folder / "README.md").write_text("# my own card\n")
+    plan = hub.plan_upload(folder, "org/x")
+    readme = next(f for f in plan.files if f.path_in_repo == "README.md")
+    assert readme.local == folder / "README.md" and plan.card_source.startswith("README.md")
+    plan = hub.plan_upload(folder, "org/x", replace_card=True)
+    readme = [f for f in plan.files if f.path_in_repo == "README.md"]
+    assert len(readme) == 1 and readme[0].local is None and b"qwen35-packed" in readme[0].content
+
+
+def test_errors(packed, tmp_path, monkeypatch, capsys):
+    assert hub.main([str(packed), "--repo-id", "no-slash", "--dry-run"]) == 2
+    assert "ORG/NAME" in capsys.readouterr().err
+    assert hub.main([str(tmp_path / "missing"), "--repo-id", "a/b", "--dry-run"]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    with pytest.raises(hub.UploadError, match="no safetensors weights"):
+        hub.plan_upload(empty, "a/b")
+    (empty / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(hub.UploadError, match="expected one of"):
+        hub.plan_upload(empty, "a/b")
+    (empty / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5PackedForCausalLM"]}))
+    with pytest.raises(hub.UploadError, match="remote code is incomplete"):
+        hub.plan_upload(empty, "a/b")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    index = {"weight_map": {"x": "model-00001-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hub.UploadError, match="names shards that are missing"):
+        hub.plan_upload(sharded, "a/b")
+    # no token anywhere: the real HfApi is never built
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    assert hub.main([str(packed), "--repo-id", "a/b"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+
+
+def test_hub_upload_script_is_a_thin_entry(packed, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["hub_upload.py", str(packed), "--repo-id", "a/b", "--dry-run"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "hub_upload.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert "dry run: nothing uploaded" in capsys.readouterr().out
+    assert os.access(ROOT / "hub_upload.py", os.R_OK)
