@@ -292,7 +292,8 @@ def test_bad_input(case, message):
     if case == "tokens_without_pixels":
         kwargs.update(pixel_values=None, image_grid_thw=None)
     elif case == "grid_without_tokens":
-        kwargs.update(pixel_values=pixels_for(grids + [[1, 2, 2]], gen), image_grid_thw=grid_tensor(grids + [[1, 2, 2]]))
+        extra = grids + [[1, 2, 2]]
+        kwargs.update(pixel_values=pixels_for(extra, gen), image_grid_thw=grid_tensor(extra))
     elif case == "count_mismatch":
         kwargs.update(pixel_values=pixels_for([[1, 4, 4], [1, 4, 4]], gen),
                       image_grid_thw=grid_tensor([[1, 4, 4], [1, 4, 4]]))
