@@ -76,7 +76,7 @@ def time_step(model, fn, reps=3):
     return (time.perf_counter() - start) / reps, loss.item()
 
 
-def run_model(name, kwargs, rate, results, profile):
+def run_model(name, kwargs, rate, results, profile, selected):
     builtin_config = transformers.Qwen3_5TextConfig(**kwargs)
     torch.manual_seed(0)
     builtin = transformers.Qwen3_5ForCausalLM(builtin_config).to("cuda", torch.bfloat16).train()
@@ -113,6 +113,8 @@ def run_model(name, kwargs, rate, results, profile):
         }
         rows = {}
         for run_name, (model, fn) in runs.items():
+            if selected and run_name not in selected:
+                continue
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
@@ -127,8 +129,8 @@ def run_model(name, kwargs, rate, results, profile):
                                   "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
             model.zero_grad(set_to_none=True)
             print(name, batch_name, run_name, rows[run_name], flush=True)
-        base = rows["builtin_padded"]
-        base_tps = base.get("real_tok_per_s") or rows["builtin_packed_leaky"].get("real_tok_per_s")
+        base = rows.get("builtin_padded", {})
+        base_tps = base.get("real_tok_per_s") or rows.get("builtin_packed_leaky", {}).get("real_tok_per_s")
         for row in rows.values():
             if "real_tok_per_s" in row and base_tps:
                 row["ratio_to_builtin"] = round(row["real_tok_per_s"] / base_tps, 2)
@@ -173,6 +175,7 @@ def main():
     parser.add_argument("--models", default="hybrid_1p4b,qwen35_0p8b")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all four)")
     args = parser.parse_args()
     from qwen35_packed.modeling import kernels
 
@@ -182,7 +185,7 @@ def main():
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1)}
     for name in args.models.split(","):
         kwargs = MODELS[name]
-        run_model(name, kwargs, rate, results, args.profile)
+        run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))))
     out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
