@@ -137,6 +137,22 @@ def test_composite_round_trip_is_bit_identical(composite, tmp_path, capsys):
     assert (back / "chat_template.jinja").read_bytes() == (src / "chat_template.jinja").read_bytes()
 
 
+def test_trained_model_saved_by_remote_class_merges_back(composite, tmp_path):
+    """The text-only RL path: ours loaded with trust_remote_code, saved by save_pretrained (its own config: auto_map,
+    kernel fields, rope_scaling null), then merged back into the composite checkpoint: bit-identical to it."""
+    kind, _, src = composite
+    convert(src, tmp_path / "ours", text_only=True, **QUIET)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", trust_remote_code=True)
+    trained.save_pretrained(tmp_path / "trained")
+    saved = json.loads((tmp_path / "trained" / "config.json").read_text())
+    assert "auto_map" in saved and "gdn_kernel" in saved
+    convert(tmp_path / "trained", tmp_path / "back", to="official", mtp_from=src, vision_from=src, **QUIET)
+    assert verify_folders(src, tmp_path / "back")[0].identical
+    text = json.loads((tmp_path / "back" / "config.json").read_text())["text_config"]
+    assert "auto_map" not in text and "gdn_kernel" not in text and "attention_kernel" not in text
+    assert text["rope_scaling"] == text["rope_parameters"] and not disagreements(rope_views(text))
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_text_round_trip_with_mtp(kind, tmp_path):
     """Official text layout (fused experts, MTP experts per expert) -> ours -> official: bit-identical."""
