@@ -19,7 +19,7 @@ AUTO_MAP = {
     },
     "moe": {
         "AutoConfig": "configuration_qwen3_5_packed_vl.Qwen3_5MoePackedVLConfig",
-        "AutoModel": "modeling_qwen3_5_packed_vl.Qwen3_5PackedVLModel",
+        "AutoModel": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedVLModel",
         "AutoModelForCausalLM": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedForConditionalGeneration",
     },
@@ -52,6 +52,11 @@ def test_flat_remote_code_folder_loads_with_trust_remote_code(kind, tmp_path):
         with torch.no_grad():
             got = model.eval()(**inputs).logits
         assert (got - expected).abs().max().item() <= 1e-4
+    base = transformers.AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert type(base).__name__ == AUTO_MAP[kind]["AutoModel"].split(".")[-1]
+    with torch.no_grad():
+        hidden = base(**inputs).last_hidden_state
+        assert torch.allclose(model.lm_head(hidden), got, atol=1e-5, rtol=0)
     frozen = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, trust_remote_code=True,
                                                                       freeze_vision=True)
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())

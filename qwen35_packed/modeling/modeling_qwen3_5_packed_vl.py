@@ -260,6 +260,10 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         )
 
 
+class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
+    config_class = Qwen3_5MoePackedVLConfig
+
+
 def _refuse_cache(use_cache) -> None:
     if use_cache:
         raise ValueError(
@@ -283,7 +287,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = Qwen3_5PackedVLModel(config)
+        self.model = (Qwen3_5MoePackedVLModel if config.text_config.is_moe else Qwen3_5PackedVLModel)(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
@@ -369,6 +373,7 @@ class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGenera
 
 __all__ = [
     "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5MoePackedVLModel",
     "Qwen3_5PackedForConditionalGeneration",
     "Qwen3_5PackedVLModel",
     "Qwen3_5PackedVLPreTrainedModel",
