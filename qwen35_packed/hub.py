@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .conversion.convert import format_bytes
+
 REPORT_NAME = "qwen35_packed_report.json"
 REPORT_SCHEMA = "qwen35_packed_report/1"
 CARD_NAME = "README.md"
@@ -86,24 +88,16 @@ class UploadPlan:
             f"folder {self.folder}: {self.kind} {'MoE' if self.is_moe else 'dense'}"
             + (" adapter" if self.kind == "adapter" else " model"),
             f"token: {self.token_source}",
-            f"upload {len(self.files)} files, {_format_bytes(self.total_size)}:",
+            f"upload {len(self.files)} files, {format_bytes(self.total_size)}:",
         ]
         for f in self.files:
             origin = "" if f.local is not None else "  (generated model card)"
-            out.append(f"  {f.path_in_repo}  {_format_bytes(f.size)}{origin}")
+            out.append(f"  {f.path_in_repo}  {format_bytes(f.size)}{origin}")
         if self.skipped:
             out.append(f"left out ({len(self.skipped)}):")
             out.extend(f"  {name}: {reason}" for name, reason in self.skipped)
         out.extend(self.notes)
         return out
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def token_source() -> str:

@@ -346,15 +346,20 @@ def test_composite_text_only(kind, tmp_path, capsys):
     assert_loads_with_builtin(out, kind, model)
 
 
-def test_composite_saved_by_transformers(tmp_path, capsys):
-    """What transformers' composite class writes: tie true at the top level, false in text_config."""
+def build_tiny_vlm(seed: int = 4):
+    """transformers' dense composite (vision-language) class, tiny, tied, eval mode."""
     text = tiny_kwargs("dense")
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)  # fmt: skip
-    torch.manual_seed(4)
-    vlm = transformers.Qwen3_5ForConditionalGeneration(
+    torch.manual_seed(seed)
+    return transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     ).eval()
+
+
+def test_composite_saved_by_transformers(tmp_path, capsys):
+    """What transformers' composite class writes: tie true at the top level, false in text_config."""
+    vlm = build_tiny_vlm()
     src = tmp_path / "src"
     vlm.save_pretrained(src, max_shard_size="50KB")
     out = tmp_path / "out"

@@ -13,7 +13,6 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from conftest import tiny_kwargs
 from qwen35_packed.cli import main
 from qwen35_packed.conversion import ConversionError, LazyTensor, convert, plan_official_mapping, plan_packed_mapping
 from qwen35_packed.conversion.config import CONFIG_CLASSES, build_output_config
@@ -23,6 +22,7 @@ from qwen35_packed.conversion.verify import folder_digests, verify_folders
 from test_conversion import (
     add_side_files,
     build_builtin,
+    build_tiny_vlm,
     builtin_class,
     composite_config,
     folder_digest,
@@ -196,13 +196,7 @@ def test_per_expert_text_model_goes_back_fused(tmp_path):
 def test_real_vlm_merge_back_loads_with_identical_logits(tmp_path):
     """A composite model saved by transformers -> text-only ours -> merged back: transformers' VLM class loads it
     with every tensor and gives the original logits."""
-    text = tiny_kwargs("dense")
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)  # fmt: skip
-    torch.manual_seed(4)
-    vlm = transformers.Qwen3_5ForConditionalGeneration(
-        transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
-    ).eval()
+    vlm = build_tiny_vlm()
     src = tmp_path / "vlm"
     vlm.save_pretrained(src, max_shard_size="50KB")
     convert(src, tmp_path / "ours", text_only=True, **QUIET)
