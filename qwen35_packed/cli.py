@@ -74,7 +74,7 @@ def _add_convert(subparsers) -> None:
             "files, and the tokenizer / generation files; mtp.* (and with --text-only model.visual.*) tensors are "
             "dropped. --to official goes back: transformers' architectures, no auto_map, fused experts, mtp.* "
             "re-inserted from --mtp-from, and with --vision-from the composite checkpoint (its vision tower and "
-            "processor files). --verify A B compares the tensors of two folders by checksum. Inputs are never "
+            "processor files); a composite SRC in this project's vision-language layout keeps its own. --verify A B compares the tensors of two folders by checksum. Inputs are never "
             "modified; OUT must not exist and appears only when complete."
         ),
     )

@@ -153,6 +153,33 @@ def test_trained_model_saved_by_remote_class_merges_back(composite, tmp_path):
     assert text["rope_scaling"] == text["rope_parameters"] and not disagreements(rope_views(text))
 
 
+def test_composite_packed_layout_to_official(composite, tmp_path):
+    """This project's vision-language layout (composite keys, auto_map, project fields) -> official: the config
+    loses what is ours, the tensors stay as stored; with the MTP head of the original, bit-identical to it."""
+    kind, _, src = composite
+    ours = tmp_path / "ours_vl"
+    ours.mkdir()
+    tensors = {k: v for k, v in read_folder(src).items() if not k.startswith("mtp.")}
+    write_shards(ours, tensors, n_shards=3)
+    config = json.loads((src / "config.json").read_text())
+    arch = "Qwen3_5MoePackedForConditionalGeneration" if kind == "moe" else "Qwen3_5PackedForConditionalGeneration"
+    config |= {"architectures": [arch], "auto_map": {"AutoConfig": "configuration_qwen3_5_packed_vl.X"},
+               "freeze_vision": True, "vision_dummy_pass": False}  # fmt: skip
+    config["text_config"] |= {"gdn_kernel": "auto", "attention_kernel": "auto"}
+    (ours / "config.json").write_text(json.dumps(config))
+    convert(ours, tmp_path / "back", to="official", mtp_from=src, **QUIET)
+    assert verify_folders(src, tmp_path / "back")[0].identical
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    original = json.loads((src / "config.json").read_text())
+    assert written["architectures"] == original["architectures"]
+    for key in ("auto_map", "freeze_vision", "vision_dummy_pass"):
+        assert key not in written
+    assert "gdn_kernel" not in written["text_config"] and written["vision_config"] == original["vision_config"]
+    # an official composite checkpoint with its own MTP head is its own official form
+    convert(src, tmp_path / "same", to="official", **QUIET)
+    assert verify_folders(src, tmp_path / "same")[0].identical
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_text_round_trip_with_mtp(kind, tmp_path):
     """Official text layout (fused experts, MTP experts per expert) -> ours -> official: bit-identical."""
@@ -273,6 +300,8 @@ def test_reference_key_lists_map_both_ways(name):
     _, _, back = plan_official_mapping(packed_specs, packed.data, mtp=reference, vision=reference)
     assert set(back.outputs) == set(keys)
     assert all(tuple(back.outputs[k].shape) == specs[k].shape for k in keys)
+    _, _, same = plan_official_mapping(specs, official)  # the official composite is its own official form
+    assert set(same.outputs) == set(keys) and all(same.outputs[k] is specs[k] for k in keys)
 
 
 # ------------------------------------------------------------------------------------------------ rope and config
@@ -358,8 +387,10 @@ def test_official_direction_errors(composite, tmp_path):
     kind, model, src = composite
     ours = tmp_path / "ours"
     convert(src, ours, text_only=True, **QUIET)
-    with pytest.raises(ConversionError, match="composite vision-language checkpoint; --to official expects a text"):
-        convert(src, tmp_path / "a", to="official", **QUIET)
+    with pytest.raises(ConversionError, match="--vision-from is for a text-only SRC"):
+        convert(src, tmp_path / "a", to="official", vision_from=src, **QUIET)
+    with pytest.raises(ConversionError, match="SRC already holds .* mtp.. tensors and --mtp-from"):
+        convert(src, tmp_path / "a", to="official", mtp_from=src, **QUIET)
     with pytest.raises(ConversionError, match="belong to --to official"):
         convert(src, tmp_path / "a", mtp_from=src, text_only=True, **QUIET)
     # a vision tower / MTP head of another model: its language model has other shapes

@@ -29,6 +29,7 @@ OFFICIAL_COMPOSITE_ARCHITECTURES = {
 OFFICIAL_COMPOSITE_MODEL_TYPES = {False: "qwen3_5", True: "qwen3_5_moe"}
 # Fields of this project's config class that official readers do not know; not written to official configs.
 PROJECT_ONLY_KEYS = ("gdn_kernel", "attention_kernel")
+PROJECT_ONLY_COMPOSITE_KEYS = ("freeze_vision", "vision_dummy_pass")
 CONFIG_CLASSES = {False: Qwen3_5PackedConfig, True: Qwen3_5MoePackedConfig}
 
 # Keys of a source config that describe the file, not the model; they are not carried over.
@@ -204,18 +205,20 @@ def build_output_config(
 def build_official_config(
     src_config: dict, *, vision_config: dict | None = None, router_aux_loss_coef: float | None = None
 ) -> OutputConfig:
-    """The official config.json for a text model SRC (this project's layout or transformers' text classes).
+    """The official config.json for SRC (this project's layout or transformers' classes, text or composite).
 
-    Without `vision_config`: transformers' text class (architectures `Qwen3_5ForCausalLM` /
+    Text SRC without `vision_config`: transformers' text class (architectures `Qwen3_5ForCausalLM` /
     `Qwen3_5MoeForCausalLM`, no auto_map). With it (the config.json of the composite checkpoint the text model came
     from): that composite config with its text_config replaced by SRC's, and the top-level tie flag set from it.
+    Composite SRC (this project's vision-language layout): the same config with transformers' composite
+    architecture, without auto_map and this project's fields.
     """
     if detect_layout(src_config) == "composite":
-        raise ConversionError(
-            "SRC is a composite vision-language checkpoint; --to official expects a text model (this project's layout "
-            "or what transformers' text classes save). To merge a text model back into a composite checkpoint, pass "
-            "the text model as SRC and the composite one as --vision-from."
-        )
+        if vision_config is not None:
+            raise ConversionError(
+                "SRC is a composite checkpoint with its own vision tower; --vision-from is for a text-only SRC"
+            )
+        return _official_from_composite(src_config, router_aux_loss_coef)
     notes: list[str] = []
     rope_lines: list[str] = []
     text, model_type, _ = _source_text_config(src_config, text_only=False, notes=notes)
@@ -249,6 +252,34 @@ def build_official_config(
     composite["text_config"] = text
     _check_builtin_reads(composite, expected_type)
     return OutputConfig(composite, config, is_moe, "text", notes, rope_lines, "official-composite")
+
+
+def _official_from_composite(src_config: dict, router_aux_loss_coef: float | None) -> OutputConfig:
+    notes: list[str] = []
+    rope_lines: list[str] = []
+    composite_type = src_config.get("model_type")
+    if composite_type not in COMPOSITE_MODEL_TYPES or not isinstance(src_config.get("vision_config"), dict):
+        raise ConversionError(
+            f"SRC config.json: a composite config needs model_type in {sorted(COMPOSITE_MODEL_TYPES)} and a "
+            f"vision_config; got model_type {composite_type!r}"
+        )
+    text, model_type, _ = _source_text_config(src_config, text_only=True, notes=notes)
+    is_moe = TEXT_MODEL_TYPES[model_type]
+    if COMPOSITE_MODEL_TYPES[composite_type] != is_moe:
+        raise ConversionError(f"SRC config.json: model_type {composite_type!r} with a {model_type!r} text_config")
+    for key in PROJECT_ONLY_KEYS + ("architectures", "auto_map"):
+        text.pop(key, None)
+    config = _normalize_text(
+        text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
+    )
+    composite = copy.deepcopy(src_config)
+    for key in _NOT_CARRIED + PROJECT_ONLY_COMPOSITE_KEYS:
+        composite.pop(key, None)
+    composite["architectures"] = [OFFICIAL_COMPOSITE_ARCHITECTURES[is_moe]]
+    composite["tie_word_embeddings"] = bool(text["tie_word_embeddings"])
+    composite["text_config"] = text
+    _check_builtin_reads(composite, composite_type)
+    return OutputConfig(composite, config, is_moe, "composite", notes, rope_lines, "official-composite")
 
 
 def _check_builtin_reads(data: dict, model_type: str) -> None:

@@ -90,13 +90,14 @@ def conversion_rules(layout: str, *, tie_word_embeddings: bool) -> list[Rule]:
     return rules
 
 
-def official_rules(*, composite: bool, tie_word_embeddings: bool) -> list[Rule]:
-    """The mapping from a text model (ours or transformers' text classes) to the official layout."""
+def official_rules(*, composite: bool, tie_word_embeddings: bool, src_composite: bool = False) -> list[Rule]:
+    """The mapping from a model (ours or transformers' classes) to the official layout: of the text model, composite
+    (`composite`: the language model under `model.language_model.`) when SRC is or `--vision-from` makes it."""
     rules: list[Rule] = []
     if tie_word_embeddings:
         rules.append(Drop(r"^lm_head\.weight$", TIED_REASON))
-    rules.append(FuseExperts(scope=MAIN_LAYERS))
-    if composite:
+    rules.append(FuseExperts(scope=r"^model\.language_model\." if src_composite else MAIN_LAYERS))
+    if composite and not src_composite:
         rules.append(StripPrefix("model.", "model.language_model."))
     return rules
 
@@ -380,15 +381,22 @@ def plan_official_mapping(
         raise ConversionError(
             f"SRC already holds {len(own_mtp)} mtp.* tensors and --mtp-from names another source; use one of them"
         )
-    text_tensors = {k: v for k, v in tensors.items() if k not in own_mtp}
-    composite = vision is not None
-    text_mapping = MappingEngine(
-        official_rules(composite=False, tie_word_embeddings=output_config.config.tie_word_embeddings)
-    ).plan(text_tensors)
-    _validate(text_mapping, output_config)  # validated in the text namespace, before the composite prefix
+    src_composite = output_config.source_layout == "composite"
+    own_visual = _prefixed(tensors, "model.visual.") if src_composite else {}
+    text_tensors = {k: v for k, v in tensors.items() if k not in own_mtp and k not in own_visual}
+    composite = vision is not None or src_composite
+    tie = output_config.config.tie_word_embeddings
+    # validated in the text namespace (a composite SRC's language model with its prefix stripped)
+    check = [StripPrefix("model.language_model.", "model.")] if src_composite else []
+    text_mapping = MappingEngine(check + official_rules(composite=False, tie_word_embeddings=tie)).plan(text_tensors)
+    _validate(text_mapping, output_config)
 
-    rules = official_rules(composite=composite, tie_word_embeddings=output_config.config.tie_word_embeddings)
+    rules = official_rules(composite=composite, tie_word_embeddings=tie, src_composite=src_composite)
     mapping = MappingEngine(rules).plan(text_tensors)
+    if src_composite:
+        if not own_visual:
+            raise ConversionError("SRC has a composite config.json but holds no model.visual.* tensors")
+        _insert(mapping, own_visual, "Keep model.visual.* of SRC, as stored")
     mtp_tensors, mtp_role = (own_mtp, "SRC") if own_mtp else (_prefixed(mtp[0], "mtp."), mtp[2]) if mtp else ({}, "")
     if mtp is not None and not mtp_tensors:
         raise ConversionError(f"--mtp-from {mtp[2]} holds no mtp.* tensors")
