@@ -108,7 +108,47 @@ def _add_convert(subparsers) -> None:
     p.set_defaults(handler=_run_convert)
 
 
-_COMMANDS = (_add_convert,)
+def _run_rope(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .conversion import ConversionError
+    from .conversion.rope_readers import disagreements, rope_table, rope_views
+
+    path = Path(args.path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"cannot read {path}: {exc}") from exc
+    text = data.get("text_config", data) if isinstance(data, dict) else None
+    if not isinstance(text, dict):
+        raise ConversionError(f"{path} is not a config object")
+    views = rope_views(text)
+    where = "text_config of " if text is not data else ""
+    for line in rope_table(views, f"rope as each reader sees the {where}{path}:"):
+        print(line)
+    if disagreements(views):
+        print("the readers disagree: `qwen35-packed convert` writes a config every reader reads the same way")
+        return 1
+    return 0
+
+
+def _add_rope(subparsers) -> None:
+    p = subparsers.add_parser(
+        "rope",
+        help="print the rope values of a config as each reader sees them",
+        description=(
+            "Print rope_theta, partial_rotary_factor, mrope_section and mrope_interleaved as transformers v5, a "
+            "v4-style getattr reader and vLLM (with transformers 5 and 4) read them from a config.json (a folder or "
+            "the file; composite configs: their text_config). Exit status 1 when the readers disagree."
+        ),
+    )
+    p.add_argument("path", metavar="PATH", help="model folder or config.json")
+    p.set_defaults(handler=_run_rope)
+
+
+_COMMANDS = (_add_convert, _add_rope)
 
 
 def build_parser() -> argparse.ArgumentParser:

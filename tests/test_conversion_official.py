@@ -468,3 +468,19 @@ def test_verify_reports_every_kind_of_difference(tmp_path, capsys):
     assert main(["convert", "--verify", str(tmp_path / "A"), str(tmp_path / "B")]) == 1
     assert "NOT identical" in capsys.readouterr().out
     assert main(["convert", "--verify", str(tmp_path / "A"), str(tmp_path / "B"), "--dry-run"]) == 2
+
+
+def test_rope_command(tmp_path, capsys):
+    official = {"model_type": "qwen3_5", "vision_config": {}, "text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True}}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(official))
+    assert main(["rope", str(tmp_path)]) == 1
+    printed = capsys.readouterr().out
+    assert "text_config of" in printed and "! rope_theta" in printed and "v4 getattr" in printed
+    fixed = dict(official["text_config"]["rope_parameters"])
+    fixed_config = {"rope_parameters": fixed, "rope_scaling": fixed, "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    (tmp_path / "fixed.json").write_text(json.dumps(fixed_config))
+    assert main(["rope", str(tmp_path / "fixed.json")]) == 0
+    assert "!" not in capsys.readouterr().out
+    assert main(["rope", str(tmp_path / "missing.json")]) == 2
