@@ -1,0 +1,182 @@
+"""PEFT LoRA on packed Qwen3.5: the config helper, adapters that really act (GDN, attention, MLP, experts),
+merge/unmerge equality, merged names/shapes = the base state dict (what the vLLM sync sends), adapter save/load,
+the TRL CLI flags, and the errors."""
+
+import pytest
+import torch
+
+from conftest import builtin_pair
+
+peft = pytest.importorskip("peft")
+
+from qwen35_packed.integrations.lora import (  # noqa: E402
+    EXPERT_PARAMETERS,
+    lora_config,
+    target_modules_regex,
+    trl_cli_args,
+)
+
+
+def _model(kind):
+    _, ours = builtin_pair(kind, seed=5)
+    return ours
+
+
+def _randomize_lora_b(model, seed=0):
+    model.eval()  # PEFT creates its dropout modules in training mode
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _ids(seed=0):
+    return torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(seed))
+
+
+def _trl_sync_names(peft_model):
+    """The names and shapes TRL's vLLM sync sends for a PEFT model (its stripping rules)."""
+    out = {}
+    for name, p in peft_model.named_parameters():
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if peft_model.prefix in name or "original_module" in name:
+            continue
+        out[name] = tuple(p.shape)
+    return out
+
+
+def test_config_dense_and_moe():
+    dense, moe = lora_config(_model("dense")), lora_config(_model("moe"))
+    assert dense.target_parameters in (None, []) and dense.lora_dropout == 0.05
+    assert list(moe.target_parameters) == list(EXPERT_PARAMETERS) and moe.lora_dropout == 0.0
+    wrapped = peft.get_peft_model(_model("dense"), dense)
+    names = {n.split(".lora_A")[0] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    leaf = {n.split(".")[-1] for n in names}
+    assert leaf == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj",
+                    "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not any("conv1d" in n or "lm_head" in n or "embed" in n for n in names)
+
+
+@pytest.mark.parametrize("group", ["gdn", "attention", "mlp", "experts"])
+def test_every_group_really_acts(group):
+    """An adapter on each group changes the output (none is a silent no-op) and merges exactly."""
+    kind = "moe" if group == "experts" else "dense"
+    model = _model(kind)
+    ids = _ids()
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4, targets=[group]))
+    _randomize_lora_b(wrapped)
+    with torch.no_grad():
+        adapted = wrapped(ids, use_cache=False).logits
+        wrapped.merge_adapter()
+        merged = wrapped(ids, use_cache=False).logits
+        wrapped.unmerge_adapter()
+        unmerged = wrapped(ids, use_cache=False).logits
+        with wrapped.disable_adapter():
+            disabled = wrapped(ids, use_cache=False).logits
+    assert (adapted - base).abs().max().item() > 1e-3
+    assert (merged - adapted).abs().max().item() <= 1e-5
+    assert (unmerged - adapted).abs().max().item() <= 1e-5
+    assert (disabled - base).abs().max().item() <= 1e-5
+
+
+def test_packed_forward_with_lora_equals_per_document():
+    model = _model("moe")
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
+    _randomize_lora_b(wrapped)
+    ids = _ids(1)
+    with torch.no_grad():
+        alone = wrapped(ids, use_cache=False).logits
+        packed = wrapped(ids.reshape(1, -1), cu_seqlens=torch.tensor([0, 37, 74]), use_cache=False).logits
+    assert (packed.reshape(2, 37, -1) - alone).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_merged_names_and_shapes_are_the_base_state_dict(kind):
+    model = _model(kind)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
+    _randomize_lora_b(wrapped)
+    wrapped.merge_adapter()
+    assert _trl_sync_names(wrapped) == expected
+    wrapped.unmerge_adapter()
+
+
+def test_adapter_save_and_load(tmp_path):
+    model = _model("moe")
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
+    _randomize_lora_b(wrapped)
+    ids = _ids(2)
+    with torch.no_grad():
+        expected = wrapped(ids, use_cache=False).logits
+    wrapped.save_pretrained(tmp_path / "adapter")
+    fresh = _model("moe")  # same seed: same base weights
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    with torch.no_grad():
+        got = loaded(ids, use_cache=False).logits
+    assert (got - expected).abs().max().item() <= 1e-6
+    merged = loaded.merge_and_unload()
+    assert type(merged).__name__ == "Qwen3_5MoePackedForCausalLM"
+    with torch.no_grad():
+        assert (merged(ids, use_cache=False).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_trl_cli_flags_build_the_same_adapter():
+    trl = pytest.importorskip("trl")
+    model = _model("moe")
+    args = trl_cli_args(model, r=4)
+    parser = trl.TrlParser((trl.ModelConfig,))
+    (model_args,) = parser.parse_args_into_dataclasses(["--model_name_or_path", "x", *args])
+    from_cli = peft.get_peft_model(_model("moe"), trl.get_peft_config(model_args))
+    from_helper = peft.get_peft_model(model, lora_config(model, r=4))
+    names = lambda m: sorted(n for n, _ in m.named_parameters() if "lora_" in n)  # noqa: E731
+    assert names(from_cli) == names(from_helper) and names(from_helper)
+    assert model_args.lora_dropout == 0.0
+
+
+def test_config_from_a_config_object():
+    model = _model("moe")
+    assert lora_config(model.config).target_modules == lora_config(model).target_modules
+    assert target_modules_regex([]) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(targets=["conv"]), "conv1d"),
+        (dict(targets=["conv1d"]), "reads conv1d.weight directly"),
+        (dict(targets=["lm_head"]), "lm_head"),
+        (dict(targets=["router"]), "router"),
+        (dict(targets=["gdn", "embeddings"]), "unknown LoRA target group"),
+        (dict(targets=[]), "no LoRA targets"),
+        (dict(lora_dropout=0.1), "lora_dropout=0.1 with expert targets"),
+        (dict(lora_dropout="0"), "lora_dropout must be a number"),
+        (dict(r=0), "r must be a positive int"),
+        (dict(target_modules=["q_proj"]), "derived from `targets`"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lora_config(_model("moe"), **kwargs)
+
+
+def test_targets_that_match_nothing():
+    with pytest.raises(ValueError, match="'experts' matches nothing in this model \\(dense\\)"):
+        lora_config(_model("dense"), targets=["gdn", "experts"])
+    from conftest import tiny_kwargs
+    from qwen35_packed import Qwen3_5PackedConfig
+
+    no_attention = dict(layer_types=["linear_attention"] * 4)
+    config = Qwen3_5PackedConfig(**{**tiny_kwargs("dense"), **no_attention})
+    with pytest.raises(ValueError, match="'attention' matches nothing"):
+        lora_config(config, targets=["attention"])
+    assert lora_config(config, targets=["gdn"]).target_modules
+
+
+def test_refuses_a_model_that_already_has_adapters():
+    model = _model("dense")
+    wrapped = peft.get_peft_model(model, lora_config(model, r=2))
+    with pytest.raises(ValueError, match="already carries adapters"):
+        lora_config(wrapped)
