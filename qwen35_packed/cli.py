@@ -17,8 +17,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     if args.verify:
         return _run_verify(args)
-    if args.json is not None:
-        raise ConversionError("--json belongs to --verify")
+    if args.json is not None or args.report_to is not None:
+        raise ConversionError("--json and --report-to belong to --verify")
     convert(
         args.src,
         args.out,
@@ -53,6 +53,14 @@ def _run_verify(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result.to_json(digests), handle, indent=2)
             handle.write("\n")
+    if args.report_to is not None:
+        from .hub import UploadError, record_round_trip
+
+        try:
+            path = record_round_trip(args.report_to, result)
+        except UploadError as exc:
+            raise ConversionError(str(exc)) from exc
+        print(f"recorded in {path}")
     return 0 if result.identical else 1
 
 
@@ -105,6 +113,9 @@ def _add_convert(subparsers) -> None:
                    help="compare the tensors of the folders A and B (dtype, shape, sha256 of the bytes); exit status 0 "
                         "when identical, 1 when not")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="--verify: write the result and every tensor's checksum of A here")
+    p.add_argument("--report-to", metavar="FOLDER",
+                   help="--verify: record the result as round_trip in FOLDER/qwen35_packed_report.json (the model "
+                        "card shows it)")  # fmt: skip
     p.set_defaults(handler=_run_convert)
 
 

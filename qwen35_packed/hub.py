@@ -249,6 +249,18 @@ def load_report(folder: Path) -> dict | None:
     return report
 
 
+def record_round_trip(folder, result) -> Path:
+    """Write a `convert --verify` result (a VerifyResult) as `round_trip` into FOLDER's report (created if absent)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UploadError(f"--report-to {folder} is not a folder")
+    path = folder / REPORT_NAME
+    report = load_report(folder) or {"schema": REPORT_SCHEMA}
+    report["round_trip"] = {"identical": result.identical, "tensors": result.tensors_a, "digest": result.digest_a}
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
 def license_from_file(folder: Path) -> str | None:
     """The license id of a LICENSE file copied from the source checkpoint, for the texts recognised here."""
     path = folder / "LICENSE"

@@ -13,6 +13,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from qwen35_packed import hub
 from qwen35_packed.cli import main
 from qwen35_packed.conversion import ConversionError, LazyTensor, convert, plan_official_mapping, plan_packed_mapping
 from qwen35_packed.conversion.config import CONFIG_CLASSES, build_output_config
@@ -115,10 +116,14 @@ def test_composite_round_trip_is_bit_identical(composite, tmp_path, capsys):
     assert result.identical, result.lines()
     assert result.tensors_a == len(read_folder(src)) and result.digest_a == result.digest_b
     report = tmp_path / "verify.json"
-    assert main(["convert", "--verify", str(src), str(back), "--json", str(report)]) == 0
+    assert main(["convert", "--verify", str(src), str(back), "--json", str(report), "--report-to", str(ours)]) == 0
     data = json.loads(report.read_text())
     assert data["identical"] is True and len(data["checksums"]) == result.tensors_a
     assert "identical: the same" in capsys.readouterr().out
+    recorded = hub.load_report(ours)["round_trip"]  # the packed folder's card shows the proof
+    assert recorded == {"identical": True, "tensors": result.tensors_a, "digest": result.digest_a}
+    card = hub.plan_upload(ours, "org/packed").card_text
+    assert f"Round trip official -> packed -> official: bit-identical, {result.tensors_a} tensors" in card
 
     config, original = json.loads((back / "config.json").read_text()), json.loads((src / "config.json").read_text())
     assert config["architectures"] == original["architectures"] and config["model_type"] == original["model_type"]
