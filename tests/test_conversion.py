@@ -346,12 +346,15 @@ def test_composite_text_only(kind, tmp_path, capsys):
     assert_loads_with_builtin(out, kind, model)
 
 
-def build_tiny_vlm(seed: int = 4):
-    """transformers' dense composite (vision-language) class, tiny, tied, eval mode."""
-    text = tiny_kwargs("dense")
+def build_tiny_vlm(seed: int = 4, kind: str = "dense"):
+    """transformers' composite (vision-language) class, tiny, eval mode; dense tied, MoE untied."""
+    text = tiny_kwargs(kind)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)  # fmt: skip
     torch.manual_seed(seed)
+    if kind == "moe":
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        return transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
     return transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     ).eval()

@@ -363,7 +363,7 @@ def plan_official_mapping(
     tensors: dict[str, LazyTensor],
     src_config: dict,
     *,
-    mtp: tuple[dict[str, LazyTensor], str] | None = None,
+    mtp: tuple[dict[str, LazyTensor], dict, str] | None = None,
     vision: tuple[dict[str, LazyTensor], dict, str] | None = None,
     router_aux_loss_coef: float | None = None,
 ) -> tuple[OutputConfig, list[Rule], MappingPlan]:
@@ -402,20 +402,22 @@ def plan_official_mapping(
         raise ConversionError(f"--mtp-from {mtp[2]} holds no mtp.* tensors")
     text_data = output_config.text_data
     if mtp is not None and "mtp_num_hidden_layers" not in text_data:
-        theirs = mtp[1].get("text_config", mtp[1]).get("mtp_num_hidden_layers")
-        if theirs is not None:
-            text_data["mtp_num_hidden_layers"] = theirs
-            output_config.notes.append(f"mtp_num_hidden_layers: SRC has none, taken from --mtp-from ({theirs})")
+        n_layers = mtp[1].get("text_config", mtp[1]).get("mtp_num_hidden_layers")
+        if n_layers is not None:
+            text_data["mtp_num_hidden_layers"] = n_layers
+            output_config.notes.append(f"mtp_num_hidden_layers: SRC has none, taken from --mtp-from ({n_layers})")
     if mtp_tensors:
         validate_mtp(mtp_tensors, output_config, mtp_role)
-        what = "kept from SRC" if own_mtp else f"from --mtp-from {mtp_role}"
-        _insert(mapping, mtp_tensors, f"Insert mtp.* {what}, as stored")
+        what = "Keep mtp.* of SRC" if own_mtp else f"Insert mtp.* from --mtp-from {mtp_role}"
+        _insert(mapping, mtp_tensors, f"{what}, as stored")
     if vision is not None:
         vision_tensors, _, vision_role = vision
         visual = _prefixed(vision_tensors, "model.visual.")
         if not visual:
             raise ConversionError(f"--vision-from {vision_role} holds no model.visual.* tensors")
-        theirs = {k: v.shape for k, v in _prefixed(vision_tensors, "model.language_model.").items()}
+        # compared with experts fused: a composite saved by transformers stores them per expert
+        language_model = MappingEngine([FuseExperts()]).plan(_prefixed(vision_tensors, "model.language_model."))
+        theirs = {k: v.shape for k, v in language_model.outputs.items()}
         ours = {k: v.shape for k, v in mapping.outputs.items() if k.startswith("model.language_model.")}
         if theirs != ours:
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
