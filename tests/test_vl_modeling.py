@@ -18,6 +18,7 @@ from vl_tiny import (
     VISION_END,
     VISION_START,
     builtin_vl_pair,
+    composite_kwargs,
     grid_tensor,
     image_tokens,
     make_document,
@@ -208,10 +209,14 @@ def test_packed_gradients_equal_sum_of_per_document_gradients():
     assert visual_grads == len([n for n, _ in model.named_parameters() if n.startswith("model.visual.")])
 
 
-def test_text_only_batch_equals_text_model():
-    """No pixel values needed; the language part is the packed text decoder itself."""
-    _, text_model = builtin_pair("dense", seed=6)
-    vl = our_vl_model("dense")
+def test_text_only_batch_equals_text_model(kind):
+    """No pixel values needed; the language part is the packed text decoder itself (loss and MoE aux loss too)."""
+    _, text_model = builtin_pair(kind, seed=6)
+    overrides = {}
+    if kind == "moe":
+        text_model.config.router_aux_loss_coef = 0.01
+        overrides["text_config"] = dict(composite_kwargs(kind)["text_config"], router_aux_loss_coef=0.01)
+    vl = our_vl_model(kind, **overrides)
     state = {f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k: v
              for k, v in text_model.state_dict().items()}
     missing, unexpected = vl.load_state_dict(state, strict=False)
@@ -219,10 +224,15 @@ def test_text_only_batch_equals_text_model():
     vl.eval()
     ids = torch.randint(0, 100, (1, 60), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 25, 60])
+    router = {"output_router_logits": True} if kind == "moe" else {}
     with torch.no_grad():
-        expected = text_model(ids, cu_seqlens=cu, use_cache=False).logits
-        got = vl(input_ids=ids, cu_seqlens=cu).logits
-    assert (got - expected).abs().max().item() <= 1e-6
+        expected = text_model(ids, cu_seqlens=cu, labels=ids, use_cache=False, **router)
+        got = vl(input_ids=ids, cu_seqlens=cu, labels=ids, **router)
+    assert (got.logits - expected.logits).abs().max().item() <= 1e-6
+    assert abs(got.loss.item() - expected.loss.item()) <= 1e-6
+    if kind == "moe":
+        assert got.aux_loss is not None and abs(got.aux_loss.item() - expected.aux_loss.item()) <= 1e-6
+        assert len(got.router_logits) == len(expected.router_logits)
 
 
 def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
@@ -327,8 +337,6 @@ def test_config_classes_and_round_trip(tmp_path):
         (Qwen3_5MoePackedVLConfig, transformers.Qwen3_5MoeConfig, Qwen3_5MoePackedConfig, "qwen3_5_moe"),
     ):
         kind = "moe" if "Moe" in cls.__name__ else "dense"
-        from vl_tiny import composite_kwargs
-
         config = cls(**composite_kwargs(kind), freeze_vision=True)
         assert isinstance(config, builtin) and config.model_type == model_type
         assert type(config.text_config) is text_cls
