@@ -41,8 +41,8 @@ class GatedAttention(nn.Module):
         if self.output_gate:
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), choice)
-        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim), choice)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

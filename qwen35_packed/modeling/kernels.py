@@ -29,14 +29,8 @@ try:  # optional: flash-linear-attention
         from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
     try:
         from fla.modules.norm.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
-        from fla.modules.norm.layernorm import rms_norm as _fla_rms_norm
     except ImportError:
         from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
-        from fla.modules.layernorm import rms_norm as _fla_rms_norm
-    try:
-        from fla.modules.activations.ops import swiglu_linear as _fla_swiglu_linear
-    except ImportError:
-        from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
     FLA_AVAILABLE = True
 except Exception:  # ImportError, or FLA failing to import its Triton parts
     FLA_AVAILABLE = False
@@ -60,11 +54,6 @@ except Exception:
 class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
-
-    @property
-    def fused(self) -> bool:
-        """FLA's fused norm / SwiGLU kernels run together with its GDN kernels."""
-        return self.gdn == "fla"
 
 
 _logged_choices: set = set()
@@ -273,34 +262,6 @@ def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (weight * normed * F.silu(gate.float())).to(dtype)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Zero-centred RMSNorm (optionally fused with the residual add) and SwiGLU
-# --------------------------------------------------------------------------------------------------------------
-
-
-def zero_centered_rms_norm(x, weight, eps, choice: KernelChoice | None, residual=None):
-    """rmsnorm(x [+ residual]) * (1 + w), in fp32, cast back to x's dtype.
-
-    With `residual`, returns (normed, x + residual) and the add is fused into the norm kernel on the FLA path.
-    """
-    if choice is not None and choice.fused:
-        # The kernel multiplies by the weight in fp32: pass (1 + w) as fp32, as the reference computes it.
-        out = _fla_rms_norm(x, 1.0 + weight.float(), None, residual=residual, eps=eps, prenorm=residual is not None)
-        return out
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
-    return (normed, x) if residual is not None else normed
-
-
-def swiglu_down(gate, up, down_weight, choice: KernelChoice | None):
-    """down(silu(gate) * up); FLA's fused kernel keeps neither silu(gate) nor the product for backward."""
-    if choice is not None and choice.fused:
-        return _fla_swiglu_linear(gate, up, down_weight, None)
-    return F.linear(F.silu(gate) * up, down_weight)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -94,13 +94,15 @@ class Qwen3_5PackedDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, packed, cos, sin, choice, cache=None):
         """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None)."""
-        normed = self.input_layernorm(hidden_states, choice)
+        residual = hidden_states
+        normed = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
             mixed = self.linear_attn(normed, packed, choice, cache)
         else:
             mixed = self.self_attn(normed, packed, cos, sin, choice, cache)
-        normed, residual = self.post_attention_layernorm(mixed, choice, residual=hidden_states)
-        mlp_out = self.mlp(normed, choice)
+        hidden_states = residual + mixed
+        residual = hidden_states
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -233,7 +235,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 hidden, logits = step(hidden)
             if router_logits is not None and logits is not None:
                 router_logits.append(logits)
-        hidden = self.norm(hidden, choice)
+        hidden = self.norm(hidden)
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None:

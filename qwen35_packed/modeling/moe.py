@@ -13,8 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, swiglu_down
-
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
@@ -23,13 +21,9 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.fusable = config.hidden_act in ("silu", "swish")
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fusable and type(self.down_proj) is nn.Linear:  # an adapter-wrapped down_proj keeps its forward
-            return swiglu_down(gate, up, self.down_proj.weight, choice)
-        return self.down_proj(self.act_fn(gate) * up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TopKRouter(nn.Module):
@@ -83,11 +77,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None):
+    def forward(self, x: torch.Tensor):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32)."""
         logits, top_weights, top_index = self.gate(x)
         routed = self.experts(x, top_index, top_weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared, logits
 
 
