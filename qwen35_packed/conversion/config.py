@@ -242,16 +242,22 @@ def build_official_config(
             f"{'MoE' if is_moe else 'dense'} model; the composite checkpoint must be {expected_type!r}"
         )
     _refuse_top_level_rope(vision_config, "--vision-from")
-    composite = copy.deepcopy(vision_config)
-    for key in ("transformers_version", "_name_or_path"):
+    composite = _official_composite(vision_config, text, is_moe, expected_type)
+    return OutputConfig(composite, config, is_moe, "text", notes, rope_lines, "official-composite")
+
+
+def _official_composite(base: dict, text: dict, is_moe: bool, model_type: str) -> dict:
+    """`base` (a composite config.json) as the official composite config around the normalised `text` config."""
+    composite = copy.deepcopy(base)
+    for key in _NOT_CARRIED + PROJECT_ONLY_COMPOSITE_KEYS:
         composite.pop(key, None)
     composite["architectures"] = [OFFICIAL_COMPOSITE_ARCHITECTURES[is_moe]]
     # transformers' composite class ties by the top-level flag; text_config carries the same value for readers that
     # look there.
     composite["tie_word_embeddings"] = bool(text["tie_word_embeddings"])
     composite["text_config"] = text
-    _check_builtin_reads(composite, expected_type)
-    return OutputConfig(composite, config, is_moe, "text", notes, rope_lines, "official-composite")
+    _check_builtin_reads(composite, model_type)
+    return composite
 
 
 def _official_from_composite(src_config: dict, router_aux_loss_coef: float | None) -> OutputConfig:
@@ -272,13 +278,7 @@ def _official_from_composite(src_config: dict, router_aux_loss_coef: float | Non
     config = _normalize_text(
         text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
     )
-    composite = copy.deepcopy(src_config)
-    for key in _NOT_CARRIED + PROJECT_ONLY_COMPOSITE_KEYS:
-        composite.pop(key, None)
-    composite["architectures"] = [OFFICIAL_COMPOSITE_ARCHITECTURES[is_moe]]
-    composite["tie_word_embeddings"] = bool(text["tie_word_embeddings"])
-    composite["text_config"] = text
-    _check_builtin_reads(composite, composite_type)
+    composite = _official_composite(src_config, text, is_moe, composite_type)
     return OutputConfig(composite, config, is_moe, "composite", notes, rope_lines, "official-composite")
 
 
