@@ -274,6 +274,16 @@ def test_freeze_vision():
     assert frozen.lm_head.weight.grad is not None
     with torch.no_grad():
         assert torch.equal(out.logits, model.train()(**inputs).logits)
+    # Frozen + dummy pass on a text-only batch: the tower runs, nothing gets a gradient, the output is unchanged.
+    frozen.zero_grad(set_to_none=True)
+    frozen.config.vision_dummy_pass = True
+    text = dict(input_ids=ids.unsqueeze(0).clamp(max=99), labels=ids.unsqueeze(0).clamp(max=99))
+    with_dummy = frozen(**text)
+    with_dummy.loss.backward()
+    assert all(p.grad is None for p in frozen.model.visual.parameters())
+    frozen.config.vision_dummy_pass = False
+    with torch.no_grad():
+        assert torch.equal(with_dummy.logits, frozen(**text).logits)
     frozen.set_vision_frozen(False)
     assert all(p.requires_grad for p in frozen.model.visual.parameters()) and not frozen.config.freeze_vision
 
