@@ -28,6 +28,7 @@ from qwen35_packed.conversion.config import CONFIG_CLASSES, build_output_config
 from qwen35_packed.conversion.rope_readers import disagreements, rope_views
 from qwen35_packed.conversion.schema import expected_mtp_tensors, expected_text_tensors
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
+from conftest import tiny_kwargs
 from test_conversion import (
     add_side_files,
     build_builtin,
@@ -505,3 +506,23 @@ def test_rope_command(tmp_path, capsys):
     assert main(["rope", str(tmp_path / "fixed.json")]) == 0
     assert "!" not in capsys.readouterr().out
     assert main(["rope", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("case", ["v5", "v4", "dict_wins", "top_level_fills", "scaling_only"])
+def test_transformers_view_matches_transformers(case):
+    """The 'transformers v5' column is computed from the raw dict; it must equal what transformers' own config class
+    reads from the same keys."""
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True}  # fmt: skip
+    partial = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    keys = {
+        "v5": {"rope_parameters": rope},
+        "v4": {"rope_theta": 5e6, "partial_rotary_factor": 0.5, "rope_scaling": {"type": "mrope", **partial}},
+        "dict_wins": {"rope_parameters": rope, "rope_theta": 5e6},
+        "top_level_fills": {"rope_parameters": partial, "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        "scaling_only": {"rope_scaling": rope},
+    }[case]
+    kwargs = {k: v for k, v in tiny_kwargs("dense").items() if k != "rope_parameters"}
+    builtin = transformers.Qwen3_5TextConfig(**kwargs, **json.loads(json.dumps(keys))).rope_parameters
+    view = rope_views(keys)["transformers v5"]
+    assert view == {k: builtin.get(k) for k in view}, (view, builtin)
