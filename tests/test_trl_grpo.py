@@ -1,0 +1,195 @@
+"""TRL GRPO with packed Qwen3.5: the `trl grpo` CLI (dense; MoE + LoRA on GDN and experts), the example script,
+PackedGRPOTrainer's log-prob step equal to TRL's padded one while projecting only the scored rows, the reference
+model being ours, and the MoE aux loss off unless asked."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
+from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
+from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_dataset  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SMALL_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+             "--max_completion_length", "8", "--use_cpu", "true", "--report_to", "none", "--logging_steps", "1",
+             "--save_strategy", "no", "--beta", "0.04", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    return {"dense": build_tiny_folder(root / "dense", "dense"), "moe": build_tiny_folder(root / "moe", "moe"),
+            "data": write_prompt_dataset(root / "data")}
+
+
+def _trainer(cls, folders, kind, tmp_path, **config):
+    import datasets
+
+    sys.path.insert(0, str(EXAMPLES))
+    from grpo_rewards import letter_fraction
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, use_cpu=True, report_to=[],
+                          **{"beta": 0.04, "trust_remote_code": True, **config})
+    dataset = datasets.load_dataset("json", data_files=str(folders["data"] / "train.jsonl"))["train"]
+    return cls(model=str(folders[kind]), reward_funcs=letter_fraction, args=args, train_dataset=dataset)
+
+
+def _long_tail_batch():
+    """Left-padded prompts + right-padded completions, as GRPO builds them; one long completion."""
+    prompt_lengths, completion_lengths = [12, 5, 8, 3, 12, 7], [40, 4, 2, 9, 1, 17]
+    p, c = max(prompt_lengths), max(completion_lengths)
+    ids = torch.randint(3, 90, (len(prompt_lengths), p + c), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros_like(ids)
+    for i, (pl, cl) in enumerate(zip(prompt_lengths, completion_lengths)):
+        mask[i, p - pl:p + cl] = 1
+    return ids.masked_fill(mask == 0, 0), mask, c, sum(completion_lengths)
+
+
+def _count_lm_head_rows(monkeypatch):
+    """Record how many hidden rows each call of TRL's chunked log-prob kernel projects."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    rows, original = [], ChunkedLogProbFunction.apply
+
+    def counting(hidden, *args):
+        rows.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(ChunkedLogProbFunction, "apply", counting)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_logprob_step_equals_the_padded_path_without_padding_rows(kind, folders, tmp_path, monkeypatch):
+    stock = _trainer(trl.GRPOTrainer, folders, kind, tmp_path)
+    ours = _trainer(PackedGRPOTrainer, folders, kind, tmp_path)
+    ours.model.load_state_dict(stock.model.state_dict())
+    rows = _count_lm_head_rows(monkeypatch)
+    ids, mask, completion_len, scored = _long_tail_batch()
+    results = {}
+    for name, trainer in (("stock", stock), ("ours", ours)):
+        trainer.model.zero_grad(set_to_none=True)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, completion_len,
+                                                                         compute_entropy=True)
+        (logps * mask[:, -completion_len:]).sum().backward()
+        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results[name] = (logps.detach(), entropies.detach(), grads)
+    assert rows == [ids.shape[0] * (ids.shape[1] - 1), scored]  # TRL on CPU: every position; ours: scored only
+    assert torch.equal(results["stock"][0], results["ours"][0])
+    assert torch.equal(results["stock"][1], results["ours"][1])
+    assert results["ours"][0][mask[:, -completion_len:] == 0].abs().max() == 0
+    assert set(results["stock"][2]) == set(results["ours"][2])
+    for name, grad in results["ours"][2].items():
+        torch.testing.assert_close(grad, results["stock"][2][name], rtol=1e-5, atol=1e-6)
+
+
+def test_policy_and_reference_model_are_ours(folders, tmp_path):
+    trainer = _trainer(PackedGRPOTrainer, folders, "moe", tmp_path)
+    for model in (trainer.model, trainer.ref_model):
+        assert type(model).__name__ == "Qwen3_5MoePackedForCausalLM"
+        assert type(model).__module__.startswith("transformers_modules.")
+    stock = _trainer(trl.GRPOTrainer, folders, "dense", tmp_path)
+    assert type(stock.ref_model).__name__ == "Qwen3_5PackedForCausalLM"
+
+
+def test_built_in_model_is_refused(folders, tmp_path):
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        _trainer(PackedGRPOTrainer, folders, "dense", tmp_path, trust_remote_code=False)
+
+
+def test_moe_aux_loss_off_unless_asked(folders, tmp_path, caplog):
+    # TRL alone turns it on from the config's router_aux_loss_coef (0.001 here, as in the official configs)
+    assert _trainer(trl.GRPOTrainer, folders, "moe", tmp_path).aux_loss_enabled
+    quiet = _trainer(PackedGRPOTrainer, folders, "moe", tmp_path)
+    assert not quiet.aux_loss_enabled and quiet.router_aux_loss_coef == 0.0
+    with caplog.at_level(logging.WARNING):
+        asked = _trainer(PackedGRPOTrainer, folders, "moe", tmp_path, router_aux_loss_coef=0.05)
+    assert asked.aux_loss_enabled and asked.router_aux_loss_coef == 0.05
+    assert [r.message for r in caplog.records if "load-balancing" in r.message] == [
+        "GRPO: MoE load-balancing loss on, router_aux_loss_coef=0.05 (set by the caller)"
+    ]
+    # computed over the real tokens: equal to the model's own aux loss on the same padded batch (under the same
+    # autocast: GRPOConfig defaults to bf16, which on CPU means bf16 autocast)
+    ids, mask, completion_len, _ = _long_tail_batch()
+    with torch.no_grad():
+        _, _, aux = asked._get_per_token_logps_and_entropies(asked.model, ids, mask, completion_len,
+                                                            compute_aux_loss=True)
+        with asked.accelerator.autocast():
+            own = asked.model(ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
+    torch.testing.assert_close(aux, own)
+    assert not _trainer(PackedGRPOTrainer, folders, "dense", tmp_path).aux_loss_enabled
+
+
+@pytest.mark.parametrize("value, match", [("0.01", "must be a number"), (True, "must be a number"),
+                                          (-1.0, ">= 0"), (float("nan"), ">= 0")])
+def test_aux_loss_coefficient_errors(value, match, folders, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        check_aux_loss_coef(value)
+    with pytest.raises(ValueError, match=match):
+        _trainer(PackedGRPOTrainer, folders, "moe", tmp_path, router_aux_loss_coef=value)
+
+
+def _run(cmd, cwd):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout + done.stderr
+
+
+def _trl_cli():
+    cli = Path(sys.executable).with_name("trl")
+    if not cli.exists():
+        pytest.fail(f"the trl command is not installed beside {sys.executable} (pip install -e '.[train]')")
+    return str(cli)
+
+
+def test_trl_grpo_cli_dense(folders, tmp_path):
+    out = tmp_path / "run"
+    log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["dense"]), "--trust_remote_code", "true",
+                "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
+                "--output_dir", str(out), *SMALL_RUN], cwd=EXAMPLES)
+    assert log.count("'reward':") == 2 and "Training completed" in log
+    assert (out / "model.safetensors").exists()
+
+
+def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
+    out = tmp_path / "run"
+    lora = trl_cli_args(build_config(folders["moe"]), r=4)
+    assert "--lora_target_parameters" in lora and "in_proj_qkv" in lora
+    # stock TRL would add the config's load-balancing loss (0.001); RL runs ask for 0
+    log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code", "true",
+                "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
+                "--output_dir", str(out), "--router_aux_loss_coef", "0", *SMALL_RUN, *lora], cwd=EXAMPLES)
+    assert log.count("'reward':") == 2 and "Training completed" in log
+    assert (out / "adapter_model.safetensors").exists()
+    from safetensors import safe_open
+
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert any("experts" in k for k in keys) and any("linear_attn.in_proj_qkv" in k for k in keys)
+
+
+def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
+    out = tmp_path / "run"
+    lora = trl_cli_args(build_config(folders["moe"]), r=4)
+    log = _run([sys.executable, "grpo.py", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code",
+                "true", "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
+                "--output_dir", str(out), "--router_aux_loss_coef", "0.01", *SMALL_RUN, *lora], cwd=EXAMPLES)
+    assert log.count("'aux_loss':") == 2 and "router_aux_loss_coef=0.01" in log
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def build_config(folder):
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
