@@ -316,29 +316,8 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             max_length_q, max_length_k,
         )
 
-        full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        loss = None
-        if labels is not None:
-            if not full_logits:
-                raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
-            targets = shift_labels_within_documents(labels, packed)
-            loss, packed_logits = self.packed_loss(hidden, targets, kwargs.get("num_items_in_batch"))
-            logits = packed.unpack(packed_logits)
-        elif full_logits:
-            logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
-        else:
-            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
-
-        aux_loss = None
-        if want_router and router_logits:
-            aux_loss = load_balancing_loss(tuple(router_logits), self.config.num_experts,
-                                           self.config.num_experts_per_tok)
-            coef = self.config.router_aux_loss_coef
-            if loss is not None and coef > 0:
-                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
-                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
-                loss = loss + coef * aux_loss.to(loss.device)
+        loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
+                                                      kwargs.get("num_items_in_batch"), router_logits, want_router)
 
         return Qwen3_5PackedCausalLMOutput(
             loss=loss,
@@ -348,6 +327,36 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             router_logits=tuple(router_logits) if router_logits else None,
             **{_CACHE_KWARG: cache},
         )
+
+    def lm_head_outputs(self, hidden, packed, labels, logits_to_keep, num_items_in_batch, router_logits,
+                        want_router):
+        """lm_head, loss and MoE aux loss on the packed stream -> (loss, aux_loss, logits in the caller's layout).
+        Shared with the vision-language classes: the text settings come from `config.get_text_config()`."""
+        text_config = self.config.get_text_config()
+        full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        loss = None
+        if labels is not None:
+            if not full_logits:
+                raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
+            targets = shift_labels_within_documents(labels, packed)
+            loss, packed_logits = self.packed_loss(hidden, targets, num_items_in_batch)
+            logits = packed.unpack(packed_logits)
+        elif full_logits:
+            logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
+
+        aux_loss = None
+        if want_router and router_logits:
+            aux_loss = load_balancing_loss(tuple(router_logits), text_config.num_experts,
+                                           text_config.num_experts_per_tok)
+            coef = text_config.router_aux_loss_coef
+            if loss is not None and coef > 0:
+                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
+                loss = loss + coef * aux_loss.to(loss.device)
+        return loss, aux_loss, logits
 
     def packed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None):
         """Token-weighted fp32 cross-entropy on the packed stream; returns (loss, logits [N, V]).

@@ -36,12 +36,10 @@ from .modeling_qwen3_5_packed import (
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedTextModel,
     _check_kwargs,
-    _log_once,
     _wants_router_logits,
 )
-from .moe import load_balancing_loss
 from .mrope_positions import packed_mrope_positions
-from .packing import PackedSequence, build_packed_sequence, shift_labels_within_documents
+from .packing import PackedSequence, build_packed_sequence
 from .vision import Qwen3_5PackedVisionModel
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -282,8 +280,9 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
         {"lm_head.weight": "model.language_model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
-    # The same fp32 (chunked) cross-entropy on the packed stream as the text model.
+    # The same lm_head, fp32 (chunked) cross-entropy and MoE aux loss on the packed stream as the text model.
     packed_loss = Qwen3_5PackedForCausalLM.packed_loss
+    lm_head_outputs = Qwen3_5PackedForCausalLM.lm_head_outputs
 
     def __init__(self, config):
         super().__init__(config)
@@ -324,8 +323,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
                 max_length_q=None, max_length_k=None, use_cache=None, **kwargs):
         _check_kwargs(kwargs)
         _refuse_cache(use_cache)
-        text_config = self.config.text_config
-        want_router = _wants_router_logits(text_config, output_router_logits)
+        want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
             image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states), want_router,
@@ -333,29 +331,9 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
         )
         packed, hidden = result.packed, result.hidden
 
-        full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        loss = None
-        if labels is not None:
-            if not full_logits:
-                raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
-            targets = shift_labels_within_documents(labels, packed)
-            loss, packed_logits = self.packed_loss(hidden, targets, kwargs.get("num_items_in_batch"))
-            logits = packed.unpack(packed_logits)
-        elif full_logits:
-            logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
-        else:
-            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(packed.unpack(hidden)[:, keep, :])
-
-        aux_loss = None
-        if want_router and result.router_logits:
-            aux_loss = load_balancing_loss(tuple(result.router_logits), text_config.num_experts,
-                                           text_config.num_experts_per_tok)
-            coef = text_config.router_aux_loss_coef
-            if loss is not None and coef > 0:
-                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
-                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
-                loss = loss + coef * aux_loss.to(loss.device)
+        loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
+                                                      kwargs.get("num_items_in_batch"), result.router_logits,
+                                                      want_router)
 
         return Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
