@@ -190,7 +190,6 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             max_length_q, max_length_k,
         )
         given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
-        text_config = self.config.text_config
         if input_ids is not None:
             ids = packed.pack(input_ids.unsqueeze(-1)).squeeze(-1)
             types = None
