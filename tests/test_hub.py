@@ -252,3 +252,51 @@ def test_hub_upload_script_is_a_thin_entry(packed, monkeypatch, capsys):
     assert exit_info.value.code == 0
     assert "dry run: nothing uploaded" in capsys.readouterr().out
     assert os.access(ROOT / "hub_upload.py", os.R_OK)
+
+
+@pytest.fixture(scope="module")
+def packed_moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub_moe")
+    build_builtin("moe", seed=3).save_pretrained(root / "src")
+    convert(root / "src", root / "packed", progress=False, log=lambda line: None)
+    return root / "packed"
+
+
+def test_card_trl_command_parses():
+    """The card's `trl grpo` line is accepted by TRL's own parser for that command (run on CPU here)."""
+    import shlex
+
+    trl = pytest.importorskip("trl")
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    command = hub.usage_snippets("org/packed", "packed", False, None)["trl"]
+    line = " ".join(part.rstrip("\\").strip() for part in command.splitlines() if not part.startswith("#"))
+    words = shlex.split(line)
+    assert words[:2] == ["trl", "grpo"]
+    parser = trl.TrlParser((GRPOScriptArguments, trl.GRPOConfig, trl.ModelConfig))
+    script, training, model = parser.parse_args_and_config(words[2:] + ["--use_cpu", "true"])
+    assert training.trust_remote_code is True and model.model_name_or_path == "org/packed"
+    assert script.reward_funcs == ["my_rewards.reward_fn"]
+
+
+@pytest.mark.parametrize("layout", ["dense", "moe"])
+def test_card_peft_snippets_run(layout, packed, packed_moe, tmp_path):
+    """The card's LoRA snippet wraps the model (MoE: the fused experts too); the adapter card's snippet loads the
+    saved adapter onto the base folder and merges it."""
+    pytest.importorskip("peft")
+    folder = packed if layout == "dense" else packed_moe
+    scope = {}
+    exec(compile(hub.usage_snippets(str(folder), "packed", layout == "moe", None)["peft"], "<card:peft>", "exec"), scope)
+    model = scope["model"]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert any("linear_attn.in_proj_qkv" in n for n in names) and not any("conv1d" in n for n in names)
+    assert any("experts" in n for n in names) is (layout == "moe")
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)
+    plan = hub.plan_upload(adapter, "org/adapter", base_model=str(folder))
+    assert plan.kind == "adapter"
+    scope = {}
+    exec(compile(hub.usage_snippets("PLACEHOLDER", "adapter", False, str(folder))["peft"].replace(
+        "PLACEHOLDER", str(adapter)), "<card:adapter>", "exec"), scope)  # fmt: skip
+    assert type(scope["merged"]).__name__.startswith("Qwen3_5")
