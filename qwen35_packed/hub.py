@@ -41,7 +41,7 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 OTHER_FILES = ("LICENSE", CARD_NAME, REPORT_NAME)
-WEIGHT_PATTERN = re.compile(r"^(model(-\d{5}-of-\d{5})?|adapter_model)\.safetensors$")
+SINGLE_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 INDEX_NAME = "model.safetensors.index.json"
 CREDENTIAL_PATTERN = re.compile(r"(^|[._-])(token|credentials?|secrets?|netrc|api[_-]?key)([._-]|$)", re.IGNORECASE)
 PACKED_ARCHITECTURES = ("Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM")
@@ -185,13 +185,13 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
             skipped.append((name, "folder (only top-level files are uploaded)"))
         elif CREDENTIAL_PATTERN.search(name) and name not in allowed:
             skipped.append((name, "looks like a credential"))
-        elif WEIGHT_PATTERN.match(name):
-            if indexed is not None and name not in indexed and name != "adapter_model.safetensors":
-                skipped.append((name, f"a shard {INDEX_NAME} does not name (stale?)"))
-            elif indexed is None and name != "model.safetensors" and name != "adapter_model.safetensors":
-                skipped.append((name, f"a shard without {INDEX_NAME}"))
-            else:
+        elif name.endswith(".safetensors"):  # any shard name the index uses; without an index the single files
+            if name in SINGLE_WEIGHTS or (indexed is not None and name in indexed):
                 chosen.append(path)
+            elif indexed is not None:
+                skipped.append((name, f"a shard {INDEX_NAME} does not name (stale?)"))
+            else:
+                skipped.append((name, f"a shard without {INDEX_NAME}"))
         elif name == INDEX_NAME or name in allowed:
             chosen.append(path)
         elif name in code:
@@ -200,7 +200,7 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
             skipped.append((name, "Python file that is not one of this package's remote-code modules"))
         else:
             skipped.append((name, "not on the allow-list"))
-    if not any(WEIGHT_PATTERN.match(p.name) for p in chosen):
+    if not any(p.name.endswith(".safetensors") for p in chosen):
         raise UploadError(f"{folder} holds no safetensors weights to upload")
     if kind == "packed":
         missing = sorted(code - {p.name for p in chosen})

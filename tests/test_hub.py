@@ -300,3 +300,22 @@ def test_card_peft_snippets_run(layout, packed, packed_moe, tmp_path):
     exec(compile(hub.usage_snippets("PLACEHOLDER", "adapter", False, str(folder))["peft"].replace(
         "PLACEHOLDER", str(adapter)), "<card:adapter>", "exec"), scope)  # fmt: skip
     assert type(scope["merged"]).__name__.startswith("Qwen3_5")
+
+
+def test_shards_are_whatever_the_index_names(tmp_path):
+    """Shard names differ between repositories (model-00001-of-00002, model.safetensors-00001-of-00002, ...): the
+    index decides."""
+    folder = tmp_path / "official"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    names = ["model.safetensors-00001-of-00002.safetensors", "model.safetensors-00002-of-00002.safetensors"]
+    for i, name in enumerate(names):
+        save_file({f"t{i}": torch.zeros(1)}, str(folder / name))
+    save_file({"old": torch.zeros(1)}, str(folder / "model-00001-of-00009.safetensors"))
+    index = {"weight_map": {"t0": names[0], "t1": names[1]}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = hub.plan_upload(folder, "org/x")
+    assert {f.path_in_repo for f in plan.files} >= set(names) | {"model.safetensors.index.json"}
+    assert ("model-00001-of-00009.safetensors", "a shard model.safetensors.index.json does not name (stale?)") in (
+        plan.skipped
+    )
