@@ -8,6 +8,14 @@ in_proj_qkvz / qkv_proj, a shape assertion against the empty weight for the othe
 packed handle would still be what the layer computes with. vLLM's in-place reload (`model_runner.reload_weights`,
 vllm/model_executor/model_loader/reload) restores the layers' loading state, loads, and packs again: that is the
 push used here, once per sync with all tensors, under the names TRL sends.
+
+MoE on CPU needs one more step. On a reload, vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel`
+(vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py) copies the new expert weights into the
+existing storage but skips `moe_kernel.fused_experts.process_weights_after_loading(layer)` ("setup moe kernel only
+on the first call"), which on CPU is what packs them into the grouped-GEMM layout (`cpu_moe.py`,
+`cpu_prepack_moe_weight`). The CPU MoE kernel then reads checkpoint-layout weights as packed ones: after any reload,
+even of unchanged weights, its outputs are garbage (mean KL ~7 against the model). `push_weights` runs that packing
+step for the CPU experts after the reload; the parity test checks the result.
 """
 
 from __future__ import annotations
@@ -31,8 +39,25 @@ def push_weights(llm, named_tensors) -> list[str]:
     initialize_layerwise_reload(model)
     loaded = model.load_weights(iter(named_tensors))
     finalize_layerwise_reload(model, runner.vllm_config.model_config)
+    _repack_cpu_experts(model)
     llm.reset_prefix_cache()
     return sorted(expected - set(loaded or ()))
+
+
+def _repack_cpu_experts(model) -> None:
+    """Run the CPU experts' packing that vLLM's reload skips (see the module doc)."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith(".cpu_moe"):
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise NotImplementedError(
+                "pushing MoE weights into vLLM-CPU with a padded expert intermediate size "
+                f"({config.intermediate_size_per_partition} -> {experts._padded_intermediate_size(config)}) is not "
+                "supported: vLLM's reload copies unpadded weights into padded storage")
+        experts.process_weights_after_loading(module)
 
 
 def vllm_runs_on_cpu() -> bool:
