@@ -5,30 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-TINY_ROPE = {
-    "rope_type": "default",
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.5,
-    "mrope_section": [3, 3, 2],
-    "mrope_interleaved": True,
-}
+from qwen35_packed.integrations.tiny import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
 
-# Linear head dims of 64: vLLM's CPU kernels accept only 64/128, so the same tiny models serve the vLLM tests.
-TINY_DENSE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    linear_num_key_heads=1,
-    linear_num_value_heads=2,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-    rope_parameters=TINY_ROPE,
-)
 TINY_MOE = dict(
     TINY_DENSE,
     intermediate_size=None,

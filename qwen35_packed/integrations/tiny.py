@@ -18,7 +18,15 @@ import torch
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
 
-TINY_CONFIG = dict(
+TINY_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [3, 3, 2],
+    "mrope_interleaved": True,
+}
+# Linear head dims of 64: vLLM's CPU kernels accept only 64/128 (the test suite's tiny models are these too).
+TINY_DENSE = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=128,
@@ -31,10 +39,9 @@ TINY_CONFIG = dict(
     linear_key_head_dim=64,
     linear_value_head_dim=64,
     linear_conv_kernel_dim=4,
-    tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                     "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    rope_parameters=TINY_ROPE,
 )
+# MoE additions; the load-balancing coefficient of the official configs, which RL must not get unasked.
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                 router_aux_loss_coef=0.001)
 
@@ -42,7 +49,7 @@ TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, 
 def tiny_config_kwargs(kind: str = "dense") -> dict:
     if kind not in ("dense", "moe"):
         raise ValueError(f"kind must be 'dense' or 'moe', got {kind!r}")
-    kwargs = json.loads(json.dumps(TINY_CONFIG))
+    kwargs = json.loads(json.dumps(TINY_DENSE))
     if kind == "moe":
         kwargs.pop("intermediate_size")
         kwargs.update(TINY_MOE)
@@ -74,7 +81,7 @@ def build_tiny_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: floa
     from ..conversion import convert
 
     out = Path(out)
-    kwargs = {**tiny_config_kwargs(kind), **config_overrides}
+    kwargs = {**tiny_config_kwargs(kind), "tie_word_embeddings": False, **config_overrides}
     tokenizer = build_char_tokenizer()
     kwargs.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if len(tokenizer) > kwargs["vocab_size"]:
