@@ -31,6 +31,14 @@ def _randomize_lora_b(model, seed=0):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+def _adapted(kind, **config):
+    """(base model, PEFT model with random nonzero adapters on every default group), eval mode."""
+    model = _model(kind)
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4, **config))
+    _randomize_lora_b(wrapped)
+    return model, wrapped
+
+
 def _ids(seed=0):
     return torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(seed))
 
@@ -83,9 +91,7 @@ def test_every_group_really_acts(group):
 
 
 def test_packed_forward_with_lora_equals_per_document():
-    model = _model("moe")
-    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
-    _randomize_lora_b(wrapped)
+    _, wrapped = _adapted("moe")
     ids = _ids(1)
     with torch.no_grad():
         alone = wrapped(ids, use_cache=False).logits
@@ -95,19 +101,15 @@ def test_packed_forward_with_lora_equals_per_document():
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_merged_names_and_shapes_are_the_base_state_dict(kind):
-    model = _model(kind)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
-    _randomize_lora_b(wrapped)
+    expected = {k: tuple(v.shape) for k, v in _model(kind).state_dict().items()}
+    _, wrapped = _adapted(kind)
     wrapped.merge_adapter()
     assert _trl_sync_names(wrapped) == expected
     wrapped.unmerge_adapter()
 
 
 def test_adapter_save_and_load(tmp_path):
-    model = _model("moe")
-    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
-    _randomize_lora_b(wrapped)
+    _, wrapped = _adapted("moe")
     ids = _ids(2)
     with torch.no_grad():
         expected = wrapped(ids, use_cache=False).logits
