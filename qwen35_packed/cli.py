@@ -77,10 +77,10 @@ def _add_convert(subparsers) -> None:
         help="convert a Qwen3.5 checkpoint folder between the official layout and this project's",
         description=(
             "Default (--to packed): convert a local official Qwen3.5 checkpoint folder (what transformers' built-in "
-            "text classes save, or the official composite vision-language layout with --text-only) into this "
-            "project's layout: fused MoE experts, config.json with auto_map and normalised rope, the remote-code "
-            "files, and the tokenizer / generation files; mtp.* (and with --text-only model.visual.*) tensors are "
-            "dropped. --to official goes back: transformers' architectures, no auto_map, fused experts, mtp.* "
+            "text classes save, or the official composite vision-language layout) into this project's layout: fused "
+            "MoE experts, config.json with auto_map and normalised rope, the remote-code files, and the tokenizer / "
+            "generation files; a composite SRC stays composite (model.visual.* and the processor files kept) unless "
+            "--text-only asks for its language model alone; mtp.* tensors are dropped. --to official goes back: transformers' architectures, no auto_map, fused experts, mtp.* "
             "re-inserted from --mtp-from, and with --vision-from the composite checkpoint (its vision tower and "
             "processor files); a composite SRC in this project's vision-language layout keeps its own. --verify A B compares the tensors of two folders by checksum. Inputs are never "
             "modified; OUT must not exist and appears only when complete."
@@ -93,7 +93,7 @@ def _add_convert(subparsers) -> None:
     p.add_argument(
         "--text-only",
         action="store_true",
-        help="accept a composite (vision-language) SRC and convert its language model only",
+        help="composite (vision-language) SRC: convert its language model only (vision tower dropped)",
     )
     p.add_argument("--mtp-from", metavar="DIR",
                    help="--to official: copy the mtp.* tensors (MTP head) of this official checkpoint, as stored")

@@ -25,8 +25,9 @@ from qwen35_packed.conversion import (
     plan_packed_mapping,
 )
 from qwen35_packed.conversion.config import CONFIG_CLASSES, build_output_config
+from qwen35_packed.conversion.remote_code import remote_code_files
 from qwen35_packed.conversion.rope_readers import disagreements, rope_views
-from qwen35_packed.conversion.schema import expected_mtp_tensors, expected_text_tensors
+from qwen35_packed.conversion.schema import expected_mtp_tensors, expected_text_tensors, expected_vision_tensors
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
 from conftest import tiny_kwargs
 from test_conversion import (
@@ -40,6 +41,8 @@ from test_conversion import (
     read_folder,
     write_shards,
 )
+from test_vl_remote_code import ARCH, AUTO_MAP
+from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5"
 PROCESSOR = {"preprocessor_config.json": '{"patch_size": 16}\n', "video_preprocessor_config.json": '{"fps": 2}\n'}
@@ -104,6 +107,106 @@ def composite(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"composite_{request.param}")
     model = make_composite(root / "official", request.param)
     return request.param, model, root / "official"
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def official_vl(request, tmp_path_factory):
+    """A real official composite checkpoint (transformers' VLM weights; dense tied, MoE untied), with an MTP head
+    (MTP experts per expert), the old `model_type: "qwen3_5"` in vision_config, processor and tokenizer files; and
+    its conversion to this project's composite layout (OUT), with the printed plan."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"official_vl_{kind}")
+    ref, _ = builtin_vl_pair(kind, seed=13, tie_word_embeddings=kind == "dense")
+    config = ref.config.to_dict()
+    for key in ("transformers_version", "dtype", "_name_or_path"):
+        config.pop(key, None)
+    config["architectures"] = [type(ref).__name__]
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    config["vision_config"]["model_type"] = config["model_type"]  # as in the published configs
+    src = root / "official"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    tensors = {k: v for k, v in ref.state_dict().items() if not (kind == "dense" and k == "lm_head.weight")}
+    text_config = CONFIG_CLASSES[kind == "moe"](**ref.config.text_config.to_dict())
+    write_shards(src, tensors | mtp_tensors(text_config), n_shards=6)
+    add_side_files(src)
+    for name, text in PROCESSOR.items():
+        (src / name).write_text(text)
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "processor_class": "P"}))
+    lines: list[str] = []
+    convert(src, root / "ours", progress=False, log=lines.append)
+    return kind, ref, src, root / "ours", "\n".join(lines)
+
+
+def test_composite_to_ours_keeps_vision_and_round_trips(official_vl, tmp_path):
+    """Official composite -> this project's composite layout (no --text-only): vision tower, language model and
+    lm_head kept as stored, mtp.* dropped with the same explanation as the text conversion, config normalised;
+    -> official again with --mtp-from: bit-identical by checksum."""
+    kind, ref, src, ours, printed = official_vl
+    source = folder_digests(src)
+    n_mtp = sum(k.startswith("mtp.") for k in source)
+    assert f"Drop('^mtp\\\\.'): dropped {n_mtp} tensors: multi-token-prediction head" in printed
+    assert "this project's composite layout" in printed
+    result, _ = verify_folders(src, ours)
+    assert result.only_in_a == sorted(k for k in source if k.startswith("mtp.")), result.lines()
+    assert not result.only_in_b and not result.different  # everything else: same dtype, shape and bytes
+    assert any(k.startswith("model.visual.") for k in folder_digests(ours))
+    assert ("lm_head.weight" in source) is (kind == "moe")
+
+    original, data = json.loads((src / "config.json").read_text()), json.loads((ours / "config.json").read_text())
+    assert data["architectures"] == [ARCH[kind]] and data["auto_map"] == AUTO_MAP[kind]
+    assert data["model_type"] == original["model_type"] == ("qwen3_5_moe" if kind == "moe" else "qwen3_5")
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        assert data[key] == original[key], key
+    assert data["tie_word_embeddings"] is (kind == "dense") is data["text_config"]["tie_word_embeddings"]
+    text = data["text_config"]
+    assert text["model_type"] == ("qwen3_5_moe_text" if kind == "moe" else "qwen3_5_text")
+    assert text["rope_scaling"] == text["rope_parameters"] == original["text_config"]["rope_parameters"]
+    assert text["rope_theta"] == text["rope_parameters"]["rope_theta"] and not disagreements(rope_views(text))
+    assert "auto_map" not in text and "architectures" not in text
+    vision_type = "qwen3_5_moe_vision" if kind == "moe" else "qwen3_5_vision"
+    assert data["vision_config"] == original["vision_config"] | {"model_type": vision_type}
+    # the same text part as the text conversion writes
+    text_only = build_output_config(original, text_only=True).data
+    assert text == {k: v for k, v in text_only.items() if k not in ("architectures", "auto_map")}
+    for name in [*PROCESSOR, "tokenizer_config.json", "chat_template.jinja"]:  # processor_class kept
+        assert (ours / name).read_bytes() == (src / name).read_bytes(), name
+    assert {p.name for p in remote_code_files()} <= {p.name for p in ours.glob("*.py")}
+
+    back = tmp_path / "back"
+    assert run_cli(ours, back, "--to", "official", "--mtp-from", src) == 0
+    result, _ = verify_folders(src, back)
+    assert result.identical and result.tensors_a == len(source), result.lines()
+    written = json.loads((back / "config.json").read_text())
+    assert written["architectures"] == original["architectures"] and "auto_map" not in written
+    assert written["vision_config"] == data["vision_config"]
+    for name in [*PROCESSOR, "tokenizer_config.json"]:
+        assert (back / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_converted_composite_loads_in_builtin_and_remote_classes(official_vl):
+    """transformers' composite class loads OUT with every key and gives the source model's logits on an input with
+    images; AutoModelForImageTextToText with trust_remote_code gives our class, within 1e-4 of the built-in."""
+    kind, ref, _, ours, _ = official_vl
+    gen = torch.Generator().manual_seed(0)
+    ids, images, _ = make_document(gen, 2)
+    inputs = dict(input_ids=ids.unsqueeze(0), pixel_values=pixels_for(images, gen), image_grid_thw=grid_tensor(images))
+    types = token_types(inputs["input_ids"])
+    with torch.no_grad():
+        expected = ref(**inputs, mm_token_type_ids=types, use_cache=False).logits
+    builtin, info = type(ref).from_pretrained(ours, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        got = builtin.eval()(**inputs, mm_token_type_ids=types, use_cache=False).logits
+    assert torch.equal(got, expected)
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        ours, trust_remote_code=True, output_loading_info=True
+    )
+    assert type(model).__name__ == ARCH[kind] and type(model).__module__.startswith("transformers_modules.")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        remote = model.eval()(**inputs).logits
+    assert (remote - got).abs().max().item() <= 1e-4
 
 
 # ------------------------------------------------------------------------------------------------------ round trips
@@ -288,11 +391,13 @@ def _derived_keys(name: str) -> list[str]:
 @pytest.mark.skipif(not _reference_cases(), reason="reference configs not available")
 @pytest.mark.parametrize("name", _reference_cases())
 def test_reference_key_lists_map_both_ways(name):
-    """Every key of the official checkpoint is mapped or dropped by a named rule (nothing unmapped); the way back
-    rebuilds exactly the official key set (nothing invented, nothing missing). Headers only: no tensor data."""
+    """Every key of the official checkpoint is mapped or dropped by a named rule (nothing unmapped), to the text
+    layout (--text-only) and to this project's composite layout (vision kept); the way back rebuilds exactly the
+    official key set (nothing invented, nothing missing). Headers only: no tensor data."""
     official = json.loads((REFERENCE / name / "config.json").read_text())
     keys = _derived_keys(name)
     packed = build_output_config(official, text_only=True)
+    vision_shapes = expected_vision_tensors(official["vision_config"], is_moe=official["model_type"] == "qwen3_5_moe")
     text_shapes = expected_text_tensors(packed.config)
     mtp_shapes = expected_mtp_tensors(packed.config, official["text_config"]["mtp_num_hidden_layers"])
 
@@ -307,8 +412,7 @@ def test_reference_key_lists_map_both_ways(name):
             return mtp_shapes[key]
         if key == "lm_head.weight":
             return text_shapes[key]
-        assert key.startswith("model.visual."), key
-        return (2,)
+        return vision_shapes[key]
 
     specs = {k: LazyTensor.source(k, shape(k), "BF16") for k in keys}
     _, _, to_packed = plan_packed_mapping(specs, official, text_only=True)
@@ -324,6 +428,18 @@ def test_reference_key_lists_map_both_ways(name):
     assert all(tuple(back.outputs[k].shape) == specs[k].shape for k in keys)
     _, _, same = plan_official_mapping(specs, official)  # the official composite is its own official form
     assert set(same.outputs) == set(keys) and all(same.outputs[k] is specs[k] for k in keys)
+
+    # composite: everything but mtp.* kept under its own key (the main-layer experts are stored fused already)
+    ours, _, to_ours = plan_packed_mapping(specs, official, text_only=False)
+    assert ours.layout == "packed-composite" and ours.data["auto_map"]["AutoModelForImageTextToText"]
+    assert set(to_ours.outputs) == {k for k in keys if not k.startswith("mtp.")}
+    assert all(tuple(v.shape) == specs[k].shape and v.source_keys() == [k] for k, v in to_ours.outputs.items())
+    assert sum(k.startswith("model.visual.") for k in to_ours.outputs) == len(vision_shapes) > 0
+    dropped = {k for r in to_ours.reports for k in r.consumed if r.reason is not None}
+    assert dropped == {k for k in keys if k.startswith("mtp.")}
+    ours_specs = {k: LazyTensor.source(k, v.shape, "BF16") for k, v in to_ours.outputs.items()}
+    _, _, back = plan_official_mapping(ours_specs, ours.data, mtp=reference)
+    assert set(back.outputs) == set(keys) and all(tuple(back.outputs[k].shape) == specs[k].shape for k in keys)
 
 
 # ------------------------------------------------------------------------------------------------ rope and config

@@ -1,4 +1,5 @@
-"""config.json of a converted (packed, text-only) checkpoint, from the source's config.json."""
+"""config.json of a converted checkpoint (this project's text or composite layout, or an official one), from the
+source's config.json."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ OFFICIAL_COMPOSITE_ARCHITECTURES = {
     True: "Qwen3_5MoeForConditionalGeneration",
 }
 OFFICIAL_COMPOSITE_MODEL_TYPES = {False: "qwen3_5", True: "qwen3_5_moe"}
+# This project's composite (vision-language) layout: architectures and remote code (tests/test_vl_remote_code.py).
+VL_CONFIG_MODULE = "configuration_qwen3_5_packed_vl"
+VL_MODELING_MODULE = "modeling_qwen3_5_packed_vl"
+VL_ARCHITECTURES = {False: "Qwen3_5PackedForConditionalGeneration", True: "Qwen3_5MoePackedForConditionalGeneration"}
+VL_CONFIG_CLASSES = {False: "Qwen3_5PackedVLConfig", True: "Qwen3_5MoePackedVLConfig"}
+VL_BASE_MODELS = {False: "Qwen3_5PackedVLModel", True: "Qwen3_5MoePackedVLModel"}
+# vision_config.model_type transformers expects; older official configs say "qwen3_5" / "qwen3_5_moe" there.
+VISION_MODEL_TYPES = {False: "qwen3_5_vision", True: "qwen3_5_moe_vision"}
 # Fields of this project's config class that official readers do not know; not written to official configs.
 PROJECT_ONLY_KEYS = ("gdn_kernel", "attention_kernel")
 PROJECT_ONLY_COMPOSITE_KEYS = ("freeze_vision", "vision_dummy_pass")
@@ -46,12 +55,17 @@ class OutputConfig:
     source_layout: str  # "text" or "composite"
     notes: list[str]  # lines to print (warnings about the conversion)
     rope_lines: list[str] = field(default_factory=list)  # the rope table(s): source and written config
-    layout: str = "packed"  # what `data` is: "packed", "official-text" or "official-composite"
+    # what `data` is: "packed", "packed-composite", "official-text" or "official-composite"
+    layout: str = "packed"
+
+    @property
+    def is_composite(self) -> bool:
+        return self.layout in ("packed-composite", "official-composite")
 
     @property
     def text_data(self) -> dict:
-        """The text config inside `data` (`data` itself except for the composite layout)."""
-        return self.data["text_config"] if self.layout == "official-composite" else self.data
+        """The text config inside `data` (`data` itself except for the composite layouts)."""
+        return self.data["text_config"] if self.is_composite else self.data
 
 
 def detect_layout(src_config: dict) -> str:
@@ -69,16 +83,21 @@ def auto_map(is_moe: bool) -> dict:
     }
 
 
-def _source_text_config(src_config: dict, *, text_only: bool, notes: list[str]) -> tuple[dict, str, str]:
+def vl_auto_map(is_moe: bool) -> dict:
+    """auto_map of this project's composite layout (the remote-code VL classes)."""
+    arch = f"{VL_MODELING_MODULE}.{VL_ARCHITECTURES[is_moe]}"
+    return {
+        "AutoConfig": f"{VL_CONFIG_MODULE}.{VL_CONFIG_CLASSES[is_moe]}",
+        "AutoModel": f"{VL_MODELING_MODULE}.{VL_BASE_MODELS[is_moe]}",
+        "AutoModelForCausalLM": arch,
+        "AutoModelForImageTextToText": arch,
+    }
+
+
+def _source_text_config(src_config: dict, *, notes: list[str]) -> tuple[dict, str, str]:
     """(a copy of the text config, its model_type, the source layout) of a source config.json."""
     layout = detect_layout(src_config)
     if layout == "composite":
-        if not text_only:
-            raise ConversionError(
-                f"SRC is a composite vision-language Qwen3.5 checkpoint (model_type "
-                f"{src_config.get('model_type')!r}, text_config + vision_config). Converting the VLM is not available "
-                "yet; pass --text-only to convert its language model (the vision tower and the MTP head are dropped)."
-            )
         text = src_config.get("text_config")
         if not isinstance(text, dict):
             raise ConversionError("SRC config.json: composite config without a text_config dict")
@@ -110,7 +129,7 @@ def _source_text_config(src_config: dict, *, text_only: bool, notes: list[str]) 
     if model_type not in TEXT_MODEL_TYPES:
         raise ConversionError(
             f"SRC config.json: model_type {model_type!r} is not a Qwen3.5 text model; expected one of "
-            f"{sorted(TEXT_MODEL_TYPES)} (or a composite {sorted(COMPOSITE_MODEL_TYPES)} with --text-only)"
+            f"{sorted(TEXT_MODEL_TYPES)} (or a composite {sorted(COMPOSITE_MODEL_TYPES)})"
         )
     return text, model_type, layout
 
@@ -185,14 +204,17 @@ def _normalize_text(
 def build_output_config(
     src_config: dict, *, text_only: bool, router_aux_loss_coef: float | None = None
 ) -> OutputConfig:
-    """Normalise a source config.json (text or composite layout) into this project's text config.
+    """Normalise a source config.json into this project's config: its text config for a text source or (with
+    `text_only`) a composite one, else its composite config (see `_packed_composite`).
 
-    Raises ConversionError for a composite source without `text_only`, an unknown model_type, contradicting rope or
-    tie settings, and anything the project's config class rejects.
+    Raises ConversionError for an unknown model_type, contradicting rope or tie settings, and anything the project's
+    config class rejects.
     """
+    if detect_layout(src_config) == "composite" and not text_only:
+        return _packed_composite(src_config, router_aux_loss_coef)
     notes: list[str] = []
     rope_lines: list[str] = []
-    text, model_type, layout = _source_text_config(src_config, text_only=text_only, notes=notes)
+    text, model_type, layout = _source_text_config(src_config, notes=notes)
     is_moe = TEXT_MODEL_TYPES[model_type]
     config = _normalize_text(
         text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
@@ -221,7 +243,7 @@ def build_official_config(
         return _official_from_composite(src_config, router_aux_loss_coef)
     notes: list[str] = []
     rope_lines: list[str] = []
-    text, model_type, _ = _source_text_config(src_config, text_only=False, notes=notes)
+    text, model_type, _ = _source_text_config(src_config, notes=notes)
     is_moe = TEXT_MODEL_TYPES[model_type]
     for key in PROJECT_ONLY_KEYS:
         text.pop(key, None)
@@ -260,26 +282,83 @@ def _official_composite(base: dict, text: dict, is_moe: bool, model_type: str) -
     return composite
 
 
-def _official_from_composite(src_config: dict, router_aux_loss_coef: float | None) -> OutputConfig:
-    notes: list[str] = []
-    rope_lines: list[str] = []
+def _composite_text(
+    src_config: dict, router_aux_loss_coef: float | None, *, drop: tuple[str, ...], notes: list[str],
+    rope_lines: list[str],
+) -> tuple[dict, bool, str, Qwen3_5PackedConfig]:
+    """(normalised text config, is_moe, composite model_type, project config) of a composite SRC config.json."""
     composite_type = src_config.get("model_type")
     if composite_type not in COMPOSITE_MODEL_TYPES or not isinstance(src_config.get("vision_config"), dict):
         raise ConversionError(
             f"SRC config.json: a composite config needs model_type in {sorted(COMPOSITE_MODEL_TYPES)} and a "
             f"vision_config; got model_type {composite_type!r}"
         )
-    text, model_type, _ = _source_text_config(src_config, text_only=True, notes=notes)
+    text, model_type, _ = _source_text_config(src_config, notes=notes)
     is_moe = TEXT_MODEL_TYPES[model_type]
     if COMPOSITE_MODEL_TYPES[composite_type] != is_moe:
         raise ConversionError(f"SRC config.json: model_type {composite_type!r} with a {model_type!r} text_config")
-    for key in PROJECT_ONLY_KEYS + ("architectures", "auto_map"):
+    for key in drop + ("architectures", "auto_map"):
         text.pop(key, None)
     config = _normalize_text(
         text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
     )
+    return text, is_moe, composite_type, config
+
+
+def _official_from_composite(src_config: dict, router_aux_loss_coef: float | None) -> OutputConfig:
+    notes: list[str] = []
+    rope_lines: list[str] = []
+    text, is_moe, composite_type, config = _composite_text(
+        src_config, router_aux_loss_coef, drop=PROJECT_ONLY_KEYS, notes=notes, rope_lines=rope_lines
+    )
     composite = _official_composite(src_config, text, is_moe, composite_type)
     return OutputConfig(composite, config, is_moe, "composite", notes, rope_lines, "official-composite")
+
+
+def _packed_composite(src_config: dict, router_aux_loss_coef: float | None) -> OutputConfig:
+    """This project's composite config from a composite SRC config.json: the text part normalised exactly as the
+    text conversion does (rope written every way, model_type `qwen3_5_text` / `qwen3_5_moe_text`), `vision_config`
+    kept (an old `model_type` there normalised), token ids and the tie flag kept, this project's architectures and
+    the `auto_map` of the remote-code VL classes."""
+    notes: list[str] = []
+    rope_lines: list[str] = []
+    text, is_moe, composite_type, config = _composite_text(
+        src_config, router_aux_loss_coef, drop=(), notes=notes, rope_lines=rope_lines
+    )
+    composite = copy.deepcopy(src_config)
+    for key in _NOT_CARRIED:
+        composite.pop(key, None)
+    vision = composite["vision_config"]
+    vision_type = VISION_MODEL_TYPES[is_moe]
+    if vision.get("model_type") in (None, composite_type):
+        if vision.get("model_type") is not None:
+            notes.append(f"vision_config.model_type {composite_type!r} -> {vision_type!r} (what transformers reads)")
+        vision["model_type"] = vision_type
+    elif vision["model_type"] != vision_type:
+        raise ConversionError(
+            f"SRC config.json: vision_config.model_type is {vision['model_type']!r}; a {composite_type} model's "
+            f"vision tower is {vision_type!r}"
+        )
+    composite["architectures"] = [VL_ARCHITECTURES[is_moe]]
+    composite["auto_map"] = vl_auto_map(is_moe)
+    composite["tie_word_embeddings"] = bool(text["tie_word_embeddings"])  # the flag the composite class ties by
+    composite["text_config"] = text
+    _check_builtin_reads({k: v for k, v in composite.items() if k != "auto_map"}, composite_type)
+    _check_project_vl_reads(composite, is_moe)
+    return OutputConfig(composite, config, is_moe, "composite", notes, rope_lines, "packed-composite")
+
+
+def _check_project_vl_reads(data: dict, is_moe: bool) -> None:
+    """This project's composite config class must accept the written config.json."""
+    try:
+        from ..configuration import configuration_qwen3_5_packed_vl as vl
+    except ImportError as exc:  # transformers without Qwen3.5: the VL classes cannot exist
+        raise ConversionError(f"converting a composite checkpoint needs the vision-language classes: {exc}") from exc
+    config_class = getattr(vl, VL_CONFIG_CLASSES[is_moe])
+    try:
+        config_class(**{k: v for k, v in copy.deepcopy(data).items() if k != "model_type"})
+    except (ValueError, TypeError) as exc:
+        raise ConversionError(f"{config_class.__name__} rejects the converted config: {exc}") from exc
 
 
 def _check_builtin_reads(data: dict, model_type: str) -> None:
@@ -320,4 +399,12 @@ def summarize(out: OutputConfig) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["OutputConfig", "auto_map", "build_official_config", "build_output_config", "detect_layout", "summarize"]
+__all__ = [
+    "OutputConfig",
+    "auto_map",
+    "build_official_config",
+    "build_output_config",
+    "detect_layout",
+    "summarize",
+    "vl_auto_map",
+]

@@ -2,8 +2,10 @@
 
 Two directions, one engine:
 
-* `to="packed"` (default): an official text or (with `text_only`) composite checkpoint -> this project's text layout
-  (fused experts, `auto_map`, remote code, normalised rope; `mtp.*` and `model.visual.*` dropped).
+* `to="packed"` (default): an official text checkpoint -> this project's text layout (fused experts, `auto_map`,
+  remote code, normalised rope; `mtp.*` dropped); an official composite checkpoint -> this project's composite
+  (vision-language) layout (`model.visual.*` kept, processor files copied), or with `text_only` its language model
+  in the text layout (`model.visual.*` dropped too).
 * `to="official"`: a text model (this project's layout, or what transformers' text classes save) -> the official
   layout: transformers' architectures and model_type, no `auto_map`, fused main-layer experts; `mtp.*` tensors
   re-inserted as stored in `mtp_from`; with `vision_from` (the composite checkpoint the text model came from) a
@@ -41,14 +43,15 @@ from .rules import (
     StripPrefix,
     materialize,
 )
-from .schema import expected_mtp_tensors, expected_text_tensors
+from .schema import expected_mtp_tensors, expected_text_tensors, expected_vision_tensors
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DIRECTIONS = ("packed", "official")
 
-# Files copied from SRC when present. An allow-list: processor / preprocessor files of the VLM are not carried.
+# Files copied from SRC when present. An allow-list: processor / preprocessor files of the VLM are carried only to a
+# composite output (PROCESSOR_FILES).
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -60,7 +63,8 @@ COPIED_FILES = (
     "generation_config.json",
     "LICENSE",
 )
-# Files of the composite checkpoint that only it has (the VLM processor); `--vision-from` brings them back.
+# Files of the composite checkpoint that only it has (the VLM processor): copied to composite outputs, from SRC or
+# `--vision-from`.
 PROCESSOR_FILES = (
     "preprocessor_config.json",
     "video_preprocessor_config.json",
@@ -79,14 +83,15 @@ TIED_REASON = "tie_word_embeddings is true: the output layer is model.embed_toke
 MAIN_LAYERS = r"^model\."  # official MTP experts stay per expert; only the main layers are fused
 
 
-def conversion_rules(layout: str, *, tie_word_embeddings: bool) -> list[Rule]:
-    """The declarative mapping from a source layout ('text' or 'composite') to this project's layout."""
+def conversion_rules(layout: str, *, tie_word_embeddings: bool, keep_vision: bool = False) -> list[Rule]:
+    """The declarative mapping from a source layout ('text' or 'composite') to this project's layout: the text layout,
+    or with `keep_vision` (composite sources) the composite one (keys unchanged, main-layer experts fused)."""
     rules: list[Rule] = [Drop(r"^mtp\.", MTP_REASON)]
-    if layout == "composite":
+    if layout == "composite" and not keep_vision:
         rules += [Drop(r"^model\.visual\.", VISUAL_REASON), StripPrefix("model.language_model.", "model.")]
     if tie_word_embeddings:
         rules.append(Drop(r"^lm_head\.weight$", TIED_REASON))
-    rules.append(FuseExperts())
+    rules.append(FuseExperts(scope=r"^model\.language_model\." if keep_vision else None))
     return rules
 
 
@@ -293,6 +298,28 @@ def _validate(mapping: MappingPlan, output_config: OutputConfig) -> None:
     _check_against(mapping.outputs, expected_text_tensors(output_config.config), what, "SRC")
 
 
+def _validate_composite(mapping: MappingPlan, output_config: OutputConfig) -> None:
+    """This project's composite layout: the language model (checked in the text namespace) and the vision tower
+    (keys and shapes of transformers' vision model for `vision_config`)."""
+    visual = _prefixed(mapping.outputs, "model.visual.")
+    if not visual:
+        raise ConversionError(
+            "SRC has a composite config.json but holds no model.visual.* tensors (--text-only converts the language "
+            "model alone)"
+        )
+    text = {k: v for k, v in mapping.outputs.items() if k not in visual}
+    _validate(MappingEngine([StripPrefix("model.language_model.", "model.")]).plan(text), output_config)
+    try:
+        expected = expected_vision_tensors(output_config.data["vision_config"], is_moe=output_config.is_moe)
+    except (ValueError, TypeError) as exc:
+        raise ConversionError(f"SRC config.json: transformers rejects vision_config: {exc}") from exc
+    if expected is not None:
+        try:
+            _check_against(visual, expected, "vision tower described by vision_config", "SRC")
+        except ConversionError as exc:
+            raise ConversionError(f"{exc}\n(--text-only converts the language model alone)") from exc
+
+
 def _mtp_layers(output_config: OutputConfig) -> int:
     n = output_config.text_data.get("mtp_num_hidden_layers", 0) or 0
     if not isinstance(n, int) or n < 0:
@@ -437,9 +464,13 @@ def plan_packed_mapping(
 ) -> tuple[OutputConfig, list[Rule], MappingPlan]:
     """Headers-only planning of the default direction: (config, rules, mapping), validated."""
     output_config = build_output_config(src_config, text_only=text_only, router_aux_loss_coef=router_aux_loss_coef)
-    rules = conversion_rules(output_config.source_layout, tie_word_embeddings=output_config.config.tie_word_embeddings)
+    composite = output_config.is_composite
+    rules = conversion_rules(
+        output_config.source_layout, tie_word_embeddings=output_config.config.tie_word_embeddings,
+        keep_vision=composite,
+    )
     mapping = MappingEngine(rules).plan(tensors)
-    _validate(mapping, output_config)
+    (_validate_composite if composite else _validate)(mapping, output_config)
     return output_config, rules, mapping
 
 
@@ -546,6 +577,8 @@ def _stream_order(mapping: MappingPlan, sources: list[SourceCheckpoint]) -> None
 
 def _copied_files(src: Path, output_config: OutputConfig, vision_folder: Path | None) -> list[CopiedFile]:
     copied: list[CopiedFile] = []
+    # a composite output carries the VLM processor files: of --vision-from, else of a composite SRC
+    processor_folder = vision_folder or (src if output_config.is_composite else None)
     for name in COPIED_FILES:
         path = src / name
         if not path.is_file() and vision_folder is not None and (vision_folder / name).is_file():
@@ -561,8 +594,8 @@ def _copied_files(src: Path, output_config: OutputConfig, vision_folder: Path | 
                 theirs = _read_json(vision_folder / name, "--vision-from")
                 item.add_keys = {k: theirs[k] for k in TOKENIZER_CONFIG_DROPPED_KEYS if k in theirs and k not in data}
         copied.append(item)
-    if vision_folder is not None:
-        copied += [CopiedFile(n, vision_folder / n) for n in PROCESSOR_FILES if (vision_folder / n).is_file()]
+    if processor_folder is not None:
+        copied += [CopiedFile(n, processor_folder / n) for n in PROCESSOR_FILES if (processor_folder / n).is_file()]
     return copied
 
 
@@ -576,7 +609,8 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
         lines.append(f"{extra.role} {extra.folder}: {len(extra.tensors)} tensors in {len(extra.shard_files)} shard(s)")
     for report in mapping.reports:
         lines.append(f"  {report.summary()}")
-    layout = {"packed": "this project's layout", "official-text": "official text layout",
+    layout = {"packed": "this project's layout", "packed-composite": "this project's composite layout",
+              "official-text": "official text layout",
               "official-composite": "official composite layout"}[output_config.layout]  # fmt: skip
     lines.append(
         f"OUT {plan.out} ({layout}): {len(mapping.outputs)} tensors, {format_bytes(plan.total_size)} in "
@@ -596,7 +630,7 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
             )
         if item.add_keys:
             lines.append(f"  {item.name}: restoring {', '.join(item.add_keys)} from the composite checkpoint")
-    if output_config.layout != "packed" and _mtp_layers(output_config) and not any(
+    if not output_config.layout.startswith("packed") and _mtp_layers(output_config) and not any(
         k.startswith("mtp.") for k in mapping.outputs
     ):
         lines.append(

@@ -105,4 +105,33 @@ def expected_mtp_tensors(config, n_layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-__all__ = ["expected_mtp_tensors", "expected_text_tensors"]
+def expected_vision_tensors(vision_config: dict, *, is_moe: bool) -> dict[str, tuple[int, ...]] | None:
+    """`key -> shape` of the vision tower (`model.visual.*`) described by a composite config's `vision_config`.
+
+    Taken from transformers' built-in vision model, built on the meta device (no memory); None when this
+    transformers has no Qwen3.5. Raises ValueError / TypeError when the built-in config class rejects the dict.
+    """
+    import copy
+
+    import torch
+
+    try:
+        if is_moe:
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+                Qwen3_5MoeVisionConfig as config_class,
+                Qwen3_5MoeVisionModel as model_class,
+            )
+        else:
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (
+                Qwen3_5VisionConfig as config_class,
+                Qwen3_5VisionModel as model_class,
+            )
+    except ImportError:
+        return None
+    kwargs = {k: v for k, v in copy.deepcopy(vision_config).items() if k != "model_type"}
+    with torch.device("meta"):
+        model = model_class(config_class(**kwargs))
+    return {f"model.visual.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+__all__ = ["expected_mtp_tensors", "expected_text_tensors", "expected_vision_tensors"]
