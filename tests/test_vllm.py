@@ -118,7 +118,7 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, vllm_python, tmp_path):
                 "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
     differences = [float(x) for x in re.findall(r"'sampling/sampling_logp_difference/max': '([^']+)'", log)]
     assert len(differences) == 2, log[-4000:]
-    # vLLM's sampling log-probs against the trainer's, after each sync: bf16 engine vs fp32 trainer noise, far from
-    # what an unsynced or garbled engine gives (several nats)
-    assert max(differences) < 1.0, differences
+    # vLLM's sampling log-probs against the trainer's, after each sync: bf16 engine vs fp32 trainer noise (measured
+    # max 0.05-0.08), far from what a garbled engine gives (1.6-3.0 with the MoE experts left unpacked)
+    assert max(differences) < 0.5, differences
     assert (out / ("adapter_model.safetensors" if use_lora else "model.safetensors")).exists()
