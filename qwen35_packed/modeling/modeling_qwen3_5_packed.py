@@ -33,7 +33,7 @@ from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
-from .packing import PackedSequence, build_packed_sequence, shift_labels_within_documents
+from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
 from .rope import MRotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -183,11 +183,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         max_length_k=None,
     ):
         """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {shape}")
+        shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k))
 

@@ -39,7 +39,7 @@ from .modeling_qwen3_5_packed import (
     _wants_router_logits,
 )
 from .mrope_positions import packed_mrope_positions
-from .packing import PackedSequence, build_packed_sequence
+from .packing import PackedSequence, build_packed_sequence, input_shape
 from .vision import Qwen3_5PackedVisionModel
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -168,11 +168,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         max_length_q=None,
         max_length_k=None,
     ) -> PackedMultimodalResult:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {shape}")
+        shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
                                    (pixel_values_videos, video_grid_thw, "video")):

@@ -74,6 +74,16 @@ class PackedSequence:
         return out.reshape(batch, seq_len, *x.shape[1:])
 
 
+def input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
+    """(batch, seq_len) of the caller's tokens; exactly one of input_ids [B, T] / inputs_embeds [B, T, H]."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+    if len(shape) != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {shape}")
+    return shape
+
+
 def _as_cu_seqlens(value, name: str, device) -> torch.Tensor:
     cu = torch.as_tensor(value, device=device)
     if cu.dtype.is_floating_point or cu.dtype == torch.bool:
