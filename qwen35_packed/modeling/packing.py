@@ -16,7 +16,7 @@ before the first layer, so no layer ever computes on them, and outputs are scatt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,8 @@ class PackedSequence:
     position_ids: torch.Tensor  # long [num_tokens] (or [3, num_tokens] for multimodal rope)
     token_index: torch.Tensor | None  # long [num_tokens]: flat index into batch * seq_len, None if nothing dropped
     batch_shape: tuple[int, int]  # (batch, seq_len) of the caller's layout
+    # Per-token indices derived from cu_seqlens (which never changes), computed once and shared by all layers.
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -44,20 +46,18 @@ class PackedSequence:
 
     def position_in_doc(self) -> torch.Tensor:
         """Offset of every token from the start of its document (long [num_tokens])."""
-        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long())
-        return torch.arange(self.num_tokens, device=self.cu_seqlens.device) - starts
+        if "position_in_doc" not in self._derived:
+            starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long())
+            self._derived["position_in_doc"] = torch.arange(self.num_tokens, device=self.cu_seqlens.device) - starts
+        return self._derived["position_in_doc"]
 
     def doc_index(self) -> torch.Tensor:
         """Index of the document every token belongs to (long [num_tokens])."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long()
-        )
-
-    def doc_starts_mask(self) -> torch.Tensor:
-        """True at the first token of every document (bool [num_tokens])."""
-        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.cu_seqlens.device)
-        mask[self.cu_seqlens[:-1].long()] = True
-        return mask
+        if "doc_index" not in self._derived:
+            self._derived["doc_index"] = torch.repeat_interleave(
+                torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long()
+            )
+        return self._derived["doc_index"]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, seq, ...] -> [num_tokens, ...] (real tokens only)."""
