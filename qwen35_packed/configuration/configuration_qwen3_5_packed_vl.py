@@ -6,7 +6,9 @@ standard library, transformers and that sibling.
 `model_type` is `qwen3_5` / `qwen3_5_moe` and the classes subclass transformers' `Qwen3_5Config` /
 `Qwen3_5MoeConfig` (vLLM's multimodal processor checks `isinstance` against them). The only difference from the
 built-in classes is `text_config`, which is this project's text configuration (single-source rope, kernel choice,
-the fields the built-in ignores); `vision_config` is the built-in vision configuration. Two options steer the
+the fields the built-in ignores); `vision_config` is the built-in vision configuration. transformers 4.x has no
+Qwen3.5: there the classes are `PretrainedConfig`s with the same fields and defaults (`_CompositeConfigV4`,
+`_VisionConfigV4`), so a folder saved by either major version loads on the other. Two options steer the
 vision tower:
   * `freeze_vision` (default False): the vision tower's parameters get `requires_grad=False` and it runs without
     autograd;
@@ -23,21 +25,80 @@ from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedC
 
 _BuiltinConfig = getattr(transformers, "Qwen3_5Config", None)
 _BuiltinMoeConfig = getattr(transformers, "Qwen3_5MoeConfig", None)
+
+
+# transformers 4.x has no Qwen3.5 configs (and 5.x turns config classes into dataclasses, so these stand-ins
+# are defined only where they are used).
 if _BuiltinConfig is None or _BuiltinMoeConfig is None:
-    raise ImportError(
-        f"The packed Qwen3.5 vision-language models need a transformers release with Qwen3.5 "
-        f"(transformers.Qwen3_5Config / Qwen3_5MoeConfig); transformers {transformers.__version__} has none. "
-        "The text-only classes (Qwen3_5PackedForCausalLM) work without it."
-    )
+
+    class _VisionConfigV4(transformers.PretrainedConfig):
+        """transformers 4.x stand-in for `Qwen3_5VisionConfig`: its fields and defaults (transformers 5.24)."""
+
+        model_type = "qwen3_5_vision"
+        base_config_key = "vision_config"
+        attribute_map = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+
+        def __init__(self, depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
+                     num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                     out_hidden_size=3584, num_position_embeddings=2304, initializer_range=0.02,
+                     rope_parameters=None, **kwargs):
+            self.depth = depth
+            self.hidden_size = hidden_size
+            self.hidden_act = hidden_act
+            self.intermediate_size = intermediate_size
+            self.num_heads = num_heads
+            self.in_channels = in_channels
+            self.patch_size = patch_size
+            self.spatial_merge_size = spatial_merge_size
+            self.temporal_patch_size = temporal_patch_size
+            self.out_hidden_size = out_hidden_size
+            self.num_position_embeddings = num_position_embeddings
+            self.initializer_range = initializer_range
+            self.rope_parameters = rope_parameters
+            super().__init__(**kwargs)
+
+    class _CompositeConfigV4(transformers.PretrainedConfig):
+        """transformers 4.x stand-in for `Qwen3_5Config` / `Qwen3_5MoeConfig`: the composite fields and defaults
+        (transformers 5.24). The subclasses name their sub-config classes in `sub_configs_defaults` (the 5.x
+        attribute); 4.x reads `sub_configs`."""
+
+        sub_configs_defaults = {}
+
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            cls.sub_configs = dict(cls.sub_configs_defaults)
+
+        def __init__(self, text_config=None, vision_config=None, image_token_id=248056, video_token_id=248057,
+                     vision_start_token_id=248053, vision_end_token_id=248054, tie_word_embeddings=False, **kwargs):
+            for name, config_class in self.sub_configs_defaults.items():
+                value = text_config if name == "text_config" else vision_config
+                if isinstance(value, dict):
+                    value = config_class(**{k: v for k, v in value.items() if k != "model_type"})
+                elif value is None:
+                    value = config_class()
+                setattr(self, name, value)
+            self.image_token_id = image_token_id
+            self.video_token_id = video_token_id
+            self.vision_start_token_id = vision_start_token_id
+            self.vision_end_token_id = vision_end_token_id
+            super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    class _MoeVisionConfigV4(_VisionConfigV4):
+        model_type = "qwen3_5_moe_vision"
+
+    _BuiltinConfig = _BuiltinMoeConfig = _CompositeConfigV4
+    _BuiltinVisionConfig, _BuiltinMoeVisionConfig = _VisionConfigV4, _MoeVisionConfigV4
+else:
+    _BuiltinVisionConfig = transformers.Qwen3_5VisionConfig
+    _BuiltinMoeVisionConfig = transformers.Qwen3_5MoeVisionConfig
 
 
 class Qwen3_5PackedVLConfig(_BuiltinConfig):
     """Dense composite config (`model_type` `qwen3_5`): built-in vision config + this project's text config."""
 
-    sub_configs_defaults = {
-        "vision_config": transformers.Qwen3_5VisionConfig,
-        "text_config": Qwen3_5PackedConfig,
-    }
+    model_type = "qwen3_5"
+
+    sub_configs_defaults = {"vision_config": _BuiltinVisionConfig, "text_config": Qwen3_5PackedConfig}
 
     freeze_vision: bool = False
     vision_dummy_pass: bool = False
@@ -46,10 +107,9 @@ class Qwen3_5PackedVLConfig(_BuiltinConfig):
 class Qwen3_5MoePackedVLConfig(_BuiltinMoeConfig):
     """MoE composite config (`model_type` `qwen3_5_moe`): built-in vision config + this project's MoE text config."""
 
-    sub_configs_defaults = {
-        "vision_config": transformers.Qwen3_5MoeVisionConfig,
-        "text_config": Qwen3_5MoePackedConfig,
-    }
+    model_type = "qwen3_5_moe"
+
+    sub_configs_defaults = {"vision_config": _BuiltinMoeVisionConfig, "text_config": Qwen3_5MoePackedConfig}
 
     freeze_vision: bool = False
     vision_dummy_pass: bool = False
