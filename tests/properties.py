@@ -1,0 +1,18 @@
+"""Settings shared by the property-based tests (hypothesis): deterministic and database-free, so CI runs the same
+examples every time and writes nothing to the working tree."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+
+def property_settings(max_examples: int):
+    """Fixed examples (derandomize), no example database, no per-example deadline (CPU timing varies)."""
+    return settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=False,
+    )
