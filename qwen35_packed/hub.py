@@ -213,18 +213,24 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
 
 
 def load_report(folder: Path) -> dict | None:
-    """The folder's verification report, validated against REPORT_SCHEMA, or None when there is none.
+    """The folder's verification report (`load_report_file`), or None when there is none."""
+    path = folder / REPORT_NAME
+    return load_report_file(path) if path.is_file() else None
+
+
+def load_report_file(path: Path) -> dict:
+    """A verification report file, validated against REPORT_SCHEMA.
 
     Schema `qwen35_packed_report/1` (every section optional):
       {"schema": "qwen35_packed_report/1",
        "source": {"base_model": "Qwen/Qwen3.5-0.8B", "license": "apache-2.0"},
        "round_trip": {"identical": true, "tensors": 488, "digest": "<convert --verify digest>"},
        "parity": [{"check": str, "value": number, "unit": str, "dtype": str, "device": str, "notes": str}, ...],
-       "performance": [same fields as parity]}
+       "performance": [same fields as parity],
+       "doctor": {"status": "PASS" | "WARN" | "FAIL", "device": "cpu", "versions": {package: version},
+                  "checks": [{"check": str, "status": "PASS" | "WARN" | "FAIL" | "SKIP", "detail": str, "fix": str}]}}
+    `doctor` is written by `qwen35-packed doctor --json`, which also puts its measured numbers into `parity`.
     """
-    path = folder / REPORT_NAME
-    if not path.is_file():
-        return None
     report = _read_json(path)
     if report.get("schema") != REPORT_SCHEMA:
         raise UploadError(f"{REPORT_NAME}: schema must be {REPORT_SCHEMA!r}, got {report.get('schema')!r}")
@@ -243,10 +249,25 @@ def load_report(folder: Path) -> dict | None:
             extra = sorted(set(entry) - {"check", "value", "unit", "dtype", "device", "notes"})
             if extra or any(not isinstance(entry.get(k, ""), str) for k in ("unit", "dtype", "device", "notes")):
                 raise UploadError(f"{REPORT_NAME}: {section}[{i}] has unknown or non-string fields {extra}")
+    _check_doctor_section(report.get("doctor"))
     round_trip = report.get("round_trip")
     if round_trip is not None and not (isinstance(round_trip, dict) and isinstance(round_trip.get("identical"), bool)):
         raise UploadError(f"{REPORT_NAME}: round_trip needs a boolean 'identical'")
     return report
+
+
+def _check_doctor_section(doctor) -> None:
+    from .doctor.report import STATUSES
+
+    if doctor is None:
+        return
+    if (not isinstance(doctor, dict) or doctor.get("status") not in STATUSES
+            or not isinstance(doctor.get("checks"), list)):
+        raise UploadError(f"{REPORT_NAME}: doctor needs a status and a list of checks")
+    for i, entry in enumerate(doctor["checks"]):
+        if (not isinstance(entry, dict) or entry.get("status") not in STATUSES
+                or any(not isinstance(entry.get(k), str) for k in ("check", "detail", "fix"))):
+            raise UploadError(f"{REPORT_NAME}: doctor.checks[{i}] needs string check, status, detail and fix")
 
 
 def record_round_trip(folder, result) -> Path:
@@ -365,6 +386,17 @@ def _report_section(report: dict) -> list[str]:
         extra = f", {round_trip['tensors']} tensors" if "tensors" in round_trip else ""
         digest = f", digest `{round_trip['digest'][:16]}`" if "digest" in round_trip else ""
         lines += [f"- Round trip official -> packed -> official: {verdict}{extra}{digest}.", ""]
+    doctor = report.get("doctor")
+    if doctor:
+        lines += [f"### Doctor: {doctor['status']}", "",
+                  f"`qwen35-packed doctor` on {doctor.get('device', '?')}"
+                  + (" with " + ", ".join(f"{k} {v}" for k, v in sorted(doctor.get("versions", {}).items()))
+                     if doctor.get("versions") else "") + ".", "",
+                  "| check | status | detail |", "|---|---|---|"]  # fmt: skip
+        for c in doctor["checks"]:
+            cells = [c["check"], c["status"], c["detail"] + (f" Fix: {c['fix']}" if c["fix"] else "")]
+            lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+        lines.append("")
     for section, title in (("parity", "Parity"), ("performance", "Performance")):
         entries = report.get(section) or []
         if not entries:
@@ -576,6 +608,7 @@ __all__ = [
     "UploadPlan",
     "build_card",
     "load_report",
+    "load_report_file",
     "main",
     "plan_upload",
     "upload",

