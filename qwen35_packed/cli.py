@@ -159,7 +159,44 @@ def _add_rope(subparsers) -> None:
     p.set_defaults(handler=_run_rope)
 
 
-_COMMANDS = (_add_convert, _add_rope)
+def _run_doctor(args: argparse.Namespace) -> int:
+    from .doctor import DoctorError, run_doctor
+
+    try:
+        report = run_doctor(args.model_dir, device=args.device, with_vllm=args.vllm)
+    except DoctorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line)
+    if args.json is not None:
+        print(f"report written to {report.write_json(args.json)}")
+    return report.exit_code
+
+
+def _add_doctor(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check a model folder for silent train / inference mismatches before a run",
+        description=(
+            "Check MODEL_DIR: rope as every reader sees it, mrope sections, layer types, tensors against the config, "
+            "MTP head, tied embeddings, the MoE load-balancing coefficient; the class transformers (with and without "
+            "trust_remote_code), TRL and vLLM build; the kernels that run on the device and known-bad versions; "
+            "packed == per-document on the first layers of the real weights; with --vllm, vLLM's log-probs against "
+            "this model's. Prints PASS / WARN / FAIL / SKIP per check with a fix; exit status 1 on any FAIL."
+        ),
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json + safetensors)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the numerics run (default: cuda when available)")
+    p.add_argument("--vllm", action="store_true",
+                   help="also compare vLLM's log-probs (vLLM's environment: $QWEN35_VLLM_PYTHON or .venv-vllm-cpu)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the results into this model-card report (e.g. MODEL_DIR/qwen35_packed_report.json; "
+                        "other sections of an existing report are kept)")  # fmt: skip
+    p.set_defaults(handler=_run_doctor)
+
+
+_COMMANDS = (_add_convert, _add_rope, _add_doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:
