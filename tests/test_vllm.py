@@ -20,6 +20,13 @@ from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_data
 
 ROOT = Path(__file__).resolve().parents[1]
 MEAN_KL_TARGET = 1e-3
+# our architecture name -> the vLLM class it must run as
+OUR_ARCHITECTURES = {
+    "Qwen3_5PackedForCausalLM": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoePackedForCausalLM": "Qwen3_5MoeForCausalLM",
+    "Qwen3_5PackedForConditionalGeneration": "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoePackedForConditionalGeneration": "Qwen3_5MoeForConditionalGeneration",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ def test_plugin_entry_point_is_declared():
     from qwen35_packed.integrations import vllm_plugin
 
     assert ours[0].load() is vllm_plugin.register
-    assert set(vllm_plugin.ARCHITECTURES) == {"Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM"}
+    assert set(vllm_plugin.ARCHITECTURES) == set(OUR_ARCHITECTURES)
 
 
 def test_plugin_registers_with_vllm(vllm_python):
@@ -61,7 +68,17 @@ def test_plugin_registers_with_vllm(vllm_python):
     )
     out = _run([vllm_python, "-c", script])
     result = json.loads(re.search(r"^RESULT (.*)$", out, re.M).group(1))
-    assert result == {"added": ["Qwen3_5MoePackedForCausalLM", "Qwen3_5PackedForCausalLM"], "again": []}
+    assert result == {"added": sorted(OUR_ARCHITECTURES), "again": []}
+    # each name maps onto a class this vLLM has, the one of the built-in name (text and vision-language)
+    script = (
+        "import importlib; from vllm.model_executor.models.registry import _VLLM_MODELS; "
+        "from qwen35_packed.integrations.vllm_plugin import ARCHITECTURES; "
+        "[print('RESULT', name, getattr(importlib.import_module(module), cls).__name__, "
+        "'vllm.model_executor.models.%s:%s' % _VLLM_MODELS[cls] == target) "
+        "for name, target in ARCHITECTURES.items() for module, cls in [target.split(':')]]"
+    )
+    loaded = re.findall(r"^RESULT (\S+) (\S+) (\S+)$", _run([vllm_python, "-c", script]), re.M)
+    assert loaded == [(name, cls, "True") for name, cls in OUR_ARCHITECTURES.items()]
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
