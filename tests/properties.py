@@ -3,12 +3,16 @@ examples every time and writes nothing to the working tree."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 
-def property_settings(max_examples: int):
-    """Fixed examples (derandomize), no example database, no per-example deadline (CPU timing varies)."""
+def property_settings(max_examples: int, shrink: bool = True):
+    """Fixed examples (derandomize), no example database, no per-example deadline (CPU timing varies).
+
+    shrink=False for tests whose examples run a model: a failure is then reported as found, without minutes of
+    shrinking."""
     return settings(
+        phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else []),
         max_examples=max_examples,
         derandomize=True,
         database=None,
