@@ -7,7 +7,7 @@ import copy
 
 from ..configuration.configuration_qwen3_5_packed import LAYER_TYPES
 from ..conversion.rope_readers import ROPE_FIELDS, disagreements, rope_views
-from ..conversion.schema import expected_text_tensors
+from ..conversion.schema import expected_text_tensors, expected_vision_tensors
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 
@@ -138,6 +138,13 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
         report.add("config.weights", SKIP, f"this package's config does not build: {folder.packed_config_error}")
         return
     expected = {folder.text_key(k): shape for k, shape in expected_text_tensors(folder.packed_config).items()}
+    if folder.composite and isinstance(folder.config.get("vision_config"), dict):
+        try:
+            expected.update(expected_vision_tensors(folder.config["vision_config"], is_moe=folder.is_moe) or {})
+        except (ValueError, TypeError) as exc:
+            report.add("config.weights", FAIL, f"transformers' vision model rejects vision_config: {exc}",
+                       "fix vision_config (convert copies the official one)")
+            return
     missing = sorted(k for k in expected if k not in folder.headers)
     wrong = sorted(f"{k} {list(folder.headers[k][1])} (expected {list(s)})"
                    for k, s in expected.items() if k in folder.headers and folder.headers[k][1] != s)  # fmt: skip
