@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import transformers
 
 from qwen35_packed.integrations.tiny import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
+
+# transformers' built-in Qwen3.5 (the parity reference) exists from transformers 5 on; on 4.x the references are
+# this project's own unpacked path and the pure-PyTorch per-document model of tests/reference_model.py.
+HAS_BUILTIN_QWEN35 = hasattr(transformers, "Qwen3_5ForCausalLM")
+_NO_BUILTIN = f"transformers {transformers.__version__} has no built-in Qwen3.5 to compare with"
+requires_builtin_qwen35 = pytest.mark.skipif(not HAS_BUILTIN_QWEN35, reason=_NO_BUILTIN)
+
+# The core suite (`pytest -m core`): the model, its configuration and conversion to the remote-code folder, with no
+# training or serving stack. It runs on every transformers version of the compatibility matrix
+# (scripts/test-matrix.sh); the whole suite runs on the version the README installs.
+CORE_TEST_FILES = frozenset({
+    "test_compat.py",
+    "test_configuration.py",
+    "test_kernels.py",
+    "test_loss.py",
+    "test_modeling.py",
+    "test_mrope_positions.py",
+    "test_packing.py",
+    "test_parity_builtin.py",
+    "test_user_path.py",
+    "test_vl_modeling.py",
+    "test_vl_remote_code.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).name in CORE_TEST_FILES:
+            item.add_marker(pytest.mark.core)
 
 TINY_MOE = dict(
     TINY_DENSE,
@@ -24,9 +56,10 @@ def tiny_kwargs(kind: str) -> dict:
 
 
 def builtin_pair(kind: str, seed: int = 0):
-    """(transformers' built-in model, ours) with identical random weights, eval mode, fp32."""
-    import transformers
-
+    """(transformers' built-in model, ours) with identical random weights, eval mode, fp32; skips the test where
+    transformers has no built-in Qwen3.5."""
+    if not HAS_BUILTIN_QWEN35:
+        pytest.skip(_NO_BUILTIN)
     from qwen35_packed import (
         Qwen3_5MoePackedConfig,
         Qwen3_5MoePackedForCausalLM,
@@ -45,6 +78,24 @@ def builtin_pair(kind: str, seed: int = 0):
     _randomize_zero_init(ref)
     ours.load_state_dict(ref.state_dict())
     return ref.eval(), ours.eval()
+
+
+def packed_model(kind: str, seed: int = 0):
+    """This project's model alone with random weights (no built-in needed), eval mode, fp32."""
+    from qwen35_packed import (
+        Qwen3_5MoePackedConfig,
+        Qwen3_5MoePackedForCausalLM,
+        Qwen3_5PackedConfig,
+        Qwen3_5PackedForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    if kind == "moe":
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs(kind)))
+    else:
+        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs(kind)))
+    _randomize_zero_init(model)
+    return model.eval()
 
 
 def _randomize_zero_init(model) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import requires_builtin_qwen35
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed import Qwen3_5PackedForCausalLM
 
@@ -29,6 +30,7 @@ def load_text_config(name):
     return text
 
 
+@requires_builtin_qwen35
 @pytest.mark.parametrize("name", reference_configs())
 def test_reference_config_builds_builtin_identical_model_on_meta(name):
     text = load_text_config(name)
@@ -69,6 +71,7 @@ def test_contradicting_rope_values_raise(kwargs):
         Qwen3_5PackedConfig(**kwargs)
 
 
+@requires_builtin_qwen35
 def test_saved_config_gives_every_reader_the_same_rope(tmp_path):
     Qwen3_5PackedConfig(rope_parameters={"rope_theta": 5e6}).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())

@@ -5,7 +5,7 @@ the TRL CLI flags, and the errors."""
 import pytest
 import torch
 
-from conftest import builtin_pair
+from conftest import packed_model
 
 peft = pytest.importorskip("peft")
 
@@ -18,8 +18,7 @@ from qwen35_packed.integrations.lora import (  # noqa: E402
 
 
 def _model(kind):
-    _, ours = builtin_pair(kind, seed=5)
-    return ours
+    return packed_model(kind, seed=5)
 
 
 def _randomize_lora_b(model, seed=0):

@@ -5,12 +5,12 @@ import logging
 import pytest
 import torch
 
-from conftest import builtin_pair, tiny_kwargs
+from conftest import packed_model, tiny_kwargs
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 
 
 def test_decay_parameters_stay_fp32_when_cast_to_bf16():
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
     model.to(torch.bfloat16)
     for name, param in model.named_parameters():
@@ -23,7 +23,7 @@ def test_decay_parameters_stay_fp32_when_cast_to_bf16():
 
 
 def test_decay_parameters_stay_fp32_through_from_pretrained_bf16(tmp_path):
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
     a_log = loaded.model.layers[0].linear_attn.A_log
@@ -58,7 +58,7 @@ def test_router_logits_and_aux_loss_only_when_asked(caplog):
 
 
 def test_gradient_checkpointing_gives_same_gradients():
-    _, model = builtin_pair("moe")
+    model = packed_model("moe")
     model.train()
     ids = torch.randint(0, 128, (2, 30))
     model(ids, labels=ids).loss.backward()
@@ -71,14 +71,14 @@ def test_gradient_checkpointing_gives_same_gradients():
 
 
 def test_forcing_an_unavailable_kernel_raises():
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     model.config.gdn_kernel = "fla"
     with pytest.raises(RuntimeError, match="gdn_kernel='fla' was forced"):
         model(torch.randint(0, 128, (1, 8)))
 
 
 def test_unknown_kwargs_and_attention_outputs_are_refused():
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     ids = torch.randint(0, 128, (1, 8))
     with pytest.raises(TypeError, match="token_type_ids"):
         model(ids, token_type_ids=torch.zeros_like(ids))
@@ -87,7 +87,7 @@ def test_unknown_kwargs_and_attention_outputs_are_refused():
 
 
 def test_logits_to_keep_and_hidden_states():
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     ids = torch.randint(0, 128, (2, 10))
     with torch.no_grad():
         full = model(ids, use_cache=False, output_hidden_states=True)

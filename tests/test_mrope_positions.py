@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import requires_builtin_qwen35
 from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 from vl_tiny import IMAGE, MERGE, VIDEO, VISION_END, VISION_START, grid_tensor, make_document, token_types
 
@@ -35,6 +36,7 @@ def _cu(docs):
     return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
 
 
+@requires_builtin_qwen35
 def test_packed_positions_equal_per_document_positions():
     gen = torch.Generator().manual_seed(0)
     docs, images, videos, expected = [], [], [], []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import builtin_pair, random_doc_lengths
+from conftest import packed_model, random_doc_lengths
 from qwen35_packed.modeling.packing import build_packed_sequence
 
 N_DOCS = 22
@@ -33,7 +33,7 @@ FORMS = ["position_ids", "cu_seq_lens", "cu_seqlens", "cu_seqlens+position_ids"]
 
 @pytest.mark.parametrize("form", FORMS)
 def test_packed_row_equals_per_document(kind, form):
-    _, model = builtin_pair(kind)
+    model = packed_model(kind)
     docs = _docs()
     ids, cu, positions, max_len = _packed_row(docs)
     kwargs = {
@@ -50,7 +50,7 @@ def test_packed_row_equals_per_document(kind, form):
 
 def test_padded_batch_equals_per_document(kind):
     """Form (a): one document per row, mixed left and right padding."""
-    _, model = builtin_pair(kind)
+    model = packed_model(kind)
     docs = _docs(seed=1)
     width = max(len(d) for d in docs) + 3
     ids = torch.zeros(len(docs), width, dtype=torch.long)
@@ -68,7 +68,7 @@ def test_padded_batch_equals_per_document(kind):
 
 def test_several_packed_rows_with_position_ids(kind):
     """Form (b) with batch > 1: each row holds several documents."""
-    _, model = builtin_pair(kind)
+    model = packed_model(kind)
     docs = _docs(seed=2, n_docs=20)
     rows = [docs[:10], docs[10:]]
     width = max(sum(len(d) for d in r) for r in rows)
@@ -87,7 +87,7 @@ def test_several_packed_rows_with_position_ids(kind):
 
 
 def test_packed_loss_and_gradients_equal_per_document(kind):
-    _, model = builtin_pair(kind)
+    model = packed_model(kind)
     model.train()
     docs = _docs(seed=3)
     ids, cu, _, _ = _packed_row(docs)
@@ -114,7 +114,7 @@ def test_packed_loss_and_gradients_equal_per_document(kind):
 
 def test_no_prediction_across_documents():
     """The last token of a document never predicts the next document's first token."""
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     docs = _docs(seed=4, n_docs=3)
     ids, cu, _, _ = _packed_row(docs)
     labels = ids.clone()
@@ -159,7 +159,7 @@ def test_bad_packing_input_raises(kwargs, message):
 
 
 def test_model_rejects_cache_with_packed_documents():
-    _, model = builtin_pair("dense")
+    model = packed_model("dense")
     ids, cu, _, _ = _packed_row(_docs(seed=5, n_docs=3))
     with pytest.raises(ValueError, match="one document per row"):
         model(ids, cu_seqlens=cu, use_cache=True)

@@ -10,7 +10,8 @@ Rope has one source of truth, resolved once in `resolve_rope_parameters`:
     `rope_scaling` dict (which carries `mrope_section` / `mrope_interleaved` for multimodal rope).
 Every source that is present must agree; a value given twice with different numbers raises ValueError. The
 resolved values are stored in `rope_parameters` *and* mirrored to the legacy top-level keys, so a v4-style reader
-(`getattr(config, "rope_theta", 1e6)`) sees the same theta as a v5 reader. When no rope key is present at all the
+(`getattr(config, "rope_theta", 1e6)`) sees the same theta as a v5 reader; the saved config.json carries
+`rope_scaling` too. When no rope key is present at all the
 official Qwen3.5 values are used and a warning says so once.
 """
 
@@ -245,6 +246,14 @@ class Qwen3_5PackedConfig(PretrainedConfig):
                 "attention_kernel must be 'auto', 'flash_attn', 'torch_varlen' or 'sdpa', "
                 f"got {self.attention_kernel!r}"
             )
+
+    def to_dict(self) -> dict:
+        # Every rope form in the saved config.json, as `convert` writes it, so that a reader of either major
+        # transformers version sees the same values: 5.x reads `rope_parameters` (its `rope_scaling` is an unsaved
+        # alias), 4.x-style readers `rope_scaling` and the top-level keys.
+        output = super().to_dict()
+        output["rope_scaling"] = dict(self.rope_parameters)
+        return output
 
     @property
     def rotary_dim(self) -> int:

@@ -363,12 +363,13 @@ def _check_project_vl_reads(data: dict, is_moe: bool) -> None:
 
 def _check_builtin_reads(data: dict, model_type: str) -> None:
     """transformers' built-in config class must accept the official config (skipped if it is not installed)."""
-    try:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        AutoConfig.for_model(model_type, **copy.deepcopy({k: v for k, v in data.items() if k != "model_type"}))
-    except (KeyError, ImportError):  # no built-in Qwen3.5 in this transformers: nothing to check against
+    if model_type not in CONFIG_MAPPING:  # no built-in Qwen3.5 in this transformers (4.x): nothing to check against
         return
+    try:
+        AutoConfig.for_model(model_type, **copy.deepcopy({k: v for k, v in data.items() if k != "model_type"}))
     except (ValueError, TypeError) as exc:
         raise ConversionError(f"transformers' built-in {model_type} config rejects the official config: {exc}") from exc
 

@@ -1,0 +1,105 @@
+"""Compatibility across transformers versions. Part of the core suite, which runs on every version of the matrix
+(scripts/test-matrix.sh), 4.x included, where transformers has no built-in Qwen3.5: there these tests are the
+references. The model against a pure-PyTorch per-document model (tests/reference_model.py), and the user path
+built without the built-in classes: our save_pretrained -> `convert --to official` -> `convert` ->
+AutoModelForCausalLM with trust_remote_code, rope read the same by v4- and v5-style readers."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from conftest import TINY_ROPE, packed_model, tiny_kwargs
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from reference_model import reference_logits
+
+LENGTHS = [1, 3, 9, 70]  # a 1-token document, one shorter than the conv kernel, one longer than a 64-token chunk
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_packed_and_unpacked_equal_pure_pytorch_reference_per_document(kind):
+    model = packed_model(kind, seed=11)
+    ids = torch.randint(0, 128, (sum(LENGTHS),), generator=torch.Generator().manual_seed(0))
+    state = model.state_dict()
+    with torch.no_grad():
+        packed = model(ids[None], cu_seqlens=_cu(LENGTHS)).logits[0]
+        packed_loss = model(ids[None], cu_seqlens=_cu(LENGTHS), labels=ids[None]).loss
+    nll, targets = 0.0, 0
+    for doc, logits in zip(ids.split(LENGTHS), packed.split(LENGTHS)):
+        expected = reference_logits(state, model.config, doc)
+        with torch.no_grad():
+            alone = model(doc[None], use_cache=False).logits[0]
+        assert (alone.double() - expected).abs().max().item() <= 1e-4, len(doc)
+        assert (logits - alone).abs().max().item() <= 1e-5, len(doc)
+        nll += F.cross_entropy(expected[:-1], doc[1:], reduction="sum").item()
+        targets += len(doc) - 1
+    assert abs(packed_loss.item() - nll / targets) <= 1e-5  # token-weighted, no target across documents
+
+
+def _convert(*args):
+    subprocess.run([sys.executable, "-m", "qwen35_packed.cli", "convert", *map(str, args), "--no-progress"],
+                   check=True, capture_output=True)
+
+
+def _assert_rope_in_every_form(folder):
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["rope_parameters"] == TINY_ROPE  # transformers 5
+    assert raw["rope_scaling"] == TINY_ROPE  # transformers 4-style readers: mrope_section, interleaving
+    assert raw["rope_theta"] == TINY_ROPE["rope_theta"]  # getattr(config, "rope_theta", default)
+    assert raw["partial_rotary_factor"] == TINY_ROPE["partial_rotary_factor"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_user_path_without_builtin_classes(kind, tmp_path):
+    model = packed_model(kind, seed=3)
+    model.save_pretrained(tmp_path / "ours")
+    _assert_rope_in_every_form(tmp_path / "ours")
+    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
+    _convert(tmp_path / "official", tmp_path / "packed")
+    _assert_rope_in_every_form(tmp_path / "packed")
+
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "packed", trust_remote_code=True).eval()
+    arch = "Qwen3_5MoePackedForCausalLM" if kind == "moe" else "Qwen3_5PackedForCausalLM"
+    assert type(remote).__name__ == arch and type(remote).__module__.startswith("transformers_modules.")
+    assert remote.config.rope_parameters == TINY_ROPE
+    assert remote.config.rope_theta == TINY_ROPE["rope_theta"]
+
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        assert (remote(ids, use_cache=False).logits - expected).abs().max().item() <= 1e-6
+        packed = remote(ids.reshape(1, -1), cu_seqlens=torch.tensor([0, 40, 80])).logits
+    assert (packed.reshape(2, 40, -1) - expected).abs().max().item() <= 1e-5
+
+    remote.save_pretrained(tmp_path / "resaved")  # what a trainer writes: still every rope form
+    _assert_rope_in_every_form(tmp_path / "resaved")
+
+
+def test_generate_and_tied_embeddings_round_trip(tmp_path):
+    config = Qwen3_5PackedConfig(**dict(tiny_kwargs("dense"), tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(config).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+    loaded = Qwen3_5PackedForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    prompt = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        out = loaded.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        alone = loaded.generate(prompt[1:, 3:], max_new_tokens=6, do_sample=False)
+        # greedy decoding equals the argmax of full forwards over the growing sequence
+        seq = prompt[:1]
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert out[0].tolist() == seq[0].tolist()
+    assert out[1, 7:].tolist() == alone[0, 4:].tolist()
