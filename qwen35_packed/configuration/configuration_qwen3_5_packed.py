@@ -79,6 +79,10 @@ def resolve_rope_parameters(
         for key, value in source.items():
             if key == "type":  # v4 spelling of rope_type
                 key = "rope_type"
+            if key == "rope_type" and value == "mrope":
+                # v4 configs call it "mrope": the default inverse-frequency rope with sections, so it agrees with a
+                # v5 "default" given beside it
+                value = "default"
             if key in ("mrope_section",) and value is not None:
                 value = [int(v) for v in value]
             put(key, value, source_name)
@@ -96,9 +100,6 @@ def resolve_rope_parameters(
             _warned_rope_default = True
     for key in _ROPE_KEYS:
         merged.setdefault(key, QWEN3_5_ROPE_DEFAULTS[key])
-    # v4 configs call the mrope variant "mrope"; it is the default inverse-frequency rope with sections.
-    if merged["rope_type"] == "mrope":
-        merged["rope_type"] = "default"
     if merged["rope_type"] != "default":
         raise ValueError(
             f"rope_type {merged['rope_type']!r} is not supported by qwen35-packed (Qwen3.5 uses 'default')."
