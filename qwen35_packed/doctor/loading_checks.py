@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
@@ -167,10 +168,13 @@ def _vllm_registry(folder: ModelFolder, report: DoctorReport) -> None:
         target = ARCHITECTURES[arch].replace(":", ".")
         if plugin:
             report.add("loading.vllm", PASS, f"the qwen35_packed plugin maps {arch} to {target}")
+        elif importlib.util.find_spec("vllm") is None:  # vLLM lives elsewhere: its environment needs the plugin
+            report.add("loading.vllm", PASS, f"the qwen35_packed plugin maps {arch} to {target} where this package "
+                       "is installed next to vLLM (no vLLM here; --vllm checks the engine)")  # fmt: skip
         else:
             report.add("loading.vllm", FAIL, f"{arch} needs the qwen35_packed vLLM plugin, whose entry point is not "
-                       "installed here", "install this package next to vLLM (`pip install --no-deps -e .`) or pass "
-                       f"hf_overrides={{'architectures': ['{target.rsplit('.', 1)[1]}']}}")  # fmt: skip
+                       "installed next to this vLLM", "install this package next to vLLM (`pip install --no-deps -e "
+                       f".`) or pass hf_overrides={{'architectures': ['{target.rsplit('.', 1)[1]}']}}")  # fmt: skip
     elif arch in VLLM_NATIVE:
         report.add("loading.vllm", PASS, f"{arch} is vLLM's native class")
     else:

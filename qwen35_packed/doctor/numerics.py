@@ -13,15 +13,14 @@ import time
 import torch
 
 from ..conversion.schema import expected_text_tensors
-from .environment_checks import compute_dtype
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, DoctorReport, Measurement
 
 DOC_LENGTHS = (1, 3, 17, 64, 65, 5, 40)
-# max |packed - per-document| over max |logit|: fp32 paths agree to rounding (measured ~1e-7 on CPU); half
-# precision kernels round differently with and without neighbours (bf16 has 8 mantissa bits). A leak moves the
-# logits of every later document by a sizeable fraction of their scale (measured in tests/test_doctor.py).
-RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# max |packed - per-document logit| over max |logit|. Measured: fp32 2e-7 (CPU), 3e-6 (H200, PyTorch GDN path), FLA
+# fp32 about 2e-4 (README GPU table); bf16 0 (tiny model) to 9e-3 (hidden 1024, 4 layers, random weights) on H200.
+# Leaks measured: a conv that ignores boundaries 0.04 (tiny model) to 1.2 (hidden 1024); whole-stream attention 0.95.
+RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 
 
 def doctor_layer_count(layer_types: list[str]) -> int:
@@ -77,6 +76,12 @@ def packed_vs_per_document(model, vocab_size: int, device: torch.device, seed: i
     return (packed - alone).abs().max().item(), alone.abs().max().item()
 
 
+def numerics_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """fp32 everywhere (tight: catches a leak of a few tokens, like a conv that ignores boundaries); on CUDA also
+    bf16, where the varlen attention kernels run (their leaks move logits by their own scale)."""
+    return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+
+
 def run_packed_numerics(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
     name = "numerics.packed_vs_per_document"
     if folder.packed_config is None or report.status("config.weights") in (FAIL, SKIP) \
@@ -85,23 +90,30 @@ def run_packed_numerics(folder: ModelFolder, device: torch.device, report: Docto
         return
     from ..modeling.kernels import select_kernels
 
-    dtype = compute_dtype(device)
     started = time.perf_counter()
     n_layers = doctor_layer_count(folder.packed_config.layer_types)
-    model, config = load_first_layers(folder, n_layers, device, dtype)
-    choice = select_kernels(config, device, dtype)
-    diff, scale = packed_vs_per_document(model, config.vocab_size, device)
-    seconds = time.perf_counter() - started
-    relative = diff / max(scale, 1e-12)
-    tolerance = RELATIVE_TOLERANCE[dtype]
-    dtype_name = str(dtype).removeprefix("torch.")
-    setup = (f"{len(DOC_LENGTHS)} documents / {sum(DOC_LENGTHS)} tokens, layers 0-{n_layers - 1} of "
-             f"{folder.packed_config.num_hidden_layers}, GDN {choice.gdn}, attention {choice.attention}, {dtype_name}")
-    report.measurements.append(Measurement(name, diff, "max |logit diff|", dtype_name, device.type,
-                                           f"packed vs per-document; {setup}"))
-    detail = (f"max |packed - per-document logit| {diff:.3g} ({relative:.2g} of the logit scale {scale:.3g}; "
-              f"tolerance {tolerance:g}); {setup}; {seconds:.1f} s")
-    if relative > tolerance:
+    model, config = load_first_layers(folder, n_layers, device, torch.float32)
+    parts, leaks = [], []
+    for dtype in numerics_dtypes(device):
+        model.to(dtype)  # A_log / dt_bias stay fp32 (GatedDeltaNet._apply)
+        choice = select_kernels(config, device, dtype)
+        diff, scale = packed_vs_per_document(model, config.vocab_size, device)
+        relative, tolerance = diff / max(scale, 1e-12), RELATIVE_TOLERANCE[dtype]
+        dtype_name = str(dtype).removeprefix("torch.")
+        paths = f"GDN {choice.gdn}, attention {choice.attention}"
+        report.measurements.append(Measurement(
+            name, diff, "max |logit diff|", dtype_name, device.type,
+            f"packed vs per-document; {len(DOC_LENGTHS)} documents / {sum(DOC_LENGTHS)} tokens, layers "
+            f"0-{n_layers - 1} of {folder.packed_config.num_hidden_layers}, {paths}"))  # fmt: skip
+        part = (f"{dtype_name} ({paths}): {diff:.3g} = {relative:.2g} of the logit scale {scale:.3g} "
+                f"(tolerance {tolerance:g})")
+        parts.append(part)
+        if relative > tolerance:
+            leaks.append(part)
+    detail = (f"max |packed - per-document logit| {'; '.join(parts)}; {len(DOC_LENGTHS)} documents / "
+              f"{sum(DOC_LENGTHS)} tokens, layers 0-{n_layers - 1} of {folder.packed_config.num_hidden_layers}; "
+              f"{time.perf_counter() - started:.1f} s")
+    if leaks:
         report.add(name, FAIL, "documents leak into each other: " + detail,
                    "a kernel path ignores document boundaries: set gdn_kernel / attention_kernel to 'auto' (or the "
                    "path this check passes with) and report the leaking kernel")  # fmt: skip
@@ -109,4 +121,5 @@ def run_packed_numerics(folder: ModelFolder, device: torch.device, report: Docto
         report.add(name, PASS, detail)
 
 
-__all__ = ["DOC_LENGTHS", "doctor_layer_count", "load_first_layers", "packed_vs_per_document", "run_packed_numerics"]
+__all__ = ["DOC_LENGTHS", "doctor_layer_count", "load_first_layers", "numerics_dtypes", "packed_vs_per_document",
+           "run_packed_numerics"]
