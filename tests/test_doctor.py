@@ -217,6 +217,26 @@ def test_report_feeds_the_model_card(dense, tmp_path):
         hub.load_report(folder)
 
 
+def test_vision_language_folder(tmp_path):
+    """A composite folder: text checks on text_config and model.language_model.*, the vision tower against
+    transformers' vision model for vision_config, the composite classes for every consumer."""
+    from safetensors.torch import load_file, save_file
+
+    from qwen35_packed.integrations.tiny import build_tiny_vl_folder
+
+    folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 0 and failing(checks) == []
+    assert "Qwen3_5PackedForConditionalGeneration" in checks["loading.trl"]["detail"]
+    assert checks["numerics.packed_vs_per_document"]["status"] == "PASS"
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.visual.blocks.0.attn.proj.bias"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1 and failing(checks) == ["config.weights"]
+    assert "model.visual.blocks.0.attn.proj.bias" in checks["config.weights"]["detail"]
+
+
 def test_unusable_arguments_exit_2(dense, tmp_path, capsys):
     assert cli.main(["doctor", str(tmp_path), "--device", "cpu"]) == 2
     assert "config.json" in capsys.readouterr().err

@@ -124,16 +124,15 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
     import torch
     import transformers
     import vllm
-    from vllm import LLM
 
-    from ..integrations.vllm_parity import compare, make_documents, model_logprobs, vllm_logprobs, vllm_model
+    from ..integrations.vllm_parity import (compare, make_documents, model_logprobs, start_engine, vllm_logprobs,
+                                            vllm_model)  # fmt: skip
 
     started = time.perf_counter()
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
     docs = make_documents(vocab, seed, PROBE_DOC_LENGTHS)
-    llm = LLM(model=model_dir, trust_remote_code=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=max(256, sum(PROBE_DOC_LENGTHS)), max_logprobs=vocab, seed=seed)  # fmt: skip
+    llm = start_engine(model_dir, vocab, seed)
     engine = type(vllm_model(llm))
     rope = dict(getattr(llm.llm_engine.model_config.hf_text_config, "rope_parameters", None) or {})
     reference = vllm_logprobs(llm, docs, vocab)
