@@ -120,9 +120,13 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
 
 
 def _tilelang(device: torch.device, report: DoctorReport) -> None:
+    from ..modeling.kernels import FLA_AVAILABLE
+
     present = importlib.util.find_spec("tilelang") is not None
     if not _is_hopper(device):
         report.add("kernels.tilelang", SKIP, f"only used on Hopper (installed: {'yes' if present else 'no'})")
+    elif not FLA_AVAILABLE:
+        report.add("kernels.tilelang", SKIP, "FLA is absent, which would use it (see kernels.selection)")
     elif present:
         report.add("kernels.tilelang", PASS, f"tilelang {version_of('tilelang')} present (FLA's Hopper backends)")
     else:
