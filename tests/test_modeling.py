@@ -49,7 +49,14 @@ def test_router_logits_and_aux_loss_only_when_asked(caplog):
         asked = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
     n_moe_layers = model.config.num_hidden_layers
     assert len(asked.router_logits) == n_moe_layers
-    assert asked.router_logits[0].shape == (int(mask.sum()), 4)  # real tokens only
+    # The built-in's layout: [batch * seq, experts] per layer, zeros at pad positions, so transformers' own
+    # load-balancing function with the attention_mask (what TRL calls) gives the model's aux loss.
+    assert asked.router_logits[0].shape == (ids.numel(), 4)
+    assert asked.router_logits[0].reshape(2, 16, 4)[0, :4].eq(0).all()
+    assert asked.router_logits[0].reshape(2, 16, 4)[0, 4:].ne(0).any()
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+    reference = load_balancing_loss_func(asked.router_logits, 4, model.config.num_experts_per_tok, mask)
+    assert torch.allclose(asked.aux_loss, reference, atol=1e-6)
     assert torch.allclose(asked.loss, plain.loss + 0.01 * asked.aux_loss)
     assert "router_aux_loss_coef=0.01" in caplog.text
 

@@ -130,6 +130,19 @@ def test_moe_aux_loss_off_unless_asked(folders, tmp_path, caplog):
     assert not _trainer(PackedGRPOTrainer, folders, "dense", tmp_path).aux_loss_enabled
 
 
+def test_stock_trl_aux_loss_equals_the_models_own(folders, tmp_path):
+    # Stock TRL computes the load-balancing loss itself, with transformers' function, the padded attention_mask and
+    # the backbone's router logits: the same number as the model's real-token aux loss on the same batch.
+    stock = _trainer(trl.GRPOTrainer, folders, "moe", tmp_path)
+    ids, mask, completion_len, _ = _long_tail_batch()
+    assert (mask == 0).any()
+    with torch.no_grad(), stock.accelerator.autocast():
+        _, _, aux = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, completion_len,
+                                                            compute_aux_loss=True)
+        own = stock.model(ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
+    torch.testing.assert_close(aux, own)
+
+
 @pytest.mark.parametrize("value, match", [("0.01", "must be a number"), (True, "must be a number"),
                                           (-1.0, ">= 0"), (float("nan"), ">= 0")])
 def test_aux_loss_coefficient_errors(value, match, folders, tmp_path):
@@ -166,11 +179,12 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
     out = tmp_path / "run"
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
     assert "--lora_target_parameters" in lora and "in_proj_qkv" in lora
-    # stock TRL would add the config's load-balancing loss (0.001); RL runs ask for 0
+    # No --router_aux_loss_coef: stock TRL adds the config's load-balancing loss (0.001), and the model says so once
     log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code", "true",
                 "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), "--router_aux_loss_coef", "0", *SMALL_RUN, *lora], cwd=EXAMPLES)
+                "--output_dir", str(out), *SMALL_RUN, *lora], cwd=EXAMPLES)
     assert log.count("'reward':") == 2 and "Training completed" in log
+    assert log.count("'aux_loss':") == 2 and log.count("router logits returned with router_aux_loss_coef=0.001") == 1
     assert (out / "adapter_model.safetensors").exists()
     from safetensors import safe_open
 

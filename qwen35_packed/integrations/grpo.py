@@ -102,9 +102,9 @@ def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: 
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
         if kwargs.get("output_router_logits") and backbone.router_logits:
-            # Our router logits cover the real tokens only: every row counts, no attention_mask weighting.
+            # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
             aux_loss = load_balancing_loss(tuple(backbone.router_logits), text_config.num_experts,
-                                           text_config.num_experts_per_tok)
+                                           text_config.num_experts_per_tok, kwargs.get("attention_mask"))
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
                                    log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,

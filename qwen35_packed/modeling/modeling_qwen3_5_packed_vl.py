@@ -37,6 +37,7 @@ from .modeling_qwen3_5_packed import (
     Qwen3_5PackedTextModel,
     _check_kwargs,
     _wants_router_logits,
+    router_logits_in_caller_layout,
 )
 from .mrope_positions import packed_mrope_positions
 from .packing import PackedSequence, build_packed_sequence, input_shape
@@ -47,7 +48,7 @@ _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 @dataclass
 class Qwen3_5PackedVLModelOutput(ModelOutput):
-    """Decoder output in the caller's layout (pad positions are zeros); router_logits cover real tokens only."""
+    """Decoder output in the caller's layout (pad positions are zeros), router_logits included."""
 
     last_hidden_state: torch.Tensor | None = None
     hidden_states: tuple | None = None
@@ -248,7 +249,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         return Qwen3_5PackedVLModelOutput(
             last_hidden_state=packed.unpack(result.hidden),
             hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
-            router_logits=tuple(result.router_logits) if result.router_logits else None,
+            router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
         )
 
@@ -335,7 +336,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
             aux_loss=aux_loss,
             logits=logits,
             hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
-            router_logits=tuple(result.router_logits) if result.router_logits else None,
+            router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
         )
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .kernels import KernelChoice, swiglu
+
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
@@ -21,9 +23,12 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.is_swiglu = config.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = swiglu(gate, up, choice) if self.is_swiglu else self.act_fn(gate) * up
+        return self.down_proj(hidden)
 
 
 class TopKRouter(nn.Module):
@@ -77,17 +82,23 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32)."""
         logits, top_weights, top_index = self.gate(x)
         routed = self.experts(x, top_index, top_weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
         return routed + shared, logits
 
 
-def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Switch-style auxiliary loss over the real tokens of all MoE layers: E * sum_e f_e * p_e, where f_e is the
-    share of top-k assignments that went to expert e and p_e its mean router probability."""
+    share of top-k assignments that went to expert e and p_e its mean router probability. Router logits of the
+    packed stream are real tokens only; with `attention_mask`, they are in the caller's layout
+    ([batch * seq, experts] per layer, see `router_logits_in_caller_layout`) and only the mask's real rows count."""
+    if attention_mask is not None:
+        real = attention_mask.reshape(-1).bool()
+        router_logits = tuple(layer[real.to(layer.device)] for layer in router_logits)
     logits = torch.cat(router_logits).float()
     probs = logits.softmax(dim=-1)
     selected = probs.topk(top_k, dim=-1).indices
