@@ -76,6 +76,15 @@ def time_step(model, fn, reps=3):
     return (time.perf_counter() - start) / reps, loss.item()
 
 
+def _eager_elementwise(model, fn):
+    """fn() with the elementwise chains eager instead of torch.compile'd (what the compile buys)."""
+    model.config.elementwise_kernel = "eager"
+    try:
+        return fn()
+    finally:
+        model.config.elementwise_kernel = "auto"
+
+
 def run_model(name, kwargs, rate, results, profile, selected):
     builtin_config = transformers.Qwen3_5TextConfig(**kwargs)
     torch.manual_seed(0)
@@ -108,6 +117,8 @@ def run_model(name, kwargs, rate, results, profile, selected):
                                                               max_length_q=longest, max_length_k=longest,
                                                               labels=flat, use_cache=False).loss),
             "ours_packed": (ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss),
+            "ours_packed_eager_elementwise": (ours, lambda: _eager_elementwise(
+                ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss)),
             "ours_padded_input": (ours, lambda: ours(input_ids=ids, attention_mask=mask, labels=labels,
                                                      use_cache=False).loss),
         }
@@ -175,7 +186,7 @@ def main():
     parser.add_argument("--models", default="hybrid_1p4b,qwen35_0p8b")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all four)")
+    parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all)")
     args = parser.parse_args()
     from qwen35_packed.modeling import kernels
 
@@ -183,11 +194,11 @@ def main():
     results = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1)}
+    out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
     for name in args.models.split(","):
         kwargs = MODELS[name]
         run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))))
-    out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
-    out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(results, indent=1))  # after every model: a later failure keeps what was measured
     print_table(results)
     print(f"\nwrote {out}")
 

@@ -156,6 +156,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         partial_rotary_factor: float | None = None,
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
+        elementwise_kernel: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -181,6 +182,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         # Kernel selection ("auto" picks the fastest exact path for the device; see modeling/kernels.py).
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
+        self.elementwise_kernel = elementwise_kernel
 
         if layer_types is None:
             interval = 4 if full_attention_interval is None else int(full_attention_interval)
@@ -239,6 +241,10 @@ class Qwen3_5PackedConfig(PretrainedConfig):
             raise ValueError(
                 f"attention_dropout={self.attention_dropout} is not supported: the varlen attention kernels run "
                 "without dropout (every official Qwen3.5 config has 0.0)"
+            )
+        if self.elementwise_kernel not in ("auto", "compiled", "eager"):
+            raise ValueError(
+                f"elementwise_kernel must be 'auto', 'compiled' or 'eager', got {self.elementwise_kernel!r}"
             )
         if self.gdn_kernel not in ("auto", "fla", "torch"):
             raise ValueError(f"gdn_kernel must be 'auto', 'fla' or 'torch', got {self.gdn_kernel!r}")

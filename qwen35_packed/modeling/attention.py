@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelChoice, varlen_causal_attention
+from .kernels import KernelChoice, sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .rope import apply_rotary
 
@@ -41,8 +41,8 @@ class GatedAttention(nn.Module):
         if self.output_gate:
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim))
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), choice)
+        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim), choice)
         v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -52,7 +52,7 @@ class GatedAttention(nn.Module):
             out = self._attend_with_cache(q, k, v, packed, cache)
         out = out.reshape(n, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = sigmoid_gate(out, gate, choice)
         return self.o_proj(out)
 
     def _attend_with_cache(self, q, k, v, packed, cache):

@@ -5,13 +5,21 @@ cu_seqlens, FLA's fused gated RMSNorm; attention through flash-attn varlen when 
 `varlen_attn`, else SDPA per document. CPU (or `gdn_kernel="torch"`): pure-PyTorch paths below, exact for packed
 input (per-document chunked delta rule, boundary-masked conv).
 
-`config.gdn_kernel` ("auto" | "fla" | "torch") and `config.attention_kernel` ("auto" | "flash_attn" |
-"torch_varlen" | "sdpa") force a path; forcing one that cannot run raises. The choice is logged once per distinct
-(device, choice). A missing kernel may cost speed, never correctness.
+Elementwise chains (zero-centred RMSNorm, residual add + RMSNorm, SwiGLU, sigmoid output gate) run through
+`torch.compile` on CUDA: one fused kernel each way instead of a chain of fp32 temporaries, and autograd saves only
+the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
+run eagerly; the two compute the same formula.
+
+`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.attention_kernel` ("auto" | "flash_attn" |
+"torch_varlen" | "sdpa") and `config.elementwise_kernel` ("auto" | "compiled" | "eager") force a path; forcing one
+that cannot run raises. The choice is logged once per distinct (device, choice). A missing kernel may cost speed,
+never correctness.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -54,6 +62,7 @@ except Exception:
 class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
+    elementwise: str = "eager"  # "compiled" | "eager"
 
 
 _logged_choices: set = set()
@@ -86,16 +95,83 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     elif attention == "torch_varlen" and not (on_cuda and half and TORCH_VARLEN_AVAILABLE):
         raise RuntimeError(f"attention_kernel='torch_varlen' was forced but varlen_attn is not usable here ({dtype})")
 
-    choice = KernelChoice(gdn=gdn, attention=attention)
+    elementwise = getattr(config, "elementwise_kernel", "auto")
+    if elementwise == "auto":
+        elementwise = "compiled" if (on_cuda and TRITON_AVAILABLE) else "eager"
+    elif elementwise == "compiled" and on_cuda and not TRITON_AVAILABLE:
+        raise RuntimeError("elementwise_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
+
+    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise)
     key = (device.type, dtype, choice)
     if key not in _logged_choices:
         _logged_choices.add(key)
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""
-        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, attention=%s%s", device.type, dtype, gdn,
-                       attention, slow)
+        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, attention=%s, elementwise=%s%s", device.type,
+                       dtype, gdn, attention, elementwise, slow)
     return choice
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Elementwise chains: eager formulas, compiled on CUDA
+# --------------------------------------------------------------------------------------------------------------
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def _zero_centred_rms_norm(x, weight, eps: float):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def _add_zero_centred_rms_norm(residual, update, weight, eps: float):
+    hidden = residual + update
+    return hidden, _zero_centred_rms_norm(hidden, weight, eps)
+
+
+def _swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def _sigmoid_gate(x, gate):
+    return x * torch.sigmoid(gate)
+
+
+@functools.cache
+def _compiled(fn):
+    # dynamic=True: one graph for every token count (packed streams change length every batch).
+    return torch.compile(fn, dynamic=True)
+
+
+def _elementwise(fn, choice):
+    if choice is None or choice.elementwise != "compiled":
+        return fn
+    compiled = _compiled(fn)
+    # Contiguous inputs: one graph per dtype instead of one per stride pattern (q arrives as a strided view).
+    return lambda *args: compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def zero_centred_rms_norm(x, weight, eps: float, choice: KernelChoice | None = None):
+    """rmsnorm(x) * (1 + weight), in fp32, cast back to x's dtype. Inputs are flattened to 2-D so one compiled
+    graph serves the hidden-size norms and the per-head q/k norms."""
+    shape = x.shape
+    return _elementwise(_zero_centred_rms_norm, choice)(x.reshape(-1, shape[-1]), weight, eps).reshape(shape)
+
+
+def add_zero_centred_rms_norm(residual, update, weight, eps: float, choice: KernelChoice | None = None):
+    """(residual + update, zero_centred_rms_norm(residual + update)) as one kernel; [N, H] inputs."""
+    return _elementwise(_add_zero_centred_rms_norm, choice)(residual, update, weight, eps)
+
+
+def swiglu(gate, up, choice: KernelChoice | None = None):
+    """silu(gate) * up."""
+    return _elementwise(_swiglu, choice)(gate, up)
+
+
+def sigmoid_gate(x, gate, choice: KernelChoice | None = None):
+    """x * sigmoid(gate), same shapes."""
+    return _elementwise(_sigmoid_gate, choice)(x, gate)
 
 
 # --------------------------------------------------------------------------------------------------------------

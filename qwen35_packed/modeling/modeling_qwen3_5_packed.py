@@ -67,7 +67,7 @@ def _output_class(name: str, doc: str, field_names: list[str]):
 
 Qwen3_5PackedModelOutput = _output_class(
     "Qwen3_5PackedModelOutput",
-    "Decoder output in the caller's layout (pad positions are zeros); router_logits cover real tokens only.",
+    "Decoder output in the caller's layout (pad positions are zeros), router_logits included.",
     ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits"],
 )
 Qwen3_5PackedCausalLMOutput = _output_class(
@@ -94,15 +94,13 @@ class Qwen3_5PackedDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, packed, cos, sin, choice, cache=None):
         """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None)."""
-        residual = hidden_states
-        normed = self.input_layernorm(hidden_states)
+        normed = self.input_layernorm(hidden_states, choice)
         if self.layer_type == "linear_attention":
             mixed = self.linear_attn(normed, packed, choice, cache)
         else:
             mixed = self.self_attn(normed, packed, cos, sin, choice, cache)
-        hidden_states = residual + mixed
-        residual = hidden_states
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        residual, normed = self.post_attention_layernorm.add_and_norm(hidden_states, mixed, choice)
+        mlp_out = self.mlp(normed, choice)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -231,7 +229,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 hidden, logits = step(hidden)
             if router_logits is not None and logits is not None:
                 router_logits.append(logits)
-        hidden = self.norm(hidden)
+        hidden = self.norm(hidden, choice)
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None:
@@ -243,15 +241,21 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
                 cache=None, **kwargs):
         _check_kwargs(kwargs)
+        want_router = _wants_router_logits(self.config, output_router_logits)
+        if want_router and self.config.router_aux_loss_coef:
+            # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
+            _log_once("aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add the "
+                      "load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
+                      "for RL", self.config.router_aux_loss_coef)
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, bool(output_hidden_states), _wants_router_logits(self.config, output_router_logits),
+            use_cache, bool(output_hidden_states), want_router,
             cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
         )
         return Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
             hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
-            router_logits=tuple(router_logits) if router_logits else None,
+            router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
 
@@ -262,6 +266,15 @@ def _check_kwargs(kwargs: dict) -> None:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions is not supported: varlen attention kernels never form the matrix")
+
+
+def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
+    """Per-layer router logits as [batch * seq, num_experts] with zeros at pad positions, the layout of the
+    built-in model: transformers' `load_balancing_loss_func(router_logits, ..., attention_mask)` (which TRL's GRPO
+    calls) then weighs exactly the real tokens. Inside the model they stay packed (real tokens only)."""
+    if not router_logits:
+        return None
+    return tuple(packed.unpack(layer).flatten(0, 1) for layer in router_logits)
 
 
 def _wants_router_logits(config, requested) -> bool:
@@ -320,7 +333,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             aux_loss=aux_loss,
             logits=logits,
             hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
-            router_logits=tuple(router_logits) if router_logits else None,
+            router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, gated_rms_norm
+from .kernels import KernelChoice, add_zero_centred_rms_norm, gated_rms_norm, zero_centred_rms_norm
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -16,10 +16,12 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
+        return zero_centred_rms_norm(x, self.weight, self.eps, choice)
+
+    def add_and_norm(self, residual: torch.Tensor, update: torch.Tensor, choice: KernelChoice | None = None):
+        """(residual + update, self(residual + update)), fused into one kernel when `choice` compiles."""
+        return add_zero_centred_rms_norm(residual, update, self.weight, self.eps, choice)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
