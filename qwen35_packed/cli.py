@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was left in OUT (temporary files removed)", file=sys.stderr)
+        # `convert` has logged what the interrupt left (OUT complete, or nothing)
+        print("interrupted", file=sys.stderr)
         return 130
     finally:
         if previous is not None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +151,11 @@ def _read_json(path: Path, role: str = "SRC") -> dict:
     return data
 
 
+def _is_plain_file_name(name) -> bool:
+    """A shard named in an index must be a file of the folder itself: no path, no '..'."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
 def read_source(src: Path, role: str = "SRC") -> SourceCheckpoint:
     """Read config.json and the safetensors headers of a checkpoint folder (no tensor data)."""
     from safetensors import safe_open
@@ -169,6 +174,12 @@ def read_source(src: Path, role: str = "SRC") -> SourceCheckpoint:
         index_map = _read_json(index_path, role).get("weight_map")
         if not isinstance(index_map, dict) or not index_map:
             raise ConversionError(f"{WEIGHTS_INDEX_NAME} in {role} has no weight_map")
+        outside = sorted({str(v) for v in index_map.values() if not _is_plain_file_name(v)})
+        if outside:
+            raise ConversionError(
+                f"{WEIGHTS_INDEX_NAME} in {role} names a shard outside SRC or not by a file name: {outside[:5]}; "
+                "shards must sit in the checkpoint folder"
+            )
         shard_files = sorted(set(index_map.values()))
     elif (src / WEIGHTS_NAME).is_file():
         shard_files = [WEIGHTS_NAME]
@@ -700,6 +711,7 @@ def _check_tied_lm_head(plan: ConversionPlan) -> None:
 
 def write_conversion(plan: ConversionPlan, *, progress: bool = True, log: Callable[[str], None] = print) -> Path:
     """Carry out a plan: write everything into a temporary folder next to OUT, then rename it to OUT."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = plan.out
@@ -708,21 +720,21 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True, log: Callab
     _check_tied_lm_head(plan)
     out.parent.mkdir(parents=True, exist_ok=True)
     stale = sorted(p.name for p in out.parent.glob(f".{out.name}.tmp-*"))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; OUT gets the permissions of a normal mkdir
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="convert")
-        except ImportError:
-            bar = None
     if stale:
         log(f"note: {len(stale)} temporary folder(s) of an interrupted conversion next to OUT: {', '.join(stale)}")
+    # Created inside the try, so an interrupt at any later point removes it; a plain mkdir gives OUT the
+    # permissions of any new folder (mkdtemp's are private).
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(6)}"
+    bar = None
     try:
+        tmp.mkdir()
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="convert")
+            except ImportError:
+                bar = None
         weight_map: dict[str, str] = {}
         step = 0
         for keys, name in zip(plan.shards, plan.shard_names):
@@ -735,7 +747,10 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True, log: Callab
                 step += 1
                 if bar is not None:
                     bar.update(plan.mapping.outputs[key].nbytes)
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            try:
+                save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            except SafetensorError as exc:  # safetensors reports a failed write (EFBIG, ENOSPC) as its own error
+                raise OSError(f"cannot write {name}: {exc}") from exc
             del tensors
         if len(plan.shard_names) > 1:
             index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
@@ -749,6 +764,11 @@ def write_conversion(plan: ConversionPlan, *, progress: bool = True, log: Callab
         if out.exists():
             raise ConversionError(f"OUT {out} appeared while converting; nothing was written to it")
         os.rename(tmp, out)
+    except OSError as exc:  # a full disk, a read-only or vanished folder: say so instead of a traceback
+        raise ConversionError(
+            f"writing the output failed: {exc}; is the disk full or the folder not writable? nothing was written to "
+            "OUT (the temporary folder is removed)"
+        ) from exc
     finally:
         reader.close()
         if bar is not None:
@@ -774,25 +794,34 @@ def convert(
 ) -> ConversionPlan:
     """Convert SRC into OUT in the direction `to` ('packed' or 'official'); see the module doc.
 
-    With `dry_run` the plan is printed and nothing is written. Raises ConversionError with a readable message.
+    With `dry_run` the plan is printed and nothing is written. Raises ConversionError with a readable message. An
+    interrupt (Ctrl-C, or SIGTERM through the CLI) is logged with what it left: OUT complete, or nothing.
     """
-    plan = plan_conversion(
-        src,
-        out,
-        to=to,
-        text_only=text_only,
-        mtp_from=mtp_from,
-        vision_from=vision_from,
-        router_aux_loss_coef=router_aux_loss_coef,
-        max_shard_size=max_shard_size,
-    )
-    for line in plan.lines:
-        log(line)
-    if dry_run:
-        log("dry run: nothing written")
-        return plan
-    write_conversion(plan, progress=progress, log=log)
-    log(f"wrote {plan.out}")
+    existed = Path(out).exists()  # then planning refuses it; an interrupt before that must not call it ours
+    try:
+        plan = plan_conversion(
+            src,
+            out,
+            to=to,
+            text_only=text_only,
+            mtp_from=mtp_from,
+            vision_from=vision_from,
+            router_aux_loss_coef=router_aux_loss_coef,
+            max_shard_size=max_shard_size,
+        )
+        for line in plan.lines:
+            log(line)
+        if dry_run:
+            log("dry run: nothing written")
+            return plan
+        write_conversion(plan, progress=progress, log=log)
+        log(f"wrote {plan.out}")
+    except KeyboardInterrupt:
+        if not existed and Path(out).exists():  # the interrupt came after the final rename
+            log(f"interrupted after the conversion finished: OUT is complete ({out})")
+        else:
+            log(f"interrupted: nothing was written to OUT ({out}); temporary files removed")
+        raise
     return plan
 
 

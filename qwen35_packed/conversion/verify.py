@@ -46,6 +46,7 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise ConversionError(f"{path.name}: the header is not a JSON object")
     header.pop("__metadata__", None)
     data_size = size - 8 - n
+    ranges = []
     for key, info in header.items():
         try:
             start, end = (int(v) for v in info["data_offsets"])
@@ -59,6 +60,17 @@ def read_header(path: Path) -> tuple[dict, int]:
         expected = DTYPE_SIZES.get(dtype, 0) * _prod(shape)
         if dtype in DTYPE_SIZES and end - start != expected:
             raise ConversionError(f"{path.name}: {key!r} has {end - start} bytes, {dtype} {shape} needs {expected}")
+        ranges.append((start, end, key))
+    # The tensors tile the data section (as safetensors requires): overlapping or gapped byte ranges mean a damaged
+    # header, whose checksums would describe bytes no reader sees as those tensors.
+    position = 0
+    for start, end, key in sorted(ranges):
+        if start != position or end < start:
+            raise ConversionError(
+                f"{path.name}: {key!r} occupies bytes [{start}, {end}) of the data section, but the previous tensor "
+                f"ends at {position} (overlapping or gapped tensors: damaged header)"
+            )
+        position = end
     return header, 8 + n
 
 
