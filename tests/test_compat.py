@@ -1,8 +1,8 @@
 """Compatibility across transformers versions. Part of the core suite, which runs on every version of the matrix
 (scripts/test-matrix.sh), 4.x included, where transformers has no built-in Qwen3.5: there these tests are the
 references. The model against a pure-PyTorch per-document model (tests/reference_model.py), and the user path
-built without the built-in classes: our save_pretrained -> `convert --to official` -> `convert` ->
-AutoModelForCausalLM with trust_remote_code, rope read the same by v4- and v5-style readers."""
+built without the built-in classes (text and vision-language): our save_pretrained -> `convert --to official` ->
+`convert` -> the Auto classes with trust_remote_code, rope read the same by v4- and v5-style readers."""
 
 import json
 import subprocess
@@ -16,6 +16,7 @@ import transformers
 from conftest import TINY_ROPE, packed_model, tiny_kwargs
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 from reference_model import reference_logits
+from vl_tiny import grid_tensor, make_document, packed_vl_model, pixels_for
 
 LENGTHS = [1, 3, 9, 70]  # a 1-token document, one shorter than the conv kernel, one longer than a 64-token chunk
 
@@ -49,8 +50,10 @@ def _convert(*args):
                    check=True, capture_output=True)
 
 
-def _assert_rope_in_every_form(folder):
+def _assert_rope_in_every_form(folder, composite=False):
     raw = json.loads((folder / "config.json").read_text())
+    if composite:
+        raw = raw["text_config"]
     assert raw["rope_parameters"] == TINY_ROPE  # transformers 5
     assert raw["rope_scaling"] == TINY_ROPE  # transformers 4-style readers: mrope_section, interleaving
     assert raw["rope_theta"] == TINY_ROPE["rope_theta"]  # getattr(config, "rope_theta", default)
@@ -81,6 +84,25 @@ def test_user_path_without_builtin_classes(kind, tmp_path):
 
     remote.save_pretrained(tmp_path / "resaved")  # what a trainer writes: still every rope form
     _assert_rope_in_every_form(tmp_path / "resaved")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_vision_language_user_path_without_builtin_classes(kind, tmp_path):
+    model = packed_vl_model(kind, seed=1)
+    model.save_pretrained(tmp_path / "ours")
+    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
+    _convert(tmp_path / "official", tmp_path / "packed")
+    _assert_rope_in_every_form(tmp_path / "packed", composite=True)
+
+    remote = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "packed", trust_remote_code=True)
+    arch = "Qwen3_5MoePackedForConditionalGeneration" if kind == "moe" else "Qwen3_5PackedForConditionalGeneration"
+    assert type(remote).__name__ == arch and type(remote).__module__.startswith("transformers_modules.")
+    assert remote.config.model_type == ("qwen3_5_moe" if kind == "moe" else "qwen3_5")
+    gen = torch.Generator().manual_seed(0)
+    ids, images, _ = make_document(gen, 2)
+    inputs = dict(input_ids=ids.unsqueeze(0), pixel_values=pixels_for(images, gen), image_grid_thw=grid_tensor(images))
+    with torch.no_grad():
+        assert (remote.eval()(**inputs).logits - model(**inputs).logits).abs().max().item() <= 1e-6
 
 
 def test_generate_and_tied_embeddings_round_trip(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import builtin_pair
+from conftest import packed_model, requires_builtin_qwen35
 from vl_tiny import (
     IMAGE,
     PATCH_DIM,
@@ -23,6 +23,7 @@ from vl_tiny import (
     image_tokens,
     make_document,
     our_vl_model,
+    packed_vl_model,
     pixels_for,
     token_types,
     video_tokens,
@@ -114,6 +115,7 @@ def _processor():
     return ImageOnlyQwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
 
 
+@requires_builtin_qwen35
 @pytest.mark.skipif(not (REFERENCE_DIR / "Qwen3.5-0.8B").is_dir(), reason="reference configs not available")
 def test_processor_batch_matches_builtin(kind):
     import numpy as np
@@ -153,7 +155,7 @@ def _cat(values):
 @pytest.mark.parametrize("kind, form", [("dense", "cu_seqlens"), ("dense", "position_ids"), ("dense", "padded-rows"),
                                         ("moe", "cu_seqlens")])
 def test_packed_equals_per_document_with_images(kind, form):
-    _, model = builtin_vl_pair(kind, seed=2)
+    model = packed_vl_model(kind, seed=2)
     counts = [0, 2, 1, 0, 2, 0, 3, 1]
     docs, pixels = _documents(3, counts)
     per_doc = []
@@ -187,7 +189,7 @@ def test_packed_equals_per_document_with_images(kind, form):
 
 
 def test_packed_gradients_equal_sum_of_per_document_gradients():
-    _, model = builtin_vl_pair("dense", seed=4)
+    model = packed_vl_model("dense", seed=4)
     model.train()
     docs, pixels = _documents(5, [2, 0, 1])
     lengths = [len(d[0]) for d in docs]
@@ -211,7 +213,7 @@ def test_packed_gradients_equal_sum_of_per_document_gradients():
 
 def test_text_only_batch_equals_text_model(kind):
     """No pixel values needed; the language part is the packed text decoder itself (loss and MoE aux loss too)."""
-    _, text_model = builtin_pair(kind, seed=6)
+    text_model = packed_model(kind, seed=6)
     # (router_aux_loss_coef stays 0: adding coef * aux_loss is the shared lm_head_outputs code, tested on the text
     # model, whose test reads the once-per-process warning that a coefficient > 0 would use up here.)
     vl = our_vl_model(kind)
@@ -234,7 +236,7 @@ def test_text_only_batch_equals_text_model(kind):
 
 
 def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
-    _, plain = builtin_vl_pair("dense", seed=7)
+    plain = packed_vl_model("dense", seed=7)
     dummy = our_vl_model("dense", vision_dummy_pass=True)
     dummy.load_state_dict(plain.state_dict())
     plain.train()
@@ -256,7 +258,7 @@ def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
 
 
 def test_freeze_vision():
-    _, model = builtin_vl_pair("dense", seed=8)
+    model = packed_vl_model("dense", seed=8)
     frozen = our_vl_model("dense", freeze_vision=True)
     frozen.load_state_dict(model.state_dict())
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())
@@ -333,6 +335,7 @@ def test_bad_input(case, message):
         model(**kwargs)
 
 
+@requires_builtin_qwen35
 def test_config_classes_and_round_trip(tmp_path):
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
         Qwen3_5MoePackedVLConfig,
@@ -355,6 +358,7 @@ def test_config_classes_and_round_trip(tmp_path):
         assert loaded.vision_config.to_dict() == config.vision_config.to_dict()
 
 
+@requires_builtin_qwen35
 @pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
 def test_reference_configs_give_builtin_keys_and_shapes(name):
     path = REFERENCE_DIR / name / "config.json"

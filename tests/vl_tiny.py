@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
-from conftest import _randomize_zero_init, tiny_kwargs
+from conftest import _NO_BUILTIN, HAS_BUILTIN_QWEN35, _randomize_zero_init, tiny_kwargs
 
 # Token ids inside the tiny text vocabulary (128): 0..99 are words.
 IMAGE, VIDEO, VISION_START, VISION_END, PAD = 120, 121, 122, 123, 124
@@ -38,27 +39,41 @@ def our_vl_model(kind: str, **overrides):
     return Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLConfig(**composite_kwargs(kind, **overrides)))
 
 
-def builtin_vl_pair(kind: str, seed: int = 0, **overrides):
-    """(transformers' built-in composite model, ours) with identical random weights, eval mode, fp32.
+def _randomize_vl(model) -> None:
+    """Norms moved off their zero init, and the vision merger scaled up so image features are as large as word
+    embeddings (otherwise a wrong image placement would hardly move the logits)."""
+    _randomize_zero_init(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("model.visual.") and (name.endswith("norm1.weight") or name.endswith("norm2.weight")
+                                                     or name.endswith("merger.norm.weight")):
+                param.add_(torch.randn_like(param) * 0.1)
+        model.model.visual.merger.linear_fc2.weight.mul_(10.0)
 
-    Norms are moved off their zero init, and the vision merger is scaled up so image features are as large as
-    word embeddings (otherwise a wrong image placement would hardly move the logits)."""
+
+def builtin_vl_pair(kind: str, seed: int = 0, **overrides):
+    """(transformers' built-in composite model, ours) with identical random weights (`_randomize_vl`), eval mode,
+    fp32; skips the test where transformers has no built-in Qwen3.5."""
+    if not HAS_BUILTIN_QWEN35:
+        pytest.skip(_NO_BUILTIN)
     torch.manual_seed(seed)
     kwargs = composite_kwargs(kind, **overrides)
     if kind == "moe":
         ref = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(**kwargs))
     else:
         ref = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(**kwargs))
-    _randomize_zero_init(ref)
-    with torch.no_grad():
-        for name, param in ref.named_parameters():
-            if name.startswith("model.visual.") and (name.endswith("norm1.weight") or name.endswith("norm2.weight")
-                                                     or name.endswith("merger.norm.weight")):
-                param.add_(torch.randn_like(param) * 0.1)
-        ref.model.visual.merger.linear_fc2.weight.mul_(10.0)
+    _randomize_vl(ref)
     ours = our_vl_model(kind, **overrides)
     ours.load_state_dict(ref.state_dict())
     return ref.eval(), ours.eval()
+
+
+def packed_vl_model(kind: str, seed: int = 0, **overrides):
+    """This project's composite model alone with random weights (`_randomize_vl`; no built-in needed), eval, fp32."""
+    torch.manual_seed(seed)
+    model = our_vl_model(kind, **overrides)
+    _randomize_vl(model)
+    return model.eval()
 
 
 def image_tokens(grid) -> list[int]:
