@@ -32,6 +32,7 @@ from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
+from .numerics import enable_numerics_check
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
 from .rope import MRotaryEmbedding
@@ -116,6 +117,7 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
     _supports_sdpa = True
     _is_stateful = True
+    enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
     def _init_weights(self, module):
         init = getattr(transformers, "initialization", None) or nn.init

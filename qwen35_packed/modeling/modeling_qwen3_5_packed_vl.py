@@ -40,6 +40,7 @@ from .modeling_qwen3_5_packed import (
     router_logits_in_caller_layout,
 )
 from .mrope_positions import packed_mrope_positions
+from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
 from .vision import Qwen3_5PackedVisionModel
 
@@ -87,6 +88,7 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
     _supports_sdpa = True
     _is_stateful = True
+    enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
