@@ -60,3 +60,27 @@ def test_flat_remote_code_folder_loads_with_trust_remote_code(kind, tmp_path):
     frozen = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, trust_remote_code=True,
                                                                       freeze_vision=True)
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())
+
+
+def test_trl_grpo_trainer_takes_the_vl_class(tmp_path):
+    """TRL's GRPOTrainer loads a converted VL folder as the remote class and reads its `generation_config` (pad and
+    eos ids) even when vLLM generates; `generate()` itself refuses with the cache error."""
+    trl = pytest.importorskip("trl")
+    import datasets
+
+    from qwen35_packed.integrations.tiny import build_tiny_vl_folder
+
+    folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
+    # the tokenizer: the folder's Qwen3VLProcessor needs torchvision (its video processor), which CI does not install
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
+                          use_cpu=True, report_to="none", trust_remote_code=True,
+                          model_init_kwargs={"trust_remote_code": True})
+    trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                              args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "ab"}] * 4),
+                              processing_class=tokenizer)
+    model = trainer.model
+    assert type(model).__name__ == ARCH["dense"] and type(model).__module__.startswith("transformers_modules.")
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    with pytest.raises(ValueError, match="use_cache=True is not supported"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)

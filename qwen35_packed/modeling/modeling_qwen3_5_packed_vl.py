@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
@@ -272,7 +272,9 @@ def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.
     return torch.stack([packed.unpack(p) for p in positions])
 
 
-class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
+# GenerationMixin: transformers gives a model a `generation_config` only when it can generate, and TRL's GRPOTrainer
+# reads it (pad / eos ids) even when vLLM generates; `generate()` itself stops at the use_cache error below.
+class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
         {"lm_head.weight": "model.language_model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
@@ -319,8 +321,8 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel):
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                 max_length_q=None, max_length_k=None, use_cache=None, **kwargs):
+        _refuse_cache(use_cache)  # first: generate() passes cache kwargs too, the reason to give is the cache
         _check_kwargs(kwargs)
-        _refuse_cache(use_cache)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
