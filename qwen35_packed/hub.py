@@ -44,6 +44,8 @@ OTHER_FILES = ("LICENSE", CARD_NAME, REPORT_NAME)
 SINGLE_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 INDEX_NAME = "model.safetensors.index.json"
 CREDENTIAL_PATTERN = re.compile(r"(^|[._-])(token|credentials?|secrets?|netrc|api[_-]?key)([._-]|$)", re.IGNORECASE)
+# A Hugging Face access token inside a file that is otherwise allowed (a config or tokenizer file someone pasted it in)
+TOKEN_CONTENT_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 PACKED_ARCHITECTURES = ("Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM")
 OFFICIAL_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": True,
@@ -171,6 +173,10 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
         if not isinstance(weight_map, dict) or not weight_map:
             raise UploadError(f"{INDEX_NAME} has no weight_map")
         indexed = set(weight_map.values())
+        outside = sorted(str(n) for n in indexed if not isinstance(n, str) or n in ("", ".", "..") or "/" in n
+                         or "\\" in n)  # fmt: skip
+        if outside:
+            raise UploadError(f"{INDEX_NAME} names shards outside the folder or not by a file name: {outside[:10]}")
         absent = sorted(n for n in indexed if not (folder / n).is_file() or (folder / n).is_symlink())
         if absent:
             raise UploadError(f"{INDEX_NAME} names shards that are missing (or symlinks): {absent[:10]}")
@@ -183,6 +189,8 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
             skipped.append((name, "hidden"))
         elif path.is_dir():
             skipped.append((name, "folder (only top-level files are uploaded)"))
+        elif not path.is_file():
+            skipped.append((name, "not a regular file"))
         elif CREDENTIAL_PATTERN.search(name) and name not in allowed:
             skipped.append((name, "looks like a credential"))
         elif name.endswith(".safetensors"):  # any shard name the index uses; without an index the single files
@@ -202,6 +210,12 @@ def select_files(folder: Path, kind: str) -> tuple[list[Path], list[tuple[str, s
             skipped.append((name, "not on the allow-list"))
     if not any(p.name.endswith(".safetensors") for p in chosen):
         raise UploadError(f"{folder} holds no safetensors weights to upload")
+    for path in chosen:
+        if not path.name.endswith(".safetensors") and TOKEN_CONTENT_PATTERN.search(path.read_bytes()):
+            raise UploadError(
+                f"{path.name} contains what looks like a Hugging Face access token (hf_...); remove it from the file "
+                "before uploading (nothing was uploaded)"
+            )
     if kind == "packed":
         missing = sorted(code - {p.name for p in chosen})
         if missing:
