@@ -10,6 +10,7 @@ import io
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -25,8 +26,8 @@ RANDOM_ALLOWED = sorted(set(ALLOWED) - {"config.json", "adapter_config.json", hu
 CREDENTIAL_LIKE = ["token", "hf_token.txt", "credentials.json", "secrets.yaml", "api_key.txt", "my-api-key",
                    "wandb.netrc"]  # fmt: skip
 HIDDEN = [".env", ".git", ".huggingface", ".cache", ".token", ".config.json"]
-JUNK = ["notes.txt", "optimizer.pt", "training_args.bin", "helper.py", "rng_state.pth", "model-00009-of-00009.safetensors",
-        "pytorch_model.bin", "checkpoint-100", "__pycache__", "runs"]  # fmt: skip
+JUNK = ["notes.txt", "optimizer.pt", "training_args.bin", "helper.py", "rng_state.pth", "pytorch_model.bin",
+        "model-00009-of-00009.safetensors", "checkpoint-100", "__pycache__", "runs"]  # fmt: skip
 KINDS = ["file", "symlink_inside", "symlink_outside", "folder", "fifo", "file_with_token"]
 entry = st.tuples(st.sampled_from(RANDOM_ALLOWED + CREDENTIAL_LIKE + HIDDEN + JUNK), st.sampled_from(KINDS))
 
@@ -65,13 +66,19 @@ def test_upload_holds_only_allowed_regular_files_and_never_the_token(packed, tmp
 
     token_in_allowed = any(kind == "file_with_token" and name in ALLOWED for name, kind in entries)
     code = hub.remote_code_names()
+    # the token in the environment, no cached login of this machine
+    with mock.patch.dict(os.environ, {"HF_TOKEN": SECRET, "HF_HOME": str(base / "hf_home")}):
+        _check_upload(folder, entries, token_in_allowed, code, before)
+
+
+def _check_upload(folder, entries, token_in_allowed, code, before):
     try:
         plan = hub.plan_upload(folder, "me/audit")
     except hub.UploadError as exc:
         assert token_in_allowed, exc
         assert "looks like a Hugging Face access token" in str(exc) and SECRET not in str(exc)
         return
-    assert not token_in_allowed
+    assert not token_in_allowed and "HF_TOKEN" in plan.token_source
     uploaded = {f.path_in_repo for f in plan.files}
     index = hub._read_json(folder / hub.INDEX_NAME)["weight_map"] if (folder / hub.INDEX_NAME).exists() else {}
     permitted = set(ALLOWED) | code | {hub.CARD_NAME, hub.INDEX_NAME, *hub.SINGLE_WEIGHTS, *index.values()}
