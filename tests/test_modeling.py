@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from conftest import packed_model, tiny_kwargs
+from conftest import packed_model, requires_builtin_qwen35, tiny_kwargs
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 
 
@@ -38,6 +38,7 @@ def _moe(coef):
     return Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
 
 
+@requires_builtin_qwen35  # the aux loss is compared with transformers' Qwen3.5-MoE function
 def test_router_logits_and_aux_loss_only_when_asked(caplog):
     model = _moe(0.01)
     ids = torch.randint(0, 128, (2, 16))
