@@ -172,10 +172,6 @@ sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--no-progress", "--max-shar
 """
 
 
-def _sizes(ref: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in ref.iterdir()}
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE semantics of Linux")
 @pytest.mark.parametrize("where", ["first_shard", "later_shard"])
 def test_full_disk_is_a_clean_error(where, source, tmp_path):
@@ -195,6 +191,26 @@ def test_full_disk_is_a_clean_error(where, source, tmp_path):
     assert "Traceback" not in proc.stderr and "nothing was written to OUT" in proc.stderr, proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
     assert folder_digest(src) == before
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tmpfs")
+def test_full_tmpfs_is_a_clean_error(source, tmp_path):
+    """A real full disk where the tests may mount a small tmpfs (root with CAP_SYS_ADMIN; skipped elsewhere): the
+    write fails with ENOSPC, OUT is not created and the temporary folder is removed, leaving the disk empty."""
+    src, _ = source
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs privileges); the RLIMIT_FSIZE test above stands in")
+    try:
+        before = folder_digest(src)
+        with pytest.raises(ConversionError, match="No space left on device(.|\n)*nothing was written to OUT"):
+            convert(src, disk / "out", max_shard_size="100KB", **QUIET)
+        assert list(disk.iterdir()) == []
+        assert folder_digest(src) == before
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 # ------------------------------------------------------------------------------------------ damaged safetensors files
