@@ -205,4 +205,4 @@ def test_bf16_model_with_large_activations_passes_the_check(kind):
     with torch.no_grad():
         logits = model(inputs_embeds=embeds.to(torch.bfloat16), cu_seqlens=cu, use_cache=False).logits
     assert logits.dtype == torch.bfloat16
-    assert _rel(logits, reference) <= 5e-2
+    assert _rel(logits, reference) <= 2e-2  # measured 0.3% (dense and MoE)
