@@ -8,6 +8,7 @@ import copy
 from ..configuration.configuration_qwen3_5_packed import LAYER_TYPES
 from ..conversion.rope_readers import ROPE_FIELDS, disagreements, rope_views
 from ..conversion.schema import expected_text_tensors, expected_vision_tensors
+from .environment_checks import builtin_qwen35_available
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 
@@ -61,11 +62,12 @@ def _fmt(value) -> str:
 def _rope(folder: ModelFolder, report: DoctorReport) -> None:
     views = rope_views(folder.text)
     problems = []
-    builtin, builtin_error = _builtin_rope_view(folder)
-    if builtin_error:
-        problems.append(f"transformers' built-in model cannot use this rope ({builtin_error})")
-    else:
-        views["transformers built-in model"] = builtin
+    if builtin_qwen35_available():
+        builtin, builtin_error = _builtin_rope_view(folder)
+        if builtin_error:
+            problems.append(f"transformers' built-in model cannot use this rope ({builtin_error})")
+        else:
+            views["transformers built-in model"] = builtin
     if folder.packed_config is None:
         if "rope" in folder.packed_config_error:
             problems.append(f"this package's config refuses it ({folder.packed_config_error})")
@@ -80,7 +82,8 @@ def _rope(folder: ModelFolder, report: DoctorReport) -> None:
         return
     first = next(iter(views.values()))
     values = ", ".join(f"{name}={_fmt(first[name])}" for name in ROPE_FIELDS)
-    report.add("config.rope", PASS, f"{len(views)} readers agree: {values}")
+    absent = "" if builtin_qwen35_available() else " (this transformers has no built-in Qwen3.5 to ask)"
+    report.add("config.rope", PASS, f"{len(views)} readers agree: {values}{absent}")
 
 
 def _mrope_section(folder: ModelFolder, report: DoctorReport) -> None:

