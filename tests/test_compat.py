@@ -60,16 +60,22 @@ def _assert_rope_in_every_form(folder, composite=False):
     assert raw["partial_rotary_factor"] == TINY_ROPE["partial_rotary_factor"]
 
 
+def _folder_without_builtin(model, tmp_path):
+    """The user path without transformers' built-in classes: save_pretrained -> official layout -> packed folder."""
+    model.save_pretrained(tmp_path / "ours")
+    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
+    _convert(tmp_path / "official", tmp_path / "packed")
+    return tmp_path / "packed"
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_user_path_without_builtin_classes(kind, tmp_path):
     model = packed_model(kind, seed=3)
-    model.save_pretrained(tmp_path / "ours")
+    folder = _folder_without_builtin(model, tmp_path)
     _assert_rope_in_every_form(tmp_path / "ours")
-    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
-    _convert(tmp_path / "official", tmp_path / "packed")
-    _assert_rope_in_every_form(tmp_path / "packed")
+    _assert_rope_in_every_form(folder)
 
-    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "packed", trust_remote_code=True).eval()
+    remote = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     arch = "Qwen3_5MoePackedForCausalLM" if kind == "moe" else "Qwen3_5PackedForCausalLM"
     assert type(remote).__name__ == arch and type(remote).__module__.startswith("transformers_modules.")
     assert remote.config.rope_parameters == TINY_ROPE
@@ -89,12 +95,10 @@ def test_user_path_without_builtin_classes(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_vision_language_user_path_without_builtin_classes(kind, tmp_path):
     model = packed_vl_model(kind, seed=1)
-    model.save_pretrained(tmp_path / "ours")
-    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
-    _convert(tmp_path / "official", tmp_path / "packed")
-    _assert_rope_in_every_form(tmp_path / "packed", composite=True)
+    folder = _folder_without_builtin(model, tmp_path)
+    _assert_rope_in_every_form(folder, composite=True)
 
-    remote = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "packed", trust_remote_code=True)
+    remote = transformers.AutoModelForImageTextToText.from_pretrained(folder, trust_remote_code=True)
     arch = "Qwen3_5MoePackedForConditionalGeneration" if kind == "moe" else "Qwen3_5PackedForConditionalGeneration"
     assert type(remote).__name__ == arch and type(remote).__module__.startswith("transformers_modules.")
     assert remote.config.model_type == ("qwen3_5_moe" if kind == "moe" else "qwen3_5")
@@ -125,3 +129,39 @@ def test_generate_and_tied_embeddings_round_trip(tmp_path):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
     assert out[0].tolist() == seq[0].tolist()
     assert out[1, 7:].tolist() == alone[0, 4:].tolist()
+
+
+def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
+    """TRL's GRPOTrainer (where TRL is installed: the main environment and the 4.57 leg of the matrix) trains the
+    remote-code model with LoRA on a folder made without the built-in classes."""
+    trl = pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import datasets
+
+    from conftest import _randomize_zero_init
+    from qwen35_packed.integrations.lora import lora_config
+    from qwen35_packed.integrations.tiny import build_char_tokenizer, write_prompt_dataset
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(
+        **tiny_kwargs("dense"), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    _randomize_zero_init(model)
+    folder = _folder_without_builtin(model, tmp_path)
+    tokenizer.save_pretrained(folder)
+    data = datasets.load_dataset("json", data_files=str(write_prompt_dataset(tmp_path / "data") / "train.jsonl"))
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
+                          learning_rate=1e-3, beta=0.04, seed=0, trust_remote_code=True)
+    trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **_: [float(len(c)) for c in
+                              completions], args=args, train_dataset=data["train"],
+                              peft_config=lora_config(model.config, r=4))
+    base = trainer.model.get_base_model()
+    assert type(base).__name__ == "Qwen3_5PackedForCausalLM" and type(base).__module__.startswith("transformers_modules.")
+    lora_b = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.abs().max() == 0 for p in lora_b.values())  # PEFT starts B at zero
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    moved = [n for n, p in trainer.model.named_parameters() if n in lora_b and p.abs().max() > 0]
+    assert moved, "no LoRA weight changed in the GRPO step"
