@@ -5,8 +5,6 @@ built without the built-in classes (text and vision-language): our save_pretrain
 `convert` -> the Auto classes with trust_remote_code, rope read the same by v4- and v5-style readers."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import transformers
 
 from conftest import TINY_ROPE, packed_model, tiny_kwargs
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed.conversion import convert
 from reference_model import reference_logits
 from vl_tiny import grid_tensor, make_document, packed_vl_model, pixels_for
 
@@ -45,9 +44,6 @@ def test_packed_and_unpacked_equal_pure_pytorch_reference_per_document(kind):
     assert abs(packed_loss.item() - nll / targets) <= 1e-5  # token-weighted, no target across documents
 
 
-def _convert(*args):
-    subprocess.run([sys.executable, "-m", "qwen35_packed.cli", "convert", *map(str, args), "--no-progress"],
-                   check=True, capture_output=True)
 
 
 def _assert_rope_in_every_form(folder, composite=False):
@@ -63,8 +59,8 @@ def _assert_rope_in_every_form(folder, composite=False):
 def _folder_without_builtin(model, tmp_path):
     """The user path without transformers' built-in classes: save_pretrained -> official layout -> packed folder."""
     model.save_pretrained(tmp_path / "ours")
-    _convert(tmp_path / "ours", tmp_path / "official", "--to", "official")
-    _convert(tmp_path / "official", tmp_path / "packed")
+    convert(tmp_path / "ours", tmp_path / "official", to="official", progress=False, log=lambda *_: None)
+    convert(tmp_path / "official", tmp_path / "packed", progress=False, log=lambda *_: None)
     return tmp_path / "packed"
 
 
