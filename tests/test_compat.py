@@ -161,3 +161,36 @@ def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
     assert torch.isfinite(torch.tensor(result.training_loss))
     moved = [n for n, p in trainer.model.named_parameters() if n in lora_b and p.abs().max() > 0]
     assert moved, "no LoRA weight changed in the GRPO step"
+
+
+def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_reads_it(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """transformers 5.17's Qwen3_5TextConfig saves its class default `partial_rotary_factor` 0.25 at the top level
+    next to the 0.5 of `rope_parameters` that its model uses. A file written by transformers 5 is read as
+    transformers 5 reads it (with a warning); elsewhere a contradiction stays an error."""
+    from qwen35_packed.configuration import configuration_qwen3_5_packed
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig
+    from qwen35_packed.conversion.config import build_output_config
+    from vl_tiny import composite_kwargs
+
+    monkeypatch.setattr(configuration_qwen3_5_packed, "_warned", set())
+    text = {**tiny_kwargs("dense"), "model_type": "qwen3_5_text", "partial_rotary_factor": 0.25}
+    (tmp_path / "config.json").write_text(json.dumps({**text, "transformers_version": "5.17.0"}))
+    with caplog.at_level("WARNING"):
+        config = Qwen3_5PackedConfig.from_pretrained(tmp_path)
+    assert config.rope_parameters["partial_rotary_factor"] == config.partial_rotary_factor == 0.5
+    assert "transformers 5.17.0 has top-level partial_rotary_factor=0.25" in caplog.text
+
+    composite = {**composite_kwargs("dense"), "text_config": text, "model_type": "qwen3_5",
+                 "transformers_version": "5.17.0"}
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(composite))
+    assert Qwen3_5PackedVLConfig.from_pretrained(tmp_path / "vl").text_config.rope_parameters == TINY_ROPE
+
+    out = build_output_config({**text, "transformers_version": "5.17.0"}, text_only=False)
+    assert out.data["partial_rotary_factor"] == out.data["rope_scaling"]["partial_rotary_factor"] == 0.5
+    assert any("top-level partial_rotary_factor=0.25" in note for note in out.notes)
+
+    (tmp_path / "config.json").write_text(json.dumps({**text, "transformers_version": "4.57.6"}))
+    with pytest.raises(ValueError, match="Contradicting rope values"):
+        Qwen3_5PackedConfig.from_pretrained(tmp_path)

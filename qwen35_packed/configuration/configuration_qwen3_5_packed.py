@@ -33,7 +33,13 @@ QWEN3_5_ROPE_DEFAULTS = {
     "mrope_interleaved": True,
 }
 _ROPE_KEYS = tuple(QWEN3_5_ROPE_DEFAULTS)
-_warned_rope_default = False
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -46,17 +52,40 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _written_by_transformers_5(writer_version) -> bool:
+    try:
+        return int(str(writer_version).split(".")[0]) >= 5
+    except ValueError:
+        return False
+
+
 def resolve_rope_parameters(
     rope_parameters: dict | None = None,
     rope_scaling: dict | None = None,
     rope_theta: float | None = None,
     partial_rotary_factor: float | None = None,
+    writer_version: str | None = None,
 ) -> dict:
     """Merge every rope source into one dict; raise ValueError on any contradiction.
 
     Sources, all optional: the v5 `rope_parameters` dict, the v4 `rope_scaling` dict (its legacy `type` key is read
     as `rope_type`), and top-level `rope_theta` / `partial_rotary_factor`.
+
+    One exception, with a one-time warning: in a config.json written by transformers 5 (`writer_version`, its
+    `transformers_version`) a top-level `partial_rotary_factor` that contradicts `rope_parameters` is ignored, as
+    transformers 5 itself reads it: some 5.x releases save the class default there (5.17's Qwen3_5TextConfig writes
+    0.25 next to the 0.5 of `rope_parameters` that its model uses).
     """
+    stated = rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
+    if (_written_by_transformers_5(writer_version) and None not in (stated, partial_rotary_factor)
+            and not _same(stated, partial_rotary_factor)):
+        _warn_once(
+            "ignored-partial-rotary-factor",
+            "config.json written by transformers %s has top-level partial_rotary_factor=%r but rope_parameters says "
+            "%r; transformers 5 reads rope_parameters, so %r is used.",
+            writer_version, partial_rotary_factor, stated, stated,
+        )
+        partial_rotary_factor = None
     merged: dict = {}
     origin: dict = {}
 
@@ -89,15 +118,13 @@ def resolve_rope_parameters(
     put("rope_theta", rope_theta, "top-level rope_theta")
     put("partial_rotary_factor", partial_rotary_factor, "top-level partial_rotary_factor")
 
-    if "rope_theta" not in merged:
-        global _warned_rope_default
-        if merged and not _warned_rope_default:
-            logger.warning(
-                "No rope_theta in the config (neither rope_parameters, rope_scaling nor top-level rope_theta); "
-                "using the official Qwen3.5 value %s.",
-                QWEN3_5_ROPE_DEFAULTS["rope_theta"],
-            )
-            _warned_rope_default = True
+    if "rope_theta" not in merged and merged:
+        _warn_once(
+            "rope-default",
+            "No rope_theta in the config (neither rope_parameters, rope_scaling nor top-level rope_theta); "
+            "using the official Qwen3.5 value %s.",
+            QWEN3_5_ROPE_DEFAULTS["rope_theta"],
+        )
     for key in _ROPE_KEYS:
         merged.setdefault(key, QWEN3_5_ROPE_DEFAULTS[key])
     if merged["rope_type"] != "default":
@@ -201,7 +228,8 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.layer_types = list(layer_types)
         self.full_attention_interval = full_attention_interval
 
-        rope = resolve_rope_parameters(rope_parameters, rope_scaling, rope_theta, partial_rotary_factor)
+        rope = resolve_rope_parameters(rope_parameters, rope_scaling, rope_theta, partial_rotary_factor,
+                                       writer_version=kwargs.get("transformers_version"))
         self.rope_parameters = rope
         # Legacy mirrors for v4-style readers (getattr(config, "rope_theta", default)).
         self.rope_theta = rope["rope_theta"]

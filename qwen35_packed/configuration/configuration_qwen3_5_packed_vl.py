@@ -93,7 +93,19 @@ else:
     _BuiltinMoeVisionConfig = transformers.Qwen3_5MoeVisionConfig
 
 
-class Qwen3_5PackedVLConfig(_BuiltinConfig):
+class _TextConfigKnowsItsWriter:
+    """Gives `text_config` the file's `transformers_version`, which this project's text config needs to read rope
+    as the writer did (see `resolve_rope_parameters`); composite files carry it only at the top level."""
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        text, writer = config_dict.get("text_config"), config_dict.get("transformers_version")
+        if isinstance(text, dict) and writer is not None and "transformers_version" not in text:
+            config_dict = {**config_dict, "text_config": {**text, "transformers_version": writer}}
+        return super().from_dict(config_dict, **kwargs)
+
+
+class Qwen3_5PackedVLConfig(_TextConfigKnowsItsWriter, _BuiltinConfig):
     """Dense composite config (`model_type` `qwen3_5`): built-in vision config + this project's text config."""
 
     model_type = "qwen3_5"
@@ -104,7 +116,7 @@ class Qwen3_5PackedVLConfig(_BuiltinConfig):
     vision_dummy_pass: bool = False
 
 
-class Qwen3_5MoePackedVLConfig(_BuiltinMoeConfig):
+class Qwen3_5MoePackedVLConfig(_TextConfigKnowsItsWriter, _BuiltinMoeConfig):
     """MoE composite config (`model_type` `qwen3_5_moe`): built-in vision config + this project's MoE text config."""
 
     model_type = "qwen3_5_moe"

@@ -102,6 +102,8 @@ def _source_text_config(src_config: dict, *, notes: list[str]) -> tuple[dict, st
         if not isinstance(text, dict):
             raise ConversionError("SRC config.json: composite config without a text_config dict")
         text = copy.deepcopy(text)
+        # which transformers wrote the file decides how contradicting rope keys are read (resolve_rope_parameters)
+        text.setdefault("transformers_version", src_config.get("transformers_version"))
         _refuse_top_level_rope(src_config, "SRC")
         # transformers' composite class ties (or not) by the top-level flag; its text_config's flag is not used (and
         # transformers 5 itself saves composite configs with tie true at the top and false in text_config). The
@@ -149,19 +151,28 @@ def _normalize_text(
 ) -> Qwen3_5PackedConfig:
     """Normalise rope (in place) and the aux-loss coefficient; return the validated project config object."""
     is_moe = TEXT_MODEL_TYPES[model_type]
+    writer_version = text.get("transformers_version")
     for key in _NOT_CARRIED:
         text.pop(key, None)
     source_views = rope_views(text)
+    top_level_factor = text.get("partial_rotary_factor")
     try:
         rope = resolve_rope_parameters(
             text.pop("rope_parameters", None),
             text.pop("rope_scaling", None),
             text.pop("rope_theta", None),
             text.pop("partial_rotary_factor", None),
+            writer_version=writer_version,
         )
     except ValueError as exc:
         table = "\n".join(rope_table(source_views, "rope as each reader sees SRC's config.json:"))
         raise ConversionError(f"SRC config.json: {exc}\n{table}") from exc
+    if top_level_factor is not None and top_level_factor != rope["partial_rotary_factor"]:  # see resolve
+        notes.append(
+            f"note: SRC's top-level partial_rotary_factor={top_level_factor} contradicts its rope_parameters "
+            f"({rope['partial_rotary_factor']}); transformers {writer_version} wrote it and reads rope_parameters, "
+            f"so the converted config has {rope['partial_rotary_factor']}."
+        )
     # v5 dict, v4 dict and legacy top-level keys, all equal: every reader sees the same values.
     text.update(normalized_rope_keys(rope))
     written_views = rope_views(text)
