@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import requires_builtin_qwen35
 from qwen35_packed.conversion.remote_code import copy_remote_code
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
@@ -62,6 +63,7 @@ def test_flat_remote_code_folder_loads_with_trust_remote_code(kind, tmp_path):
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())
 
 
+@requires_builtin_qwen35  # build_tiny_vl_folder saves transformers' built-in composite model
 def test_trl_grpo_trainer_takes_the_vl_class(tmp_path):
     """TRL's GRPOTrainer loads a converted VL folder as the remote class and reads its `generation_config` (pad and
     eos ids) even when vLLM generates; `generate()` itself refuses with the cache error."""
