@@ -1,0 +1,132 @@
+"""Worker for tests/test_fsdp2.py, run under torchrun on CPU (gloo): one packed training step of a tiny model
+with FSDP2 (bf16 compute, fp32 master weights and reduction; GDN decay units from shard_gdn_decay_fp32, then the
+decoder layers and the root, as Accelerate's FSDP2 config does), or the same step unsharded in bf16 (--single).
+Writes a JSON report: global loss, gradient norm, forward dtypes, logits of a probe and a saved full state dict."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import tiny_kwargs  # noqa: E402
+
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
+from qwen35_packed.integrations.fsdp2 import gated_deltanet_modules, shard_gdn_decay_fp32  # noqa: E402
+
+LENGTHS = [37, 5, 64, 19, 80, 33, 1, 50]
+
+
+def build(lora: bool):
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense")))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    if lora:
+        from peft import get_peft_model
+
+        from qwen35_packed.integrations.lora import lora_config
+
+        config = lora_config(model, r=4, lora_dropout=0.0, targets=("gdn", "attention", "mlp"))
+        model = get_peft_model(model, config)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.05)
+    return model
+
+
+def documents():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g) for n in LENGTHS]
+
+
+def row(docs):
+    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.cat(docs)[None], cu
+
+
+def watch_dtypes(model):
+    seen = {}
+    gdn = next(m for _, m in gated_deltanet_modules(model))
+    gdn.register_forward_pre_hook(lambda m, a: seen.setdefault("A_log", str(m.A_log.dtype)) and None)
+    gdn.register_forward_pre_hook(lambda m, a: seen.setdefault("dt_bias", str(m.dt_bias.dtype)) and None)
+    proj = gdn.in_proj_qkv
+    proj.register_forward_pre_hook(
+        lambda m, a: seen.setdefault("in_proj_qkv", str(getattr(m, "base_layer", m).weight.dtype)) and None)
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--single", action="store_true")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--plain", action="store_true", help="FSDP2 without shard_gdn_decay_fp32")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    docs = documents()
+    n_tokens = sum(len(d) - 1 for d in docs)
+    probe = docs[2][None]
+    model = build(args.lora)
+    if args.single:
+        model = model.to(torch.bfloat16)
+        seen = watch_dtypes(model)
+        ids, cu = row(docs)
+        loss = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=n_tokens).loss
+        loss.backward()
+        grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+        report = {"loss": loss.item(), "grad_norm": torch.stack([g.norm() for g in grads]).norm().item(),
+                  "forward_dtypes": seen}
+        with torch.no_grad():
+            report["probe_logits"] = model.eval()(probe).logits.float().flatten().tolist()
+        args.out.write_text(json.dumps(report))
+        return
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = 0 if args.plain else shard_gdn_decay_fp32(model, policy, mesh=mesh)
+    for layer in (m for m in model.modules() if type(m).__name__ == "Qwen3_5PackedDecoderLayer"):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    seen = watch_dtypes(model)
+    ids, cu = row(docs[rank::world])
+    loss = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=n_tokens / world).loss
+    loss.backward()
+    norm_sq = sum(p.grad.full_tensor().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with torch.no_grad():
+        probe_logits = model.eval()(probe).logits.float()
+    if rank == 0:
+        fresh = build(args.lora)
+        fresh.load_state_dict(state, strict=True)
+        fresh = fresh.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            fresh_logits = fresh(probe).logits.float()
+        gdn = next(m for _, m in gated_deltanet_modules(fresh))
+        report = {"loss": (total / world).item(), "grad_norm": norm_sq.sqrt().item(), "forward_dtypes": seen,
+                  "gdn_decay_units": units, "state_dict_dtypes": sorted({str(v.dtype) for v in state.values()}),
+                  "state_dict_A_log_dtype": str(next(v for k, v in state.items() if k.endswith("A_log")).dtype),
+                  "fresh_A_log_dtype_after_bf16_cast": str(gdn.A_log.dtype),
+                  "fresh_vs_sharded_max_abs_logit_diff": (fresh_logits - probe_logits).abs().max().item(),
+                  "probe_logits": probe_logits.flatten().tolist()}
+        args.out.write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
