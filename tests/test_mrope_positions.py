@@ -99,7 +99,7 @@ def test_errors(case, message):
         images = [[1, 4, 3]]
     elif case == "type_ids_disagree":
         types_ = token_types(ids)
-        types_[2] = 0
+        types_[2] = 2  # an image token typed video (typed 0 it would be a text token: see modality_of_tokens)
         kwargs["mm_token_type_ids"] = types_
     with pytest.raises(ValueError, match=message):
         _positions(ids, cu, images, [], **kwargs)

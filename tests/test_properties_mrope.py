@@ -106,7 +106,8 @@ def test_corrupted_placements_raise(docs, corruption, data):
         cu = torch.sort(torch.cat([cu, torch.tensor([cut])])).values
     else:
         types = token_types(stream)
-        types[data.draw(st.sampled_from(vision))] = 0
+        token = data.draw(st.sampled_from(vision))
+        types[token] = 3 - types[token]  # image typed video or video typed image (typed 0 it is a text token)
         kwargs["mm_token_type_ids"] = types
     with pytest.raises(ValueError, match=CORRUPTIONS[corruption]):
         positions(stream, cu, grids["image"], grids["video"], **kwargs)

@@ -328,7 +328,7 @@ def test_bad_input(case, message):
     elif case == "embeds_with_images":
         kwargs.update(input_ids=None, inputs_embeds=torch.zeros(1, ids.shape[1], 64))
     elif case == "type_ids":
-        kwargs.update(mm_token_type_ids=torch.zeros_like(ids))
+        kwargs.update(mm_token_type_ids=token_types(ids) * 2)  # image tokens typed video (typed 0: text tokens)
     elif case == "use_cache":
         kwargs.update(use_cache=True)
     with torch.no_grad(), pytest.raises(ValueError, match=message):

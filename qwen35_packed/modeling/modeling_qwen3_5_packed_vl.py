@@ -39,7 +39,7 @@ from .modeling_qwen3_5_packed import (
     _wants_router_logits,
     router_logits_in_caller_layout,
 )
-from .mrope_positions import packed_mrope_positions
+from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
 from .vision import Qwen3_5PackedVisionModel
@@ -198,11 +198,13 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                     raise ValueError(f"mm_token_type_ids must have the shape of input_ids {shape}, got "
                                      f"{tuple(mm.shape)}")
                 types = packed.pack(mm.unsqueeze(-1)).squeeze(-1)
+            # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
+            kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
             # Also the check that image/video token runs match the grids one to one, in order.
             positions = packed_mrope_positions(
                 ids, packed.cu_seqlens, image_grid_thw, video_grid_thw,
                 image_token_id=self.config.image_token_id, video_token_id=self.config.video_token_id,
-                spatial_merge_size=self.visual.spatial_merge_size, mm_token_type_ids=types,
+                spatial_merge_size=self.visual.spatial_merge_size, mm_token_type_ids=kind,
             )
             embeds = self.language_model.embed_tokens(ids)
         else:
@@ -211,12 +213,12 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         if given_3d:
             positions = packed.position_ids
 
-        for pixels, grid, token_id in ((pixel_values, image_grid_thw, self.config.image_token_id),
-                                       (pixel_values_videos, video_grid_thw, self.config.video_token_id)):
+        for pixels, grid, modality in ((pixel_values, image_grid_thw, IMAGE),
+                                       (pixel_values_videos, video_grid_thw, VIDEO)):
             if pixels is None:
                 continue
             features = self.encode_vision(pixels, torch.as_tensor(grid, device=pixels.device))
-            slots = torch.nonzero(ids == token_id).flatten()
+            slots = torch.nonzero(kind == modality).flatten()
             if slots.numel() != features.shape[0]:  # guaranteed by the checks above; a last line of defence
                 raise ValueError(f"{slots.numel()} placeholder tokens but {features.shape[0]} vision features")
             embeds = embeds.index_copy(0, slots, features.to(device=embeds.device, dtype=embeds.dtype))

@@ -42,8 +42,10 @@ def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int) -
 
 def modality_of_tokens(input_ids: torch.Tensor, image_token_id: int, video_token_id: int,
                        mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """long [...] with 0 (text), 1 (image), 2 (video) per token, from the placeholder ids. A given
-    `mm_token_type_ids` (what the processor returns) must agree with the ids."""
+    """long [...] with 0 (text), 1 (image), 2 (video) per token. Without `mm_token_type_ids` the placeholder ids
+    decide. A given `mm_token_type_ids` (what the processor returns) decides which placeholder ids are vision tokens:
+    a placeholder id typed 0 is a text token (a sampled completion may hold one, and vLLM embeds and positions the
+    tokens it generates as text); a token typed image or video must hold that modality's placeholder id."""
     kind = torch.zeros_like(input_ids, dtype=torch.long)
     kind[input_ids == image_token_id] = IMAGE
     kind[input_ids == video_token_id] = VIDEO
@@ -53,13 +55,15 @@ def modality_of_tokens(input_ids: torch.Tensor, image_token_id: int, video_token
             raise ValueError(
                 f"mm_token_type_ids has shape {tuple(given.shape)} but input_ids has {tuple(input_ids.shape)}"
             )
-        if not torch.equal(given, kind):
-            bad = int(torch.nonzero((given != kind).reshape(-1))[0])
+        contradiction = (given != kind) & (given != TEXT)
+        if bool(contradiction.any()):
+            bad = int(torch.nonzero(contradiction.reshape(-1))[0])
             raise ValueError(
                 f"mm_token_type_ids contradict input_ids at flat token {bad}: type {int(given.reshape(-1)[bad])} "
                 f"but the token id says {int(kind.reshape(-1)[bad])} (image token id {image_token_id}, video token "
                 f"id {video_token_id})"
             )
+        return given
     return kind
 
 
@@ -93,7 +97,7 @@ def packed_mrope_positions(
 
     input_ids long [N]; cu_seqlens [n_docs + 1] (document boundaries on the stream); image_grid_thw [n_images, 3]
     and video_grid_thw [n_videos, 3] in patches, in the order the images / videos appear in the stream (the
-    processor's order); mm_token_type_ids [N] optional, checked against input_ids.
+    processor's order); mm_token_type_ids [N] optional, see `modality_of_tokens`.
     """
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be the packed stream [N], got shape {tuple(input_ids.shape)}")
