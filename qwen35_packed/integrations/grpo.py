@@ -15,7 +15,20 @@ explicitly; when on, it is logged once with its coefficient and computed over th
 own computation expects router logits in the padded layout, ours cover real tokens only).
 
 With vLLM in colocate mode on CPU, the weight sync goes through vLLM's in-place reload (`vllm_sync`): TRL's
-per-tensor `load_weights` cannot work on vLLM's CPU backend.
+per-tensor `load_weights` cannot work on vLLM's CPU backend. Elsewhere TRL's own sync runs, followed by a reset of
+vLLM's encoder cache too (TRL resets only the prefix cache; the cached image embeddings are the old weights').
+
+Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5MoePackedForConditionalGeneration`):
+- In colocate mode TRL sends vLLM the processor's token ids, whose image placeholders are already expanded (one
+  `<|image_pad|>` per image token), with the images; vLLM (0.32) expands every placeholder of a token prompt again,
+  which misplaces the images. The trainer sends vLLM each image's run of placeholder tokens collapsed to one (vLLM
+  expands it back), keeps the expanded ids on the trainer side, and raises if vLLM's expansion differs from them.
+  TRL sends no videos to vLLM, so video placeholders are left as they are.
+- A completion may sample a vision placeholder (`<|image_pad|>`, `<|video_pad|>`). vLLM embeds and positions every
+  token it generates as text. The trainer does the same: the log-prob forward gets `mm_token_type_ids` derived
+  from the prompt only (zeros on the completion; TRL's own for batches with images, built here for text-only
+  batches), and the model treats a placeholder id typed text as a text token. Sampling is not restricted: masking
+  tokens in vLLM would change its returned log-probs against the trainer's.
 
 The stock `trl grpo` CLI uses TRL's GRPOTrainer unchanged: it works with our model folders (see the README), but on
 a device without Triton its LM head projects padding, and for MoE models pass `--router_aux_loss_coef 0` (or use
@@ -113,15 +126,60 @@ def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: 
     model.forward = types.MethodType(_unpadded_forward, model)
 
 
+# The base classes of this project's text and vision-language models (built-in classes have neither).
+_PACKED_BASES = ("Qwen3_5PackedPreTrainedModel", "Qwen3_5PackedVLPreTrainedModel")
+
+
 def _check_packed_model(model) -> None:
     from accelerate.utils import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
-    names = [cls.__name__ for cls in type(base).__mro__]
-    if "Qwen3_5PackedPreTrainedModel" not in names:
+    names = {cls.__name__ for cls in type(base).__mro__}
+    if not names.intersection(_PACKED_BASES):
         raise ValueError(f"PackedGRPOTrainer needs a packed Qwen3.5 model, got {type(base).__name__} "
                          f"({type(base).__module__}); load the folder with trust_remote_code=True "
                          "(GRPOConfig(trust_remote_code=True) when passing a path)")
+
+
+def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
+    """`ids` with every run of `token_id` reduced to one token: an image's expanded placeholder tokens back to the
+    single placeholder vLLM expands itself."""
+    return [t for i, t in enumerate(ids) if t != token_id or i == 0 or ids[i - 1] != token_id]
+
+
+def prompt_token_types(input_ids: torch.Tensor, completion_length: int, image_token_id: int,
+                       video_token_id: int) -> torch.Tensor:
+    """`mm_token_type_ids` for GRPO's `cat([prompt_ids, completion_ids])`: 1 / 2 at the prompt's image / video
+    placeholder ids, 0 everywhere else (a placeholder id in the last `completion_length` tokens is generated
+    text)."""
+    prompt = input_ids[:, :input_ids.shape[1] - completion_length]
+    types = torch.zeros_like(input_ids)
+    types[:, :prompt.shape[1]] = (prompt == image_token_id).long() + 2 * (prompt == video_token_id).long()
+    return types
+
+
+def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
+    """Make a TRL `VLLMGeneration` in colocate mode send the prompts that carry images with each run of image
+    placeholder tokens collapsed to one: vLLM expands the placeholders of token prompts itself (see the module doc).
+    The prompt ids vLLM reports back (its expansion) must equal the trainer's, else RuntimeError."""
+    trl_generate = vllm_generation.generate
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        if images is None:
+            return trl_generate(prompts, images, num_generations, profiler)
+        sent = [collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
+                for ids, row_images in zip(prompts, images, strict=True)]
+        prompt_ids, *rest = trl_generate(sent, images, num_generations, profiler)
+        for i, (ours, expanded) in enumerate(zip(prompts, prompt_ids, strict=True)):
+            if list(ours) != list(expanded):
+                raise RuntimeError(
+                    f"vLLM expanded the image placeholders of prompt {i} into other token ids than the trainer's "
+                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced")
+        return (prompt_ids, *rest)
+
+    if vllm_generation.mode != "colocate":
+        raise ValueError("send_unexpanded_images applies to colocate mode only")
+    vllm_generation.generate = types.MethodType(generate, vllm_generation)
 
 
 def _chunk_size() -> int:
@@ -157,12 +215,25 @@ def _make_trainer_class():
             add_unpadded_lm_head(policy, self.temperature, self.args.cast_lm_head_to_fp32, _POLICY_OUTPUTS)
             if self.ref_model is not None:
                 add_unpadded_lm_head(self.ref_model, self.temperature, self.args.cast_lm_head_to_fp32, _REF_OUTPUTS)
+            config = self.model.config
+            self.vision_token_ids = ((config.image_token_id, config.video_token_id)
+                                     if hasattr(config, "vision_config") else None)
             generation = getattr(self, "vllm_generation", None)
             if generation is not None and generation.mode == "colocate":
-                from .vllm_sync import use_reload_sync, vllm_runs_on_cpu
+                from .vllm_sync import configure_colocate_sync
 
-                if vllm_runs_on_cpu():  # TRL's per-tensor load_weights cannot work there (see vllm_sync)
-                    use_reload_sync(generation)
+                configure_colocate_sync(generation)
+                if self.vision_token_ids is not None:
+                    send_unexpanded_images(generation, config.image_token_id)
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                               mm_token_type_ids=None, **kwargs):
+            # Token types from the prompt only, also for text-only batches (TRL gives none there): a vision
+            # placeholder sampled in a completion is text, as vLLM generated it.
+            if mm_token_type_ids is None and self.vision_token_ids is not None:
+                mm_token_type_ids = prompt_token_types(input_ids, logits_to_keep, *self.vision_token_ids)
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, mm_token_type_ids=mm_token_type_ids, **kwargs)
 
     return PackedGRPOTrainer
 

@@ -79,6 +79,29 @@ def vllm_runs_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def configure_colocate_sync(vllm_generation) -> None:
+    """The weight sync of a TRL `VLLMGeneration` in colocate mode: on vLLM-CPU `use_reload_sync` (TRL's per-tensor
+    `load_weights` cannot work there), elsewhere TRL's own sync followed by `reset_engine_caches`."""
+    if vllm_runs_on_cpu():
+        use_reload_sync(vllm_generation)
+    else:
+        reset_caches_after_sync(vllm_generation)
+
+
+def reset_caches_after_sync(vllm_generation) -> None:
+    """Make a TRL `VLLMGeneration` in colocate mode run `reset_engine_caches` after its own sync: TRL resets only
+    the prefix cache, and vLLM would go on serving image embeddings the old weights computed."""
+    trl_sync = vllm_generation.sync_weights
+
+    def sync_weights(self):
+        trl_sync()
+        reset_engine_caches(self.llm)
+
+    if vllm_generation.mode != "colocate":
+        raise ValueError("reset_caches_after_sync applies to colocate mode only")
+    vllm_generation.sync_weights = types.MethodType(sync_weights, vllm_generation)
+
+
 def use_reload_sync(vllm_generation) -> None:
     """Make a TRL `VLLMGeneration` in colocate mode sync through `push_weights`: TRL's own name iteration
     (`_iter_named_params`: PEFT merge, prefix stripping, unmerge) into one in-place reload."""
