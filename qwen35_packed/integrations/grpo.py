@@ -196,6 +196,8 @@ def _make_trainer_class():
 
         Same constructor as GRPOTrainer. `args.router_aux_loss_coef`: None (default) turns the MoE load-balancing
         loss off whatever the config declares; a number > 0 turns it on with that coefficient (logged once).
+        Vision-language models: image placeholder runs collapsed in what colocate vLLM gets, token types from the
+        prompt only (see the module doc).
         """
 
         def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
