@@ -11,8 +11,8 @@ results are the ones of TRL's padded path, without the work on padding.
 
 It also decides the MoE load-balancing loss: TRL turns it on whenever the config declares a nonzero
 `router_aux_loss_coef` (official Qwen3.5 MoE: 0.001). Here it is off unless `GRPOConfig.router_aux_loss_coef` is set
-explicitly; when on, it is logged once with its coefficient and computed over the real tokens of the batch (TRL's
-own computation expects router logits in the padded layout, ours cover real tokens only).
+explicitly; when on, it is logged once with its coefficient and computed over the real tokens of the batch (the
+router logits come in the caller's padded layout; only the attention mask's real rows count).
 
 With vLLM in colocate mode on CPU, the weight sync goes through vLLM's in-place reload (`vllm_sync`): TRL's
 per-tensor `load_weights` cannot work on vLLM's CPU backend. Elsewhere TRL's own sync runs, followed by a reset of
@@ -31,8 +31,8 @@ Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5Mo
   tokens in vLLM would change its returned log-probs against the trainer's.
 
 The stock `trl grpo` CLI uses TRL's GRPOTrainer unchanged: it works with our model folders (see the README), but on
-a device without Triton its LM head projects padding, and for MoE models pass `--router_aux_loss_coef 0` (or use
-`examples/grpo.py`, which uses this trainer).
+a device without Triton its LM head projects padding, and for MoE models it adds the config's load-balancing loss
+unless `--router_aux_loss_coef 0` is passed (or use `examples/grpo.py`, which uses this trainer).
 """
 
 from __future__ import annotations
