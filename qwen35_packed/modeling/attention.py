@@ -13,6 +13,7 @@ from torch import nn
 
 from .kernels import KernelChoice, sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
+from .recompute import remember
 from .rope import apply_rotary
 
 
@@ -52,7 +53,7 @@ class GatedAttention(nn.Module):
             out = self._attend_with_cache(q, k, v, packed, cache)
         out = out.reshape(n, -1)
         if gate is not None:
-            out = sigmoid_gate(out, gate, choice)
+            out = remember(sigmoid_gate(out, gate, choice), sigmoid_gate, out, gate, choice)
         return self.o_proj(out)
 
     def _attend_with_cache(self, q, k, v, packed, cache):

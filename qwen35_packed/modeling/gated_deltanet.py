@@ -92,5 +92,4 @@ class GatedDeltaNet(nn.Module):
             )
             cache.recurrent_states[self.layer_idx] = final_state
 
-        core = self.norm(core, z.reshape(n, self.num_v_heads, self.head_v_dim), choice)
-        return self.out_proj(core.reshape(n, self.value_dim))
+        return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, choice))

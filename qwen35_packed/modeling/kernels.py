@@ -5,7 +5,7 @@ cu_seqlens, FLA's fused gated RMSNorm; attention through flash-attn varlen when 
 `varlen_attn`, else SDPA per document. CPU (or `gdn_kernel="torch"`): pure-PyTorch paths below, exact for packed
 input (per-document chunked delta rule, boundary-masked conv).
 
-Elementwise chains (zero-centred RMSNorm, residual add + RMSNorm, SwiGLU, sigmoid output gate) run through
+Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run through
 `torch.compile` on CUDA: one fused kernel each way instead of a chain of fp32 temporaries, and autograd saves only
 the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
 run eagerly; the two compute the same formula.
@@ -125,11 +125,6 @@ def _zero_centred_rms_norm(x, weight, eps: float):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def _add_zero_centred_rms_norm(residual, update, weight, eps: float):
-    hidden = residual + update
-    return hidden, _zero_centred_rms_norm(hidden, weight, eps)
-
-
 def _swiglu(gate, up):
     return F.silu(gate) * up
 
@@ -157,11 +152,6 @@ def zero_centred_rms_norm(x, weight, eps: float, choice: KernelChoice | None = N
     graph serves the hidden-size norms and the per-head q/k norms."""
     shape = x.shape
     return _elementwise(_zero_centred_rms_norm, choice)(x.reshape(-1, shape[-1]), weight, eps).reshape(shape)
-
-
-def add_zero_centred_rms_norm(residual, update, weight, eps: float, choice: KernelChoice | None = None):
-    """(residual + update, zero_centred_rms_norm(residual + update)) as one kernel; [N, H] inputs."""
-    return _elementwise(_add_zero_centred_rms_norm, choice)(residual, update, weight, eps)
 
 
 def swiglu(gate, up, choice: KernelChoice | None = None):

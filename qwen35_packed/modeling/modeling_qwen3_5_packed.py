@@ -12,6 +12,7 @@ remote class named like a built-in one would silently be replaced by the built-i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -33,6 +34,7 @@ from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .numerics import enable_numerics_check
+from .recompute import RecomputedActivations
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
 from .rope import MRotaryEmbedding
@@ -100,8 +102,10 @@ class Qwen3_5PackedDecoderLayer(nn.Module):
             mixed = self.linear_attn(normed, packed, choice, cache)
         else:
             mixed = self.self_attn(normed, packed, cos, sin, choice, cache)
-        residual, normed = self.post_attention_layernorm.add_and_norm(hidden_states, mixed, choice)
-        mlp_out = self.mlp(normed, choice)
+        # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
+        # backward recomputes the normed input of the MLP exactly (recompute.py).
+        residual = hidden_states + mixed
+        mlp_out = self.mlp(self.post_attention_layernorm(residual, choice), choice)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -221,16 +225,21 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden)
-            step = functools.partial(layer, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
-            if checkpointing:
-                hidden, logits = self._gradient_checkpointing_func(step, hidden)
-            else:
-                hidden, logits = step(hidden)
-            if router_logits is not None and logits is not None:
-                router_logits.append(logits)
+        # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
+        # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
+        recompute = RecomputedActivations() if torch.is_grad_enabled() and not checkpointing else (
+            contextlib.nullcontext())
+        with recompute:
+            for layer in self.layers:
+                if all_hidden is not None:
+                    all_hidden.append(hidden)
+                step = functools.partial(layer, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
+                if checkpointing:
+                    hidden, logits = self._gradient_checkpointing_func(step, hidden)
+                else:
+                    hidden, logits = step(hidden)
+                if router_logits is not None and logits is not None:
+                    router_logits.append(logits)
         hidden = self.norm(hidden, choice)
         if all_hidden is not None:
             all_hidden.append(hidden)

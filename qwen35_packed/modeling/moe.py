@@ -14,6 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kernels import KernelChoice, swiglu
+from .recompute import remember
 
 
 class SwiGLUMLP(nn.Module):
@@ -27,7 +28,10 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        hidden = swiglu(gate, up, choice) if self.is_swiglu else self.act_fn(gate) * up
+        if self.is_swiglu:  # down_proj keeps its input for the weight gradient: recomputed instead (recompute.py)
+            hidden = remember(swiglu(gate, up, choice), swiglu, gate, up, choice)
+        else:
+            hidden = self.act_fn(gate) * up
         return self.down_proj(hidden)
 
 

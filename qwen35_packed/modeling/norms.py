@@ -1,11 +1,13 @@
-"""Normalisation layers. Both compute in fp32 whatever the parameter dtype, as the reference does."""
+"""Normalisation layers. Both compute in fp32 whatever the parameter dtype, as the reference does. Their outputs
+feed linear layers, so the backward recomputes them from the inputs instead of keeping them (recompute.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, add_zero_centred_rms_norm, gated_rms_norm, zero_centred_rms_norm
+from .kernels import KernelChoice, gated_rms_norm, zero_centred_rms_norm
+from .recompute import remember
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -17,18 +19,16 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
-        return zero_centred_rms_norm(x, self.weight, self.eps, choice)
-
-    def add_and_norm(self, residual: torch.Tensor, update: torch.Tensor, choice: KernelChoice | None = None):
-        """(residual + update, self(residual + update)), fused into one kernel when `choice` compiles."""
-        return add_zero_centred_rms_norm(residual, update, self.weight, self.eps, choice)
+        return remember(zero_centred_rms_norm(x, self.weight, self.eps, choice), zero_centred_rms_norm, x,
+                        self.weight, self.eps, choice)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 class GatedRMSNorm(nn.Module):
-    """GDN output norm: weight * rmsnorm(x) * silu(gate), weight initialised to ones (not zero-centred)."""
+    """GDN output norm: weight * rmsnorm(x) * silu(gate) over every group of `dim` features (one per head), weight
+    initialised to ones (not zero-centred). x, gate [N, heads * dim]: the output is out_proj's input as it is."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -36,4 +36,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps, choice)
+        return remember(self._normed(x, gate, choice), self._normed, x, gate, choice)
+
+    def _normed(self, x: torch.Tensor, gate: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+        dim = self.weight.shape[0]
+        normed = gated_rms_norm(x.reshape(-1, dim), gate.reshape(-1, dim), self.weight, self.eps, choice)
+        return normed.reshape(x.shape)

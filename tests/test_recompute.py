@@ -1,0 +1,131 @@
+"""Recomputed activations (qwen35_packed/modeling/recompute.py): the backward reruns norm / SwiGLU / gate chains
+instead of keeping their outputs. Same gradients bit for bit, and those outputs no longer outlive the forward."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_kwargs
+
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, \
+    Qwen3_5PackedForCausalLM
+from qwen35_packed.modeling import modeling_qwen3_5_packed as modeling
+from qwen35_packed.modeling.recompute import RecomputedActivations, remember
+
+# Inputs of the linear layers whose input is a recomputable chain output, by module name suffix.
+CONSUMERS = ("linear_attn.in_proj_qkv", "linear_attn.out_proj", "self_attn.q_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.down_proj", "shared_expert.down_proj")
+
+
+def _model(kind: str, **overrides):
+    torch.manual_seed(0)
+    if kind == "moe":
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**{**tiny_kwargs("moe"), **overrides}))
+    else:
+        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**{**tiny_kwargs("dense"), **overrides}))
+    return model.train()
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 70, 1, 23]
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, cu
+
+
+def _step(model, recompute: bool, watch: list | None = None):
+    """One forward + backward; returns the gradients. `watch` collects weakrefs to the consumers' inputs, and
+    reports whether they were still alive between the forward and the backward."""
+    ids, cu = _batch(model.config.vocab_size)
+    handles = []
+    if watch is not None:
+        for name, module in model.named_modules():
+            if name.endswith(CONSUMERS):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args, name=name: watch.append((name, weakref.ref(args[0])))))
+    model.zero_grad(set_to_none=True)
+    with contextlib.ExitStack() as stack:
+        if not recompute:
+            stack.enter_context(_recompute_disabled())
+        loss = model(input_ids=ids, cu_seqlens=cu, labels=ids).loss
+    alive = [name for name, ref in watch or () if ref() is not None]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, alive
+
+
+@contextlib.contextmanager
+def _recompute_disabled():
+    original = modeling.RecomputedActivations
+    modeling.RecomputedActivations = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        modeling.RecomputedActivations = original
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_recompute_gives_bitwise_equal_gradients_and_frees_chain_outputs(kind):
+    model = _model(kind)
+    kept_watch, recomputed_watch = [], []
+    kept, kept_alive = _step(model, recompute=False, watch=kept_watch)
+    recomputed, recomputed_alive = _step(model, recompute=True, watch=recomputed_watch)
+    assert kept.keys() == recomputed.keys() and len(kept) > 20
+    for name in kept:
+        assert torch.equal(kept[name], recomputed[name]), name
+    # Without recomputation every watched input is alive until the backward (the control: this test can fail).
+    assert {n for n, _ in kept_watch} <= set(kept_alive) and len(kept_watch) >= 6
+    # With it, the chain outputs are gone after the forward. q_proj / in_proj_qkv / gate_proj read the input norm
+    # (or the post-attention norm), down_proj / out_proj / o_proj SwiGLU / the gated norm / the output gate.
+    assert recomputed_alive == [], recomputed_alive
+
+
+def test_recompute_compiled_chains_bitwise_equal_bf16():
+    # The compiled chains (CUDA's default, forced here through inductor's CPU backend) rerun the same compiled
+    # graph in the backward: bf16 gradients equal bit for bit.
+    model = _model("dense", num_hidden_layers=2, elementwise_kernel="compiled").to(torch.bfloat16)
+    kept, _ = _step(model, recompute=False)
+    recomputed, alive = _step(model, recompute=True, watch=[])
+    for name in kept:
+        assert torch.equal(kept[name], recomputed[name]), name
+
+
+def test_inputs_modified_after_the_forward_raise():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    with RecomputedActivations():
+        h = x * 2.0
+        y = remember(F.silu(h), F.silu, h)
+        out = F.linear(y, w).sum()
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()
+
+
+def test_output_modified_before_it_is_saved_is_kept_not_recomputed():
+    # An output changed in place after `remember` no longer equals fn(inputs): it must be kept as it is.
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    with RecomputedActivations():
+        y = remember(F.silu(x * 1.0), lambda a: F.silu(a * 1.0), x)
+        y.mul_(3.0)
+        out = F.linear(y, w).sum()
+    out.backward()
+    torch.testing.assert_close(w.grad, (F.silu(x.detach()) * 3.0).sum(0).expand(3, 8), rtol=0, atol=0)
+
+
+def test_no_recipes_outside_a_training_forward():
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad(), RecomputedActivations() as registry:
+        remember(F.silu(x), F.silu, x)
+        assert not registry._recipes
+    y = F.silu(x)
+    assert remember(y, F.silu, x) is y  # no registry active: a no-op
