@@ -1,5 +1,6 @@
 """The pure-PyTorch kernels against naive per-token references, with varlen cases."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -152,7 +153,115 @@ def test_elementwise_choice_follows_device_and_config():
     assert kernels.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise == "eager"
     forced = Qwen3_5PackedConfig(elementwise_kernel="compiled")
     assert kernels.select_kernels(forced, torch.device("cpu"), torch.float32).elementwise == "compiled"
-    import pytest
-
     with pytest.raises(ValueError, match="elementwise_kernel"):
         Qwen3_5PackedConfig(elementwise_kernel="fused")
+
+
+# ------------------------------------------------------------------------------------------------ GDN short conv
+
+
+def _conv_inputs(lengths, channels, kernel, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), channels, generator=gen).to(dtype)
+    weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype)
+    return x, weight
+
+
+def _conv_with_grads(choice, lengths, x, weight, cotangent):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), choice)
+    out.float().mul(cotangent).sum().backward()
+    return out, x.grad, weight.grad
+
+
+def test_compiled_conv_equals_eager_conv_and_per_document():
+    # conv_kernel="compiled" (torch.compile of the boundary-masked formula; inductor's C++ backend here) against the
+    # eager formula, on streams with 1-token documents and documents shorter than the kernel: outputs and the
+    # gradients of x and weight; then every document run alone through the compiled conv equals its packed slice.
+    eager, compiled = kernels.KernelChoice("torch", "sdpa"), kernels.KernelChoice("torch", "sdpa", conv="compiled")
+    kernel, channels = 4, 6
+    lengths = [1, 2, 3, 1, 9, 4, 1, 5]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, weight = _conv_inputs(lengths, channels, kernel, dtype, seed=3)
+        cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+        expected = _conv_with_grads(eager, lengths, x, weight, cotangent)
+        got = _conv_with_grads(compiled, lengths, x, weight, cotangent)
+        for name, a, b in zip(("out", "grad x", "grad weight"), expected, got):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol, msg=f"{dtype} {name}")
+
+    x, weight = _conv_inputs(lengths, channels, kernel, torch.float32, seed=5)
+    packed_out = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), compiled)
+    start = 0
+    for length in lengths:
+        alone = kernels.causal_conv1d_varlen(x[start:start + length], weight, _packed([length]), compiled)
+        torch.testing.assert_close(packed_out[start:start + length], alone, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(alone, naive_conv(x[start:start + length], weight)[0], atol=1e-5, rtol=1e-5)
+        start += length
+
+
+def test_conv_choice_follows_gdn_and_config():
+    from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
+
+    cpu = torch.device("cpu")
+    assert kernels.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).conv == "torch"
+    for forced in ("compiled", "torch"):
+        assert kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel=forced), cpu, torch.float32).conv == forced
+    if not kernels.FLA_AVAILABLE:
+        with pytest.raises(RuntimeError, match="conv_kernel='fla'"):
+            kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel="fla"), cpu, torch.float32)
+    with pytest.raises(ValueError, match="conv_kernel"):
+        Qwen3_5PackedConfig(conv_kernel="cuda")
+
+
+# ------------------------------------------------------------------------------------------------ FLA dispatch
+
+
+def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
+    # FLA memoises its varlen index helpers by tensor identity and reads the boundaries back from the device unless
+    # it gets a CPU copy: every layer's conv and delta-rule call must receive the same int64 device tensor and the
+    # same CPU tensor, both equal to the stream's cu_seqlens. The fakes record what FLA would receive and compute the
+    # reference result, so the calls run as in a model.
+    from qwen35_packed.modeling.packing import build_packed_sequence
+
+    calls = []
+
+    def fake_conv(x, weight, activation, cu_seqlens, cu_seqlens_cpu):
+        calls.append(("conv", cu_seqlens, cu_seqlens_cpu))
+        position = torch.cat([torch.arange(int(e - s)) for s, e in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:])])
+        return kernels.torch_causal_conv1d_varlen(x[0], weight, position).unsqueeze(0), None
+
+    def fake_gdn(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                 cu_seqlens_cpu):
+        calls.append(("gdn", cu_seqlens, cu_seqlens_cpu))
+        o, final = kernels.torch_gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu_seqlens_cpu,
+                                                         initial_state, output_final_state)
+        return o.unsqueeze(0), final
+
+    monkeypatch.setattr(kernels, "_fla_causal_conv1d", fake_conv, raising=False)
+    monkeypatch.setattr(kernels, "_fla_chunk_gated_delta_rule", fake_gdn, raising=False)
+    choice = kernels.KernelChoice(gdn="fla", attention="sdpa", conv="fla")
+
+    gen = torch.Generator().manual_seed(6)
+    lengths = [3, 1, 70, 2]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = build_packed_sequence((1, sum(lengths)), torch.device("cpu"), position_ids=positions)
+    n, heads, d, kernel = sum(lengths), 2, 8, 4
+    weight = torch.randn(3 * heads * d, kernel, generator=gen, requires_grad=True)
+    hidden = torch.randn(n, 3 * heads * d, generator=gen, requires_grad=True)
+    mixed = hidden
+    for _ in range(3):  # three GDN layers on one stream
+        conv = kernels.causal_conv1d_varlen(mixed, weight, packed, choice)
+        q, k, v = conv.view(n, 3 * heads, d).split(heads, dim=1)
+        g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
+        o, _ = kernels.gated_delta_rule_varlen(q, k, v, g, beta, packed, choice)
+        mixed = mixed + o.repeat(1, 3, 1).reshape(n, -1)
+    mixed.sum().backward()
+
+    assert [c[0] for c in calls] == ["conv", "gdn"] * 3
+    device_cu, host_cu = calls[0][1], calls[0][2]
+    assert all(c[1] is device_cu and c[2] is host_cu for c in calls)
+    assert device_cu.dtype == torch.int64 and device_cu.device == packed.cu_seqlens.device
+    assert host_cu.dtype == torch.int64 and host_cu.device.type == "cpu"
+    assert device_cu.tolist() == host_cu.tolist() == packed.cu_seqlens.tolist() == [0, 3, 4, 74, 76]
+    assert hidden.grad is not None and weight.grad is not None

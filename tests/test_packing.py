@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import packed_model, random_doc_lengths
-from qwen35_packed.modeling.packing import build_packed_sequence
+from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence
 
 N_DOCS = 22
 
@@ -163,3 +163,41 @@ def test_model_rejects_cache_with_packed_documents():
     ids, cu, _, _ = _packed_row(_docs(seed=5, n_docs=3))
     with pytest.raises(ValueError, match="one document per row"):
         model(ids, cu_seqlens=cu, use_cache=True)
+
+
+# ------------------------------------------------------------------------------------------------ boundaries for kernels
+
+
+@pytest.mark.parametrize("form", ["cu_seqlens", "cu_seqlens list", "cu_seq_lens", "position_ids", "attention_mask"])
+def test_stream_boundaries_are_built_once_and_shared(form):
+    # Every form leaves the int64 CPU copy of the boundaries with the stream (the builder has them on the host, so
+    # kernels never copy them back from the device), and the int64 device tensor FLA receives is one object.
+    cu = torch.tensor([0, 3, 4, 9, 10])
+    kwargs = {
+        "cu_seqlens": {"cu_seqlens": cu},
+        "cu_seqlens list": {"cu_seqlens": cu.tolist()},
+        "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone()},
+        "position_ids": {"position_ids": torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 0]])},
+        "attention_mask": {"attention_mask": torch.tensor([[1] * 3 + [0] * 7, [1] * 1 + [0] * 9, [1] * 5 + [0] * 5,
+                                                           [0] * 9 + [1]])},
+    }[form]
+    shape = (4, 10) if form == "attention_mask" else (1, 10)
+    packed = build_packed_sequence(shape, torch.device("cpu"), **kwargs)
+    assert packed.host_cu_seqlens is not None
+    host = packed.cu_seqlens_cpu()
+    assert host is packed.cu_seqlens_cpu() and host.dtype == torch.int64 and host.device.type == "cpu"
+    wide = packed.cu_seqlens_int64()
+    assert wide is packed.cu_seqlens_int64() and wide.dtype == torch.int64
+    assert host.tolist() == wide.tolist() == packed.cu_seqlens.tolist() == cu.tolist()
+    assert packed.num_tokens == 10 and packed.max_seqlen == 5
+    if form == "cu_seqlens":
+        cu[1] = 2  # the caller's tensor is not the stream's
+        assert packed.cu_seqlens_cpu().tolist() == [0, 3, 4, 9, 10]
+
+
+def test_stream_without_host_boundaries_copies_them_once():
+    packed = PackedSequence(torch.tensor([0, 2, 7], dtype=torch.int32), 5, None, None, (1, 7))
+    host = packed.cu_seqlens_cpu()
+    assert host is packed.cu_seqlens_cpu() and host.tolist() == [0, 2, 7] and host.dtype == torch.int64
+    assert packed.position_in_doc().tolist() == [0, 1, 0, 1, 2, 3, 4]
+    assert packed.doc_index().tolist() == [0, 0, 1, 1, 1, 1, 1]

@@ -184,6 +184,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
         elementwise_kernel: str = "auto",
+        conv_kernel: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -210,6 +211,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
         self.elementwise_kernel = elementwise_kernel
+        self.conv_kernel = conv_kernel
 
         if layer_types is None:
             interval = 4 if full_attention_interval is None else int(full_attention_interval)
@@ -273,6 +275,10 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         if self.elementwise_kernel not in ("auto", "compiled", "eager"):
             raise ValueError(
                 f"elementwise_kernel must be 'auto', 'compiled' or 'eager', got {self.elementwise_kernel!r}"
+            )
+        if self.conv_kernel not in ("auto", "fla", "compiled", "torch"):
+            raise ValueError(
+                f"conv_kernel must be 'auto', 'fla', 'compiled' or 'torch', got {self.conv_kernel!r}"
             )
         if self.gdn_kernel not in ("auto", "fla", "torch"):
             raise ValueError(f"gdn_kernel must be 'auto', 'fla' or 'torch', got {self.gdn_kernel!r}")

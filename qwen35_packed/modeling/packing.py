@@ -30,12 +30,29 @@ class PackedSequence:
     position_ids: torch.Tensor  # long [num_tokens] (or [3, num_tokens] for multimodal rope)
     token_index: torch.Tensor | None  # long [num_tokens]: flat index into batch * seq_len, None if nothing dropped
     batch_shape: tuple[int, int]  # (batch, seq_len) of the caller's layout
+    # int64 CPU copy of cu_seqlens when the builder already holds the boundaries on the host; else made on first use.
+    host_cu_seqlens: torch.Tensor | None = field(default=None, repr=False, compare=False)
     # Per-token indices derived from cu_seqlens (which never changes), computed once and shared by all layers.
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """cu_seqlens as int64 on the CPU, one object per stream. Kernels that need the boundaries on the host
+        (FLA's varlen index helpers, per-document loops) read them here instead of copying from the device in
+        every layer: at most one device-to-host copy per stream, none when the builder had them on the host."""
+        if self.host_cu_seqlens is None:
+            self.host_cu_seqlens = self.cu_seqlens.to("cpu", torch.int64)
+        return self.host_cu_seqlens
+
+    def cu_seqlens_int64(self) -> torch.Tensor:
+        """cu_seqlens as int64 on the device (FLA's index type), one object per stream: FLA memoises its varlen
+        indices by tensor identity, so every layer's forward and backward must receive this same object."""
+        if "cu_seqlens_int64" not in self._derived:
+            self._derived["cu_seqlens_int64"] = self.cu_seqlens.long()
+        return self._derived["cu_seqlens_int64"]
+
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return int(self.cu_seqlens_cpu()[-1])
 
     @property
     def num_docs(self) -> int:
@@ -47,7 +64,9 @@ class PackedSequence:
     def position_in_doc(self) -> torch.Tensor:
         """Offset of every token from the start of its document (long [num_tokens])."""
         if "position_in_doc" not in self._derived:
-            starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long())
+            # output_size from the host copy: repeat_interleave would otherwise read the total back from the device.
+            starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long(),
+                                             output_size=self.num_tokens)
             self._derived["position_in_doc"] = torch.arange(self.num_tokens, device=self.cu_seqlens.device) - starts
         return self._derived["position_in_doc"]
 
@@ -55,7 +74,8 @@ class PackedSequence:
         """Index of the document every token belongs to (long [num_tokens])."""
         if "doc_index" not in self._derived:
             self._derived["doc_index"] = torch.repeat_interleave(
-                torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long()
+                torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long(),
+                output_size=self.num_tokens,
             )
         return self._derived["doc_index"]
 
@@ -84,20 +104,26 @@ def input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
     return shape
 
 
-def _as_cu_seqlens(value, name: str, device) -> torch.Tensor:
-    cu = torch.as_tensor(value, device=device)
-    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {cu.dtype}")
-    if cu.ndim != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1D with at least 2 entries, got shape {tuple(cu.shape)}")
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
-    steps = cu[1:] - cu[:-1]
+def _as_cu_seqlens(value, name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 on `device`, int64 on the CPU) boundaries from the caller's value, validated on the host copy: one
+    device-to-host copy when the caller's tensor is on the device, none for CPU tensors and lists."""
+    given = torch.as_tensor(value)
+    if given.dtype.is_floating_point or given.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {given.dtype}")
+    if given.ndim != 1 or given.numel() < 2:
+        raise ValueError(f"{name} must be 1D with at least 2 entries, got shape {tuple(given.shape)}")
+    host = given.to("cpu", torch.int64, copy=True)  # never the caller's own tensor
+    if int(host[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+    steps = host[1:] - host[:-1]
     if bool((steps < 0).any()):
-        raise ValueError(f"{name} must be increasing, got {cu.tolist()}")
+        raise ValueError(f"{name} must be increasing, got {host.tolist()}")
     if bool((steps == 0).any()):
-        raise ValueError(f"{name} contains an empty document (two equal entries): {cu.tolist()}")
-    return cu.to(torch.int32)
+        raise ValueError(f"{name} contains an empty document (two equal entries): {host.tolist()}")
+    if given.device.type == "cpu":
+        # non_blocking: from pageable memory the copy is staged at once and never waits for the device's queue.
+        return host.to(torch.int32).to(device, non_blocking=True), host
+    return given.to(device=device, dtype=torch.int32), host
 
 
 def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -123,8 +149,7 @@ def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> tor
     return valid
 
 
-def _check_positions_match(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, source: str) -> None:
-    expected = PackedSequence(cu_seqlens, 0, position_ids, None, (1, 0)).position_in_doc()
+def _check_positions_match(position_ids: torch.Tensor, expected: torch.Tensor, source: str) -> None:
     if not torch.equal(position_ids.to(expected.dtype), expected):
         first_bad = int(torch.nonzero(position_ids.to(expected.dtype) != expected)[0])
         raise ValueError(
@@ -168,34 +193,34 @@ def build_packed_sequence(
         q = _as_cu_seqlens(cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k, "cu_seq_lens_q", device)
         if cu_seq_lens_k is not None and cu_seq_lens_q is not None:
             k = _as_cu_seqlens(cu_seq_lens_k, "cu_seq_lens_k", device)
-            if not torch.equal(q, k):
+            if not torch.equal(q[1], k[1]):
                 raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; causal self-attention needs them equal")
         explicit = (q, "cu_seq_lens_q/k")
     if cu_seqlens is not None:
         d = _as_cu_seqlens(cu_seqlens, "cu_seqlens", device)
-        if explicit is not None and not torch.equal(d, explicit[0]):
+        if explicit is not None and not torch.equal(d[1], explicit[0][1]):
             raise ValueError("cu_seqlens and cu_seq_lens_q/k are both given and differ")
         explicit = (d, "cu_seqlens")
 
     if explicit is not None:
-        cu, source = explicit
+        (cu, host), source = explicit
         if batch != 1:
             raise ValueError(
                 f"{source} describes one packed row, but the batch has {batch} rows; concatenate the documents "
                 "into a single row of shape [1, total_tokens]"
             )
-        if int(cu[-1]) != seq_len:
-            raise ValueError(f"{source} must end at the token count {seq_len}, got {int(cu[-1])}")
+        if int(host[-1]) != seq_len:
+            raise ValueError(f"{source} must end at the token count {seq_len}, got {int(host[-1])}")
         if attention_mask is not None and not bool(_padding_mask(attention_mask, batch, seq_len).all()):
             raise ValueError(f"attention_mask with padding cannot be combined with {source}; drop the pad tokens")
-        max_seqlen = int((cu[1:] - cu[:-1]).max())
+        max_seqlen = int((host[1:] - host[:-1]).max())
         for name, given in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
             if given is not None and int(given) != max_seqlen:
                 raise ValueError(f"{name}={int(given)} but the longest document in {source} has {max_seqlen} tokens")
-        packed = PackedSequence(cu, max_seqlen, None, None, (batch, seq_len))
+        packed = PackedSequence(cu, max_seqlen, None, None, (batch, seq_len), host)
         derived = packed.position_in_doc()
         if position_ids is not None:
-            _check_positions_match(position_ids[0], cu, source)
+            _check_positions_match(position_ids[0], derived, source)
         packed.position_ids = derived if mrope_positions is None else mrope_positions[:, 0]
         return packed
 
@@ -221,9 +246,12 @@ def build_packed_sequence(
     flat_starts = starts.reshape(-1)
     if token_index is not None:
         flat_starts = flat_starts.index_select(0, token_index)
-    start_index = torch.nonzero(flat_starts).flatten()
-    cu = torch.cat([start_index, start_index.new_tensor([num_tokens])]).to(torch.int32)
-    packed = PackedSequence(cu, int((cu[1:] - cu[:-1]).max()), None, token_index, (batch, seq_len))
+    # Boundaries found on the host (the one device-to-host copy of the starts), then sent to the device: the host
+    # copy stays with the stream for the kernels that need it (PackedSequence.cu_seqlens_cpu).
+    start_index = torch.nonzero(flat_starts.cpu()).flatten()
+    host = torch.cat([start_index, start_index.new_tensor([num_tokens])])
+    cu = host.to(torch.int32).to(device, non_blocking=True)
+    packed = PackedSequence(cu, int((host[1:] - host[:-1]).max()), None, token_index, (batch, seq_len), host)
     derived = packed.position_in_doc()
     if position_ids is not None:
         given = packed.pack(position_ids.unsqueeze(-1)).squeeze(-1)
