@@ -112,8 +112,12 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     conv = getattr(config, "conv_kernel", "auto")
     if conv == "auto":
-        # The alternative on CUDA is the compiled formula: "compiled" if (on_cuda and TRITON_AVAILABLE) else "torch".
-        conv = "fla" if gdn == "fla" else "torch"
+        # Measured on an H200 ([26,354 x 8192] bf16, 16 documents, forward + backward): FLA 2.7 ms, the compiled
+        # formula 11.6 ms, eager 24.1 ms. FLA wherever it runs, else the compiled formula on CUDA.
+        if gdn == "fla":
+            conv = "fla"
+        else:
+            conv = "compiled" if (on_cuda and TRITON_AVAILABLE and elementwise == "compiled") else "torch"
     elif conv == "fla" and not (on_cuda and FLA_AVAILABLE):
         raise RuntimeError(
             "conv_kernel='fla' was forced but flash-linear-attention "
