@@ -1,10 +1,69 @@
-"""Chunked linear cross-entropy equals plain cross-entropy on full logits (value and gradients)."""
+"""Chunked linear cross-entropy: equal to plain cross-entropy on full logits and to the previous per-chunk
+formulation (F.cross_entropy + softmax gradient), compiled equal to eager, kept logits in the caller's layout, and
+`return_logits_with_loss=False` changing nothing but the returned logits."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen35_packed.modeling.loss import chunked_linear_cross_entropy
+from conftest import packed_model, tiny_kwargs
+from qwen35_packed.modeling import kernels, loss as loss_module
+from qwen35_packed.modeling.kernels import KernelChoice
+from qwen35_packed.modeling.loss import chunk_cross_entropy, chunked_linear_cross_entropy
+
+COMPILED = KernelChoice(gdn="torch", attention="sdpa", elementwise="compiled")
+
+
+def _previous_chunk_math(logits, targets):
+    """The formulation the chunk math replaced: F.cross_entropy's log_softmax for the loss, a second softmax for
+    the gradient, onehot subtracted on target rows, ignored rows zeroed, cast to the logits' dtype."""
+    logits32 = logits.float()
+    total = F.cross_entropy(logits32, targets, ignore_index=-100, reduction="sum")
+    grad = logits32.softmax(dim=-1)
+    valid = targets != -100
+    rows = torch.nonzero(valid).flatten()
+    grad[rows, targets[rows]] -= 1.0
+    grad[~valid] = 0.0
+    return total, grad.to(logits.dtype)
+
+
+def _previous_chunked_loss(hidden, weight, targets, chunk_tokens):
+    """(loss, d loss/d hidden, d loss/d weight) of the previous chunked loop, token-weighted."""
+    grad_hidden = torch.zeros_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32)
+    total = torch.zeros(())
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h = hidden[start:start + chunk_tokens]
+        chunk_total, grad_logits = _previous_chunk_math(h @ weight.t(), targets[start:start + chunk_tokens])
+        total += chunk_total
+        grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+        grad_weight += (grad_logits.t() @ h).float()
+    denominator = (targets != -100).sum().clamp(min=1).float()
+    scale = 1.0 / denominator  # as the backward scales them (d loss = 1)
+    return total / denominator, grad_hidden * scale.to(hidden.dtype), (grad_weight * scale).to(weight.dtype)
+
+
+def _inputs(dtype, n=50, hidden_size=16, vocab=40, seed=0):
+    """Random hidden / weight / targets with scattered ignored targets and an all-ignored block of rows 16:24
+    (one whole chunk at chunk_tokens=8)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, hidden_size, generator=gen) * 2).to(dtype)
+    weight = torch.randn(vocab, hidden_size, generator=gen).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[::7] = -100
+    targets[16:24] = -100
+    return hidden, weight, targets
+
+
+def _run(hidden, weight, targets, **kwargs):
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, logits = chunked_linear_cross_entropy(hidden, weight, targets, **kwargs)
+    loss.backward()
+    return loss.detach(), logits, hidden.grad, weight.grad
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
 @pytest.mark.parametrize("num_items", [None, 7])
@@ -34,3 +93,194 @@ def test_no_gradient_work_without_grad():
     with torch.no_grad():
         loss, _ = chunked_linear_cross_entropy(hidden, weight, torch.randint(0, 6, (10,)))
     assert not loss.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_math_equals_previous_formulation(dtype):
+    """One chunk: one log_softmax vs log_softmax + softmax. The per-row losses are the same log_softmax but are
+    summed in another order (nll_loss vs where + sum), and exp(log_softmax) rounds differently from softmax's
+    exp(x - max) / sum, so: loss and gradient to fp32 rounding (bf16: at most one bf16 step apart after the cast)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(13, 40, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 40, (13,), generator=gen)
+    targets[[0, 5, 6]] = -100
+    total, grad = chunk_cross_entropy(logits, targets, True)
+    ref_total, ref_grad = _previous_chunk_math(logits, targets)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    assert abs(total.item() - ref_total.item()) <= 1e-6 * abs(ref_total.item())
+    assert torch.equal(grad[targets == -100], torch.zeros_like(grad[targets == -100]))
+    step = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert ((grad.float() - ref_grad.float()).abs() <= step * ref_grad.float().abs() + 1e-7).all()
+    loss_only, no_grad = chunk_cross_entropy(logits, targets, False)
+    assert no_grad is None and torch.equal(loss_only, total)  # the same ops up to the loss
+
+
+def test_all_ignored_chunk_and_batch_give_zero():
+    logits = torch.randn(5, 9)
+    targets = torch.full((5,), -100)
+    total, grad = chunk_cross_entropy(logits, targets, True)
+    assert total.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    loss, _, grad_hidden, grad_weight = _run(torch.randn(5, 4), torch.randn(9, 4), targets, chunk_tokens=2)
+    assert loss.item() == 0.0 and not grad_hidden.any() and not grad_weight.any()
+
+
+def test_bad_target_raises():
+    """A target that is neither in [0, V) nor ignore_index fails like F.cross_entropy, it is never clamped."""
+    for chunk_math in (chunk_cross_entropy, kernels._elementwise(chunk_cross_entropy, COMPILED)):
+        for bad in (-1, 9):
+            targets = torch.tensor([1, bad, -100])
+            with pytest.raises((RuntimeError, IndexError)):
+                chunk_math(torch.randn(3, 9), targets, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [8, 7, 64])
+def test_chunked_loss_equals_previous_formulation(dtype, chunk_tokens):
+    """The whole loop against the previous one: chunk sizes dividing N or not (50 = 7 x 7 + 1) or exceeding it, an
+    all-ignored chunk. The logits matmuls are the same; the chunk math rounds differently in fp32 (see above), so
+    fp32 agrees to ~1e-6 and bf16 to the bf16 rounding of the logits' gradient that the matmuls then sum."""
+    hidden, weight, targets = _inputs(dtype)
+    loss, logits, grad_hidden, grad_weight = _run(hidden, weight, targets, chunk_tokens=chunk_tokens)
+    ref_loss, ref_grad_hidden, ref_grad_weight = _previous_chunked_loss(hidden, weight, targets, chunk_tokens)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: one rounding step of the logits' gradient
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
+    assert _rel(grad_hidden, ref_grad_hidden) <= tol and _rel(grad_weight, ref_grad_weight) <= tol
+    assert grad_hidden.dtype == dtype and grad_weight.dtype == dtype
+    # Rows whose target is ignored get no gradient at all.
+    assert not grad_hidden[targets == -100].any()
+    # The kept logits are the same per-chunk matmuls, bit for bit.
+    expected = torch.cat([h @ weight.t() for h in hidden.split(chunk_tokens)])
+    assert torch.equal(logits, expected) and logits.dtype == dtype
+
+
+def test_logits_written_into_the_callers_layout():
+    """With logits_index the kept logits land in their rows of a zero-filled [rows, V] tensor: the same values as
+    the [N, V] logits scattered there, and no other result changes."""
+    hidden, weight, targets = _inputs(torch.float32, n=20)
+    rows = torch.tensor([1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22])
+    plain = _run(hidden, weight, targets, chunk_tokens=6)
+    placed = _run(hidden, weight, targets, chunk_tokens=6, logits_index=rows, logits_rows=24)
+    expected = torch.zeros(24, weight.shape[0]).index_copy(0, rows, plain[1])
+    assert torch.equal(placed[1], expected)
+    assert all(torch.equal(a, b) for a, b in zip(plain[::2] + plain[3:], placed[::2] + placed[3:]))
+    with pytest.raises(ValueError, match="logits_rows"):
+        chunked_linear_cross_entropy(hidden, weight, targets, logits_index=rows)
+
+
+def test_keep_logits_false_changes_nothing_else():
+    hidden, weight, targets = _inputs(torch.bfloat16)
+    kept = _run(hidden, weight, targets, chunk_tokens=8)
+    dropped = _run(hidden, weight, targets, chunk_tokens=8, keep_logits=False)
+    assert dropped[1] is None
+    # Same matmuls (into the kept buffer or not) and the same chunk math: identical.
+    assert torch.equal(kept[0], dropped[0]) and torch.equal(kept[2], dropped[2]) and torch.equal(kept[3], dropped[3])
+
+
+def test_autocast_keeps_logits_in_the_autocast_dtype():
+    """Under autocast the projection is a bf16 matmul of fp32 inputs (an out= matmul would bypass autocast): the
+    kept logits are those bf16 logits and the loss equals the fp32 cross-entropy of them."""
+    hidden, weight, targets = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, logits, grad_hidden, grad_weight = _run(hidden, weight, targets, chunk_tokens=8)
+        expected_logits = torch.cat([h @ weight.t() for h in hidden.split(8)])
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, expected_logits)
+    reference = F.cross_entropy(expected_logits.float(), targets, ignore_index=-100)
+    assert abs(loss.item() - reference.item()) <= 1e-6 * reference.item()
+    assert grad_hidden.dtype == torch.float32 and grad_weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunk_math_equals_eager(dtype):
+    """The chunk math through torch.compile (inductor's C++ backend on CPU) against eager. The kept logits come from
+    the same matmul outside the compiled graph (bit-identical); the fused reductions sum in another order, so loss
+    and gradients agree to fp32 rounding (bf16: to the rounding of the logits' gradient)."""
+    hidden, weight, targets = _inputs(dtype)
+    eager = _run(hidden, weight, targets, chunk_tokens=7)
+    compiled = _run(hidden, weight, targets, chunk_tokens=7, choice=COMPILED)
+    assert torch.equal(compiled[1], eager[1])
+    assert abs(compiled[0].item() - eager[0].item()) <= 1e-6 * eager[0].item()
+    tol = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: one rounding step of the logits' gradient
+    assert _rel(compiled[2], eager[2]) <= tol and _rel(compiled[3], eager[3]) <= tol
+    assert not compiled[2][targets == -100].any()
+
+
+def test_models_kernel_choice_reaches_the_loss(monkeypatch):
+    """elementwise_kernel="compiled" on the config sends the chunk math through the compile helper (the choice the
+    forward uses); "eager" does not."""
+    seen = []
+
+    def spy(fn, choice):
+        seen.append((fn, choice.elementwise))
+        return kernels._elementwise(fn, choice)
+
+    monkeypatch.setattr(loss_module, "_elementwise", spy)
+    model = packed_model("dense")
+    ids = torch.randint(0, 128, (1, 12))
+    for mode in ("compiled", "eager"):
+        model.config.elementwise_kernel = mode
+        seen.clear()
+        with torch.no_grad():
+            model(ids, labels=ids)
+        assert seen == [(chunk_cross_entropy, mode)]
+
+
+def _model_loss_and_grads(model, **inputs):
+    model.zero_grad()
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_return_logits_with_loss_false(layout):
+    """logits=None, and the loss and every gradient identical (torch.equal: the same computation, only the logits
+    are not kept) to return_logits_with_loss=True; the kept logits equal the model's logits without labels."""
+    model = packed_model("dense").train()
+    gen = torch.Generator().manual_seed(3)
+    if layout == "packed":
+        ids = torch.randint(0, 128, (1, 30), generator=gen)
+        inputs = dict(input_ids=ids, labels=ids, cu_seqlens=torch.tensor([0, 11, 12, 30], dtype=torch.int32))
+    else:
+        ids = torch.randint(0, 128, (3, 12), generator=gen)
+        mask = torch.ones(3, 12, dtype=torch.long)
+        mask[0, :4] = 0  # left padding
+        mask[2, 9:] = 0  # right padding
+        inputs = dict(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
+    assert model.config.return_logits_with_loss is True
+    kept, kept_grads = _model_loss_and_grads(model, **inputs)
+    model.config.return_logits_with_loss = False
+    dropped, dropped_grads = _model_loss_and_grads(model, **inputs)
+    assert dropped.logits is None and kept.logits is not None
+    assert torch.equal(kept.loss, dropped.loss)
+    assert kept_grads.keys() == dropped_grads.keys() and all(torch.equal(kept_grads[n], dropped_grads[n])
+                                                             for n in kept_grads)
+    with torch.no_grad():
+        no_labels = {k: v for k, v in inputs.items() if k != "labels"}
+        plain = model(**no_labels, use_cache=False).logits
+    assert kept.logits.shape == plain.shape and torch.allclose(kept.logits, plain, atol=1e-5)
+    if layout == "padded":
+        assert not kept.logits[inputs["attention_mask"] == 0].any()  # pad positions are zeros
+
+
+def test_return_logits_with_loss_is_validated_and_saved(tmp_path):
+    from qwen35_packed import Qwen3_5PackedConfig
+
+    config = Qwen3_5PackedConfig(**tiny_kwargs("dense"), return_logits_with_loss=False)
+    config.save_pretrained(tmp_path)
+    assert Qwen3_5PackedConfig.from_pretrained(tmp_path).return_logits_with_loss is False
+    with pytest.raises(ValueError, match="return_logits_with_loss"):
+        Qwen3_5PackedConfig(return_logits_with_loss="no")
+
+
+def test_vision_language_model_shares_the_loss_path():
+    """The composite classes use the same lm_head_outputs: return_logits_with_loss on the text config drops the
+    logits there too, with the identical loss."""
+    from vl_tiny import packed_vl_model
+
+    model = packed_vl_model("dense")
+    ids = torch.randint(0, 100, (1, 16))
+    kept = model(input_ids=ids, labels=ids)
+    model.config.text_config.return_logits_with_loss = False
+    dropped = model(input_ids=ids, labels=ids)
+    assert kept.logits.shape == (1, 16, model.config.text_config.vocab_size) and dropped.logits is None
+    assert torch.equal(kept.loss, dropped.loss)

@@ -144,6 +144,11 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     Reads every field of the official `text_config`. Fields the built-in classes ignore are honoured here:
     `attn_output_gate` (False gives a q_proj without the gate half), `mlp_only_layers` (MoE only: dense MLP
     layers), `mrope_interleaved`.
+
+    `return_logits_with_loss` (default True, transformers' contract): with `labels`, also return the logits
+    (detached, [batch, seq, vocab] in the compute dtype; TRL's SFTTrainer reads them for its accuracy and entropy
+    metrics). False returns `logits=None` and never materialises them (the loss and gradients are the same), which
+    saves [tokens x vocab] of memory and its writes.
     """
 
     model_type = "qwen3_5_text"
@@ -184,6 +189,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
         elementwise_kernel: str = "auto",
+        return_logits_with_loss: bool = True,
         conv_kernel: str = "auto",
         **kwargs,
     ):
@@ -211,6 +217,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
         self.elementwise_kernel = elementwise_kernel
+        self.return_logits_with_loss = return_logits_with_loss
         self.conv_kernel = conv_kernel
 
         if layer_types is None:
@@ -276,6 +283,8 @@ class Qwen3_5PackedConfig(PretrainedConfig):
             raise ValueError(
                 f"elementwise_kernel must be 'auto', 'compiled' or 'eager', got {self.elementwise_kernel!r}"
             )
+        if not isinstance(self.return_logits_with_loss, bool):
+            raise ValueError(f"return_logits_with_loss must be True or False, got {self.return_logits_with_loss!r}")
         if self.conv_kernel not in ("auto", "fla", "compiled", "torch"):
             raise ValueError(
                 f"conv_kernel must be 'auto', 'fla', 'compiled' or 'torch', got {self.conv_kernel!r}"

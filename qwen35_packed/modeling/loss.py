@@ -2,56 +2,106 @@
 
 `chunked_linear_cross_entropy` projects hidden states to the vocabulary chunk by chunk, takes the fp32
 cross-entropy of each chunk and, in the same pass, the chunk's gradients with respect to the hidden states and
-the lm_head weight (the loss is a scalar, so its backward only rescales them). Peak memory is one chunk of fp32
-logits instead of several full copies. Gradients are exact up to the order of floating-point sums.
+the lm_head weight (the loss is a scalar, so its backward only rescales them). Gradients are exact up to the order
+of floating-point sums.
+
+Per chunk, `chunk_cross_entropy` computes the fp32 log-softmax (logit - logsumexp) once and derives both the loss
+(-log_softmax[target]) and the logits' gradient (its exp minus onehot(target)) from it. Ignored targets are masked
+with gather / where, never selected with `nonzero`, so the loop runs without a device-to-host sync. When the kernel
+choice compiles elementwise chains (`KernelChoice.elementwise == "compiled"`, the CUDA default) it goes through the
+same `torch.compile` helper as the other chains: the fp32 temporaries then live in registers, not in
+[chunk x vocab] buffers. The returned logits (hidden dtype, detached) are written chunk by chunk into one
+preallocated tensor, optionally straight into the caller's padded layout, so they are never copied again.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .kernels import KernelChoice, _elementwise
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
 
 
+def chunk_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, with_grad: bool):
+    """fp32 cross-entropy of one chunk -> (sum over the rows whose target is not IGNORE_INDEX, d(sum)/d(logits)
+    in the logits' dtype with zero rows for ignored targets, or None without `with_grad`).
+
+    logits [n, V]; targets long [n]. A target outside [0, V) other than IGNORE_INDEX fails in `gather` (eager and
+    compiled alike), as `F.cross_entropy` would; ignored rows read column 0 and are masked out.
+    """
+    valid = targets != IGNORE_INDEX
+    safe_targets = targets.masked_fill(~valid, 0).unsqueeze(1)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # logit - logsumexp, one fused pass
+    target_log_prob = log_probs.gather(1, safe_targets).squeeze(1)
+    loss = torch.where(valid, -target_log_prob, 0.0).sum()
+    if not with_grad:
+        return loss, None
+    # softmax - onehot(target): the softmax in place of the log-probabilities, then the n target entries
+    # (softmax - 1, in fp32 like the rest) written over it, so no [n, V] onehot is ever formed. The target entries
+    # come from the gathered log-probability, not from the softmax, so that compiled the softmax is never stored in
+    # fp32. (index_put_, not scatter_: CPU's scatter_ round-trips a bf16 tensor through fp32.)
+    at_target = torch.where(valid, torch.exp(target_log_prob) - 1.0, 0.0).to(logits.dtype)
+    grad = log_probs.exp_().masked_fill_(~valid.unsqueeze(1), 0.0).to(logits.dtype)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return loss, grad.index_put_((rows, safe_targets.squeeze(1)), at_target)
+
+
+def _logits_dtype(hidden: torch.Tensor) -> torch.dtype:
+    # What `hidden @ weight.T` returns: autocast's dtype when it is on (mm is autocast-eligible on CPU and CUDA).
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _project_chunk(h, weight, kept, logits_index, start: int, end: int):
+    """h @ weight.T for tokens start:end, recorded in `kept` when logits are kept: computed straight into its rows
+    when they are contiguous there (an `out=` matmul ignores autocast, so not under autocast), else copied."""
+    if kept is not None and logits_index is None and not torch.is_autocast_enabled(h.device.type):
+        return torch.mm(h, weight.t(), out=kept[start:end])
+    logits = h @ weight.t()
+    if kept is not None:
+        if logits_index is None:
+            kept[start:end] = logits
+        else:
+            kept.index_copy_(0, logits_index[start:end], logits)
+    return logits
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, denominator, chunk_tokens, keep_logits, grad_hidden_wanted,
-                grad_weight_wanted):
+    def forward(ctx, hidden, weight, targets, denominator, logits_index, logits_rows, chunk_tokens, chunk_loss,
+                keep_logits, grad_hidden_wanted, grad_weight_wanted):
         needs_grad = grad_hidden_wanted or grad_weight_wanted
-        grad_hidden = torch.zeros_like(hidden) if grad_hidden_wanted else None
+        num_tokens = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None  # every row is written below
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if (
             grad_weight_wanted) else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kept = [] if keep_logits else None
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            h = hidden[start:start + chunk_tokens]
-            t = targets[start:start + chunk_tokens]
-            logits = h @ weight.t()
-            if kept is not None:
-                kept.append(logits)
-            logits = logits.float()
-            total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+        kept = None
+        if keep_logits:
+            dtype = _logits_dtype(hidden)
+            if logits_index is None:
+                kept = hidden.new_empty((num_tokens, weight.shape[0]), dtype=dtype)
+            else:  # rows not in logits_index (the caller's pad positions) stay zero
+                kept = hidden.new_zeros((logits_rows, weight.shape[0]), dtype=dtype)
+        for start in range(0, num_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, num_tokens)
+            h = hidden[start:end]
+            logits = _project_chunk(h, weight, kept, logits_index, start, end)
+            loss, grad_logits = chunk_loss(logits, targets[start:end], needs_grad)
+            total += loss
             if needs_grad:
-                # d(sum CE)/d(logits) = softmax - onehot on target rows, 0 on ignored rows.
-                grad_logits = logits.softmax(dim=-1)
-                valid = t != IGNORE_INDEX
-                rows = torch.nonzero(valid).flatten()
-                grad_logits[rows, t[rows]] -= 1.0
-                grad_logits[~valid] = 0.0
                 grad_logits = grad_logits.to(hidden.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+                    grad_hidden[start:end] = grad_logits @ weight
                 if grad_weight is not None:
                     grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight, denominator)
         ctx.weight_dtype = weight.dtype
-        loss = total / denominator
-        logits_out = torch.cat(kept) if kept is not None else None
-        if logits_out is not None:
-            ctx.mark_non_differentiable(logits_out)
-        return loss, logits_out
+        if kept is not None:
+            ctx.mark_non_differentiable(kept)
+        return total / denominator, kept
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logits):
@@ -59,24 +109,32 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / denominator
         gh = (grad_hidden * scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
         gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=None,
-                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep_logits: bool = True):
+                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep_logits: bool = True,
+                                 logits_index: torch.Tensor | None = None, logits_rows: int | None = None,
+                                 choice: KernelChoice | None = None):
     """Token-weighted fp32 cross-entropy of `hidden @ weight.T` against `targets` (ignore_index -100).
 
     hidden [N, H]; weight [V, H]; targets long [N]. The sum is divided by `num_items_in_batch` when given (HF
-    Trainer's gradient accumulation), else by the number of targets. Returns (loss, logits [N, V] in the hidden
-    dtype, detached, or None when `keep_logits` is False).
+    Trainer's gradient accumulation), else by the number of targets. Returns (loss, logits in the hidden dtype,
+    detached, or None when `keep_logits` is False). The logits are [N, V]; with `logits_index` (long [N]) they are
+    [logits_rows, V] instead, token i in row logits_index[i] and zeros elsewhere (a caller's padded layout,
+    filled without a second copy). `choice` (see kernels.select_kernels) decides whether the per-chunk
+    cross-entropy runs compiled; None runs it eagerly.
     """
     targets = targets.to(hidden.device)
     if num_items_in_batch is not None:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     else:
         denominator = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+    if logits_index is not None and logits_rows is None:
+        raise ValueError("logits_index needs logits_rows, the number of rows of the returned logits")
     grad_on = torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, denominator, chunk_tokens, keep_logits,
+        hidden, weight, targets, denominator, logits_index, logits_rows, chunk_tokens,
+        _elementwise(chunk_cross_entropy, choice), keep_logits,
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
     )

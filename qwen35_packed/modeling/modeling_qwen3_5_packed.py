@@ -359,8 +359,8 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
             targets = shift_labels_within_documents(labels, packed)
-            loss, packed_logits = self.packed_loss(hidden, targets, num_items_in_batch)
-            logits = packed.unpack(packed_logits)
+            loss, logits = self.packed_loss(hidden, targets, packed, num_items_in_batch,
+                                            keep_logits=text_config.return_logits_with_loss)
         elif full_logits:
             logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
         else:
@@ -378,20 +378,29 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                 loss = loss + coef * aux_loss.to(loss.device)
         return loss, aux_loss, logits
 
-    def packed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None):
-        """Token-weighted fp32 cross-entropy on the packed stream; returns (loss, logits [N, V]).
+    def packed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, packed: PackedSequence,
+                    num_items_in_batch=None, keep_logits: bool = True):
+        """Token-weighted fp32 cross-entropy on the packed stream; returns (loss, logits in the caller's layout
+        [batch, seq, V], or None when `keep_logits` is False).
 
         With a plain nn.Linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
-        exist in full, and the returned logits are detached (they carry no gradient; the loss does). A wrapped head
-        (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
+        exist in full, the per-chunk cross-entropy runs compiled when the elementwise chains do, and the returned
+        logits are detached (they carry no gradient; the loss does) and written straight into the caller's layout.
+        A wrapped head (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
         """
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
-            return chunked_linear_cross_entropy(hidden, self.lm_head.weight, targets, num_items_in_batch)
+            choice = select_kernels(self.config.get_text_config(), hidden.device, hidden.dtype)
+            batch, seq_len = packed.batch_shape
+            loss, logits = chunked_linear_cross_entropy(
+                hidden, self.lm_head.weight, targets, num_items_in_batch, keep_logits=keep_logits,
+                logits_index=packed.token_index, logits_rows=batch * seq_len, choice=choice,
+            )
+            return loss, (logits.view(batch, seq_len, -1) if logits is not None else None)
         logits = self.lm_head(hidden)
         total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         denominator = num_items_in_batch if num_items_in_batch is not None else (
             (targets != IGNORE_INDEX).sum().clamp(min=1))
-        return total / denominator, logits
+        return total / denominator, (packed.unpack(logits) if keep_logits else None)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, cache=None, use_cache=True, **kwargs):
