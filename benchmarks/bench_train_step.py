@@ -9,7 +9,8 @@ loss) and writes JSON under benchmarks/results/ (or --out).
 
 MFU = 6 x non-embedding parameters x real tokens / step time / bf16 matmul rate measured in the same run.
 
-    python benchmarks/bench_train_step.py [--models hybrid_1p4b,qwen35_0p8b] [--out FILE] [--profile]
+    python benchmarks/bench_train_step.py [--models hybrid_1p4b,qwen35_0p8b] [--runs R,..] [--batches B,..]
+                                           [--out FILE] [--profile]
 """
 
 from __future__ import annotations
@@ -73,19 +74,30 @@ def time_step(model, fn, reps=3):
         loss = fn()
         loss.backward()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps, loss.item()
+    seconds = (time.perf_counter() - start) / reps
+    # Memory the forward leaves for the backward (activations, kept logits), outside the timed steps.
+    model.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated()
+    loss = fn()
+    kept = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return seconds, loss.item(), kept
 
 
-def _eager_elementwise(model, fn):
-    """fn() with the elementwise chains eager instead of torch.compile'd (what the compile buys)."""
-    model.config.elementwise_kernel = "eager"
+def _with_config(model, fn, **fields):
+    """fn() with config fields changed for the call: `elementwise_kernel="eager"` (what the compiled chains buy),
+    `return_logits_with_loss=False` (a trainer that reads only the loss: no [tokens x vocab] logits kept)."""
+    saved = {name: getattr(model.config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(model.config, name, value)
     try:
         return fn()
     finally:
-        model.config.elementwise_kernel = "auto"
+        for name, value in saved.items():
+            setattr(model.config, name, value)
 
 
-def run_model(name, kwargs, rate, results, profile, selected):
+def run_model(name, kwargs, rate, results, profile, selected, selected_batches, save):
     builtin_config = transformers.Qwen3_5TextConfig(**kwargs)
     torch.manual_seed(0)
     builtin = transformers.Qwen3_5ForCausalLM(builtin_config).to("cuda", torch.bfloat16).train()
@@ -98,6 +110,8 @@ def run_model(name, kwargs, rate, results, profile, selected):
     results[name] = {"params": n_all, "non_embedding_params": n_all - n_embed}
     vocab = kwargs["vocab_size"]
     for batch_name, lengths in batches().items():
+        if selected_batches and batch_name not in selected_batches:
+            continue
         longest, n_real = max(lengths), sum(lengths)
         g = torch.Generator().manual_seed(2)
         docs = [torch.randint(0, vocab, (n,), generator=g).cuda() for n in lengths]
@@ -110,17 +124,21 @@ def run_model(name, kwargs, rate, results, profile, selected):
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
         runs = {
+            "ours_packed": (ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss),
+            "ours_packed_no_logits": (ours, lambda: _with_config(
+                ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss,
+                return_logits_with_loss=False)),
+            "ours_packed_eager_elementwise": (ours, lambda: _with_config(
+                ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss,
+                elementwise_kernel="eager")),
+            "ours_padded_input": (ours, lambda: ours(input_ids=ids, attention_mask=mask, labels=labels,
+                                                     use_cache=False).loss),
             "builtin_padded": (builtin, lambda: builtin(input_ids=ids, attention_mask=mask, labels=labels,
                                                         use_cache=False).loss),
             "builtin_packed_leaky": (builtin, lambda: builtin(input_ids=flat, position_ids=positions,
                                                               cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                                                               max_length_q=longest, max_length_k=longest,
                                                               labels=flat, use_cache=False).loss),
-            "ours_packed": (ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss),
-            "ours_packed_eager_elementwise": (ours, lambda: _eager_elementwise(
-                ours, lambda: ours(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss)),
-            "ours_padded_input": (ours, lambda: ours(input_ids=ids, attention_mask=mask, labels=labels,
-                                                     use_cache=False).loss),
         }
         rows = {}
         for run_name, (model, fn) in runs.items():
@@ -129,17 +147,19 @@ def run_model(name, kwargs, rate, results, profile, selected):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
-                seconds, loss = time_step(model, fn)
+                seconds, loss, kept = time_step(model, fn)
                 rows[run_name] = {
                     "s_per_step": round(seconds, 4), "real_tok_per_s": round(n_real / seconds),
                     "mfu": round(6 * (n_all - n_embed) * n_real / seconds / rate, 3),
-                    "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": loss,
+                    "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                    "forward_kept_GiB": round(kept / 2**30, 1), "loss": loss,
                 }
             except torch.OutOfMemoryError:
                 rows[run_name] = {"error": "out of memory",
                                   "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
             model.zero_grad(set_to_none=True)
             print(name, batch_name, run_name, rows[run_name], flush=True)
+            save()  # after every run: a later failure or time limit keeps what was measured
         base = rows.get("builtin_padded", {})
         base_tps = base.get("real_tok_per_s") or rows.get("builtin_packed_leaky", {}).get("real_tok_per_s")
         for row in rows.values():
@@ -150,22 +170,25 @@ def run_model(name, kwargs, rate, results, profile, selected):
         results[name][batch_name] = {"real_tokens": n_real, "padded_tokens": len(lengths) * longest,
                                      "baseline": "builtin_padded" if "real_tok_per_s" in base else
                                      "builtin_packed_leaky", "runs": rows}
-        if profile and batch_name.startswith("rl"):
+        if profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                ours.zero_grad(set_to_none=True)
-                runs["ours_packed"][1]().backward()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            print(table)
-            results[name]["profile_top_cuda"] = table
+            for run_name, (model, fn) in runs.items():
+                if not run_name.startswith("ours") or (selected and run_name not in selected):
+                    continue
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model.zero_grad(set_to_none=True)
+                    fn().backward()
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+                print(name, batch_name, run_name, "\n" + table, flush=True)
+                results[name][batch_name].setdefault("profile_top_cuda", {})[run_name] = table
     del builtin, ours
     torch.cuda.empty_cache()
 
 
 def print_table(results):
-    print(f"\n{'model':<13}{'batch':<20}{'run':<22}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'GiB':>7}{'dloss':>10}")
+    print(f"\n{'model':<13}{'batch':<20}{'run':<31}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'GiB':>7}{'dloss':>10}")
     for model_name, per_model in results.items():
         if not isinstance(per_model, dict) or "params" not in per_model:
             continue
@@ -174,9 +197,9 @@ def print_table(results):
                 continue
             for run_name, row in entry["runs"].items():
                 if "error" in row:
-                    print(f"{model_name:<13}{batch_name:<20}{run_name:<22}{row['error']:>9} (peak {row['peak_GiB']} GiB)")
+                    print(f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['error']:>9} (peak {row['peak_GiB']} GiB)")
                     continue
-                print(f"{model_name:<13}{batch_name:<20}{run_name:<22}{row['real_tok_per_s']:>9}"
+                print(f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['real_tok_per_s']:>9}"
                       f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu']:>7}{row['peak_GiB']:>7}"
                       f"{row.get('loss_diff_to_builtin_padded', float('nan')):>10.2e}")
 
@@ -187,6 +210,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all)")
+    parser.add_argument("--batches", default="", help="comma-separated subset of batches (default: both)")
     args = parser.parse_args()
     from qwen35_packed.modeling import kernels
 
@@ -197,8 +221,9 @@ def main():
     out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
     for name in args.models.split(","):
         kwargs = MODELS[name]
-        run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))))
-        out.write_text(json.dumps(results, indent=1))  # after every model: a later failure keeps what was measured
+        run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))),
+                  set(filter(None, args.batches.split(","))), lambda: out.write_text(json.dumps(results, indent=1)))
+        out.write_text(json.dumps(results, indent=1))
     print_table(results)
     print(f"\nwrote {out}")
 

@@ -1,21 +1,31 @@
 """Render the README's performance table from the benchmark result files (benchmarks/results/*-train-step*.json).
 
-    python benchmarks/render_table.py            # prints the markdown table
+    python benchmarks/render_table.py            # the newest result file of every model, as a markdown table
+    python benchmarks/render_table.py --all      # every result file (the history)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def rows():
-    for path in sorted(RESULTS.glob("*-train-step*.json")):
+def rows(newest_only: bool = True):
+    paths = sorted(RESULTS.glob("*-train-step*.json"))  # names sort by date, then version
+    newest = {}
+    for path in paths:
+        for model, per_model in json.loads(path.read_text()).items():
+            if isinstance(per_model, dict) and "params" in per_model:
+                newest[model] = path
+    for path in paths:
         data = json.loads(path.read_text())
         for model, per_model in data.items():
             if not isinstance(per_model, dict) or "params" not in per_model:
+                continue
+            if newest_only and newest[model] != path:
                 continue
             for batch, entry in per_model.items():
                 if not isinstance(entry, dict) or "runs" not in entry:
@@ -24,13 +34,15 @@ def rows():
                     yield path.name, data, model, batch, entry, run, row
 
 
-def render() -> str:
+def render(newest_only: bool = True) -> str:
     lines = [
         "| model | batch (real / padded tokens) | run | real tokens/s | x built-in | MFU | peak GiB | result file |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, data, model, batch, entry, run, row in rows():
+    for name, data, model, batch, entry, run, row in rows(newest_only):
         size = f"{batch} ({entry['real_tokens']:,} / {entry['padded_tokens']:,})"
+        if "source" in row:  # a row this file copies from an earlier file (see its provenance)
+            name = f"{name} ({row['source']})"
         if "error" in row:
             lines.append(f"| {model} | {size} | {run} | {row['error']} | | | {row['peak_GiB']} | {name} |")
             continue
@@ -41,4 +53,4 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    print(render())
+    print(render(newest_only="--all" not in sys.argv[1:]))
