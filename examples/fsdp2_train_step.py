@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 from qwen35_packed.integrations.fsdp2 import gated_deltanet_modules
@@ -125,11 +126,16 @@ def run_fsdp2(args) -> dict:
     probe = docs[0][:512][None].to(accelerator.device)
     with torch.no_grad():
         sharded_logits = model(probe).logits.float()
-    state = accelerator.get_state_dict(model)
+    # torch's own full-state-dict gather (a collective: every rank calls it). accelerate 1.15's get_state_dict
+    # returned an empty dict for this FSDP2 config on two H200s; an empty dict must not pass for a saved model.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     report = {"mode": "fsdp2", "world": world, "lora": args.lora, "loss": global_loss.item(),
               "grad_norm": grad_norm.item(), "forward_dtypes": seen, "gdn_decay_units": n_decay_units,
               "peak_GiB_rank0": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
     if accelerator.is_main_process:
+        expected = len(accelerator.unwrap_model(model).state_dict())
+        if len(state) != expected:
+            raise RuntimeError(f"the gathered full state dict has {len(state)} tensors, the model {expected}")
         if args.lora:  # the PEFT model's full state dict (base + adapters) into a fresh PEFT model
             reloaded = build_model(args.config, torch.float32, True)
             reloaded.load_state_dict(state, strict=True)
