@@ -61,7 +61,7 @@ class GatedAttention(nn.Module):
         keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
         groups = self.num_heads // self.num_kv_heads
         outs = []
-        bounds = packed.cu_seqlens.tolist()
+        bounds = packed.cu_seqlens_cpu().tolist()
         for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             k_row = torch.cat([keys[row], k[start:end]]) if keys[row] is not None else k[start:end]
             v_row = torch.cat([values[row], v[start:end]]) if values[row] is not None else v[start:end]

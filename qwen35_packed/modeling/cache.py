@@ -35,9 +35,11 @@ class Qwen3_5PackedCache:
         """The packed view of a cached step: row b is document b, positions continue after its cached tokens."""
         if batch != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows but the input has {batch}")
-        cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
+        host_cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int64)
         positions = (self.seen_tokens.to(device).unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
-        return PackedSequence(cu, q_len, positions, None, (batch, q_len))
+        # The boundaries are built on the host, so no decode step copies them back from the device.
+        return PackedSequence(host_cu.to(device, torch.int32), q_len, positions, None, (batch, q_len),
+                              host_cu_seqlens=host_cu)
 
     def advance(self, packed: PackedSequence, columns: int) -> None:
         lengths = packed.doc_lengths().long()
