@@ -176,13 +176,18 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             for run_name, (model, fn) in runs.items():
                 if not run_name.startswith("ours") or (selected and run_name not in selected):
                     continue
-                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                # Kernels by CUDA time, and the operators that launched them with their input shapes (which
+                # reduction, copy or add a kernel belongs to).
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                     model.zero_grad(set_to_none=True)
                     fn().backward()
                     torch.cuda.synchronize()
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+                table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+                ops = prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60, max_shapes_column_width=80)
                 print(name, batch_name, run_name, "\n" + table, flush=True)
                 results[name][batch_name].setdefault("profile_top_cuda", {})[run_name] = table
+                results[name][batch_name].setdefault("profile_ops_by_shape", {})[run_name] = ops
     del builtin, ours
     torch.cuda.empty_cache()
 
