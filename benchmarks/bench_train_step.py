@@ -27,6 +27,8 @@ import transformers
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 
 ROOT = Path(__file__).resolve().parent
+# The official Qwen/Qwen3.5-0.8B config.json, byte for byte (tests/test_configuration.py checks it).
+QWEN35_0P8B_CONFIG = ROOT.parent / "examples" / "configs" / "Qwen3.5-0.8B.config.json"
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
         "mrope_interleaved": True}
 MODELS = {
@@ -34,12 +36,17 @@ MODELS = {
                         num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
                         rope_parameters=ROPE),
-    # The text_config of the official Qwen/Qwen3.5-0.8B (shared/reference/qwen3.5/Qwen3.5-0.8B/config.json).
-    "qwen35_0p8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
-                        full_attention_interval=4, tie_word_embeddings=True, rope_parameters=ROPE),
+    "qwen35_0p8b": None,  # the text_config of QWEN35_0P8B_CONFIG (vocab 248,320, tied embeddings)
 }
+
+
+def model_kwargs(name: str) -> dict:
+    if MODELS[name] is not None:
+        return MODELS[name]
+    composite = json.loads(QWEN35_0P8B_CONFIG.read_text())
+    text = {k: v for k, v in composite["text_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
+    text.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
+    return text
 
 
 def batches() -> dict[str, list[int]]:
@@ -225,7 +232,7 @@ def main():
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1)}
     out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
     for name in args.models.split(","):
-        kwargs = MODELS[name]
+        kwargs = model_kwargs(name)
         run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))),
                   set(filter(None, args.batches.split(","))), lambda: out.write_text(json.dumps(results, indent=1)))
         out.write_text(json.dumps(results, indent=1))

@@ -102,3 +102,11 @@ def test_invalid_config_raises(kwargs, message):
 def test_moe_aux_coefficient_must_be_a_number():
     with pytest.raises(ValueError, match="router_aux_loss_coef must be a number"):
         Qwen3_5MoePackedConfig(router_aux_loss_coef="0.001")
+
+
+@pytest.mark.skipif("Qwen3.5-0.8B" not in reference_configs(), reason="reference configs not available")
+def test_example_config_is_the_official_file():
+    # examples/fsdp2_train_step.py and benchmarks/bench_train_step.py read this copy (the reference set does not
+    # travel to the GPU machines); it must stay the official file byte for byte.
+    copy = Path(__file__).resolve().parents[1] / "examples" / "configs" / "Qwen3.5-0.8B.config.json"
+    assert copy.read_bytes() == (REFERENCE / "Qwen3.5-0.8B" / "config.json").read_bytes()
