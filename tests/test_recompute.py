@@ -129,3 +129,26 @@ def test_no_recipes_outside_a_training_forward():
         assert not registry._recipes
     y = F.silu(x)
     assert remember(y, F.silu, x) is y  # no registry active: a no-op
+
+
+def test_whole_model_torch_compile_trains_without_recompiling_per_call():
+    # torch.compile(model) traces the forward as a whole and plans its own saved tensors: the recompute hooks step
+    # aside there (they would guard on tensor identities and recompile on every call).
+    model = _model("dense", num_hidden_layers=2)
+    ids, cu = _batch(model.config.vocab_size)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, cu_seqlens=cu, labels=ids).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    guard_failures = torch._dynamo.utils.guard_failures  # code object -> reasons it was compiled again
+    guard_failures.clear()
+    compiled = torch.compile(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        compiled(input_ids=ids, cu_seqlens=cu, labels=ids).loss.backward()
+    recompiled = sorted({code.co_name for code in guard_failures})
+    torch._dynamo.reset()
+    for name, grad in reference.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6)
+    assert "remember" not in recompiled, recompiled

@@ -227,8 +227,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
         # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
-        recompute = RecomputedActivations() if torch.is_grad_enabled() and not checkpointing else (
-            contextlib.nullcontext())
+        recompute = RecomputedActivations() if (
+            torch.is_grad_enabled() and not checkpointing and not torch.compiler.is_compiling()
+        ) else contextlib.nullcontext()
         with recompute:
             for layer in self.layers:
                 if all_hidden is not None:

@@ -14,8 +14,8 @@ requires_grad flags of the forward, so a compiled chain runs the same compiled g
 of keeping the tensor (tests/test_recompute.py). A recipe whose inputs were modified in place after the forward
 raises, as autograd does for saved tensors. Everything else autograd saves passes through untouched.
 
-Off unless the forward is a training forward with autograd recording; gradient checkpointing installs its own
-hooks and takes precedence.
+Off unless autograd is recording; gradient checkpointing installs its own hooks and takes precedence; off inside
+a graph that torch.compile traces as a whole (`torch.compile(model)`), which plans its own saved tensors.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class RecomputedActivations:
 def remember(output: torch.Tensor, fn, *inputs) -> torch.Tensor:
     """Declare `output == fn(*inputs)` so the backward may recompute it instead of keeping it; returns `output`.
     A no-op outside a `RecomputedActivations` context or when autograd is not recording."""
+    if torch.compiler.is_compiling():
+        return output
     registry = getattr(_active, "registry", None)
     if registry is not None and torch.is_grad_enabled() and output.requires_grad:
         registry.remember(output, fn, inputs)
