@@ -99,6 +99,7 @@ def remember(output: torch.Tensor, fn, *inputs) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return output
     registry = getattr(_active, "registry", None)
-    if registry is not None and torch.is_grad_enabled() and output.requires_grad:
+    # Not only outputs that require grad: a frozen chain's output is still saved by a trainable reader (LoRA's A).
+    if registry is not None and torch.is_grad_enabled():
         registry.remember(output, fn, inputs)
     return output
