@@ -163,3 +163,37 @@ def test_whole_model_torch_compile_trains_without_recompiling_per_call():
     for name, grad in reference.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6)
     assert "remember" not in recompiled, recompiled
+
+
+def test_hooks_active_around_the_forward_keep_deciding_about_every_saved_tensor():
+    # A caller's own saved-tensors hooks (save_on_cpu, offloading, checkpointing of the whole call) see every saved
+    # tensor, chain outputs included, as without recomputation: the innermost hooks would replace them silently.
+    model = _model("dense")
+    ids, cu = _batch(model.config.vocab_size)
+    kept, _ = _step(model, recompute=False)
+
+    def run(recompute: bool):
+        calls = {"pack": 0, "unpack": 0}
+
+        def pack(t):
+            calls["pack"] += 1
+            return t.clone()
+
+        def unpack(t):
+            calls["unpack"] += 1
+            return t
+
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            if not recompute:
+                stack.enter_context(_recompute_disabled())
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss = model(input_ids=ids, cu_seqlens=cu, labels=ids).loss
+        loss.backward()
+        return calls, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with_recompute, grads = run(True)
+    without_recompute, _ = run(False)
+    assert with_recompute == without_recompute and with_recompute["pack"] > 50, (with_recompute, without_recompute)
+    for name, grad in kept.items():
+        assert torch.equal(grads[name], grad), name

@@ -34,7 +34,7 @@ from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .numerics import enable_numerics_check
-from .recompute import RecomputedActivations
+from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
 from .rope import MRotaryEmbedding
@@ -227,9 +227,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
         # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
-        recompute = RecomputedActivations() if (
-            torch.is_grad_enabled() and not checkpointing and not torch.compiler.is_compiling()
-        ) else contextlib.nullcontext()
+        recompute = RecomputedActivations() if recompute_enabled() and not checkpointing else contextlib.nullcontext()
         with recompute:
             for layer in self.layers:
                 if all_hidden is not None:

@@ -14,8 +14,11 @@ requires_grad flags of the forward, so a compiled chain runs the same compiled g
 of keeping the tensor (tests/test_recompute.py). A recipe whose inputs were modified in place after the forward
 raises, as autograd does for saved tensors. Everything else autograd saves passes through untouched.
 
-Off unless autograd is recording; gradient checkpointing installs its own hooks and takes precedence; off inside
-a graph that torch.compile traces as a whole (`torch.compile(model)`), which plans its own saved tensors.
+`recompute_enabled()` says when to install it: autograd recording, no saved-tensors hooks already active around the
+forward (a caller's `save_on_cpu()`, offloading or checkpointing of the whole call keep deciding about every saved
+tensor, as without this module: the innermost hooks would silently replace theirs), and not inside a graph that
+torch.compile traces as a whole (`torch.compile(model)`), which plans its own saved tensors. Gradient
+checkpointing of the decoder layers installs its own hooks inside and takes precedence.
 """
 
 from __future__ import annotations
@@ -91,6 +94,15 @@ class RecomputedActivations:
     @staticmethod
     def _unpack(saved):
         return saved.materialise() if isinstance(saved, _Recipe) else saved
+
+
+def recompute_enabled() -> bool:
+    """Whether a forward starting now should run inside `RecomputedActivations` (see the module docstring)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    # The query torch's own checkpointing uses; where a torch lacks it, no enclosing hooks are assumed.
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is None
 
 
 def remember(output: torch.Tensor, fn, *inputs) -> torch.Tensor:
