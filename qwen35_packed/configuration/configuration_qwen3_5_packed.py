@@ -42,6 +42,13 @@ def _warn_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# Project-only kernel choices (modeling/kernels.py) and the values each accepts.
+KERNEL_FIELDS = {
+    "gdn_kernel": ("auto", "fla", "torch"),
+    "conv_kernel": ("auto", "fla", "compiled", "torch"),
+    "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
+    "elementwise_kernel": ("auto", "compiled", "eager"),
+}
 
 
 def _same(a, b) -> bool:
@@ -279,23 +286,12 @@ class Qwen3_5PackedConfig(PretrainedConfig):
                 f"attention_dropout={self.attention_dropout} is not supported: the varlen attention kernels run "
                 "without dropout (every official Qwen3.5 config has 0.0)"
             )
-        if self.elementwise_kernel not in ("auto", "compiled", "eager"):
-            raise ValueError(
-                f"elementwise_kernel must be 'auto', 'compiled' or 'eager', got {self.elementwise_kernel!r}"
-            )
         if not isinstance(self.return_logits_with_loss, bool):
             raise ValueError(f"return_logits_with_loss must be True or False, got {self.return_logits_with_loss!r}")
-        if self.conv_kernel not in ("auto", "fla", "compiled", "torch"):
-            raise ValueError(
-                f"conv_kernel must be 'auto', 'fla', 'compiled' or 'torch', got {self.conv_kernel!r}"
-            )
-        if self.gdn_kernel not in ("auto", "fla", "torch"):
-            raise ValueError(f"gdn_kernel must be 'auto', 'fla' or 'torch', got {self.gdn_kernel!r}")
-        if self.attention_kernel not in ("auto", "flash_attn", "torch_varlen", "sdpa"):
-            raise ValueError(
-                "attention_kernel must be 'auto', 'flash_attn', 'torch_varlen' or 'sdpa', "
-                f"got {self.attention_kernel!r}"
-            )
+        for field_name, allowed in KERNEL_FIELDS.items():
+            if getattr(self, field_name) not in allowed:
+                raise ValueError(f"{field_name} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"got {getattr(self, field_name)!r}")
 
     def to_dict(self) -> dict:
         # Every rope form in the saved config.json, as `convert` writes it, so that a reader of either major

@@ -9,6 +9,7 @@ import importlib.util
 
 import torch
 
+from ..configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 
@@ -83,9 +84,7 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         report.add("kernels.selection", SKIP, "no config to select kernels for")
         return
     dtype = compute_dtype(device)
-    forced = [f"{name}={getattr(config, name)!r}"
-              for name in ("gdn_kernel", "conv_kernel", "attention_kernel", "elementwise_kernel")
-              if getattr(config, name, "auto") != "auto"]  # fmt: skip
+    forced = [f"{name}={getattr(config, name)!r}" for name in KERNEL_FIELDS if getattr(config, name, "auto") != "auto"]
     try:
         choice = select_kernels(config, device, dtype)
     except RuntimeError as exc:
