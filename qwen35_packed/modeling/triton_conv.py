@@ -1,0 +1,246 @@
+"""Triton kernel for the GDN short conv: depthwise causal conv + SiLU over a packed stream, split outputs.
+
+`causal_conv1d_silu_split(x, weight, position_in_doc, split_sizes)` computes, for x [N, C] and taps weight [C, K],
+
+    pre[t, c] = sum_j weight[c, j] * x[t - (K-1-j), c]   (taps reaching before t's document start read zero)
+    out[t, c] = silu(pre[t, c])
+
+in fp32, and returns one contiguous tensor per channel segment (`split_sizes`, e.g. q | k | v) in x's dtype. The
+consumers get contiguous q, k and v without a copy, and the backward reads their three gradients where they are
+instead of concatenating them into an [N, C] tensor first.
+
+Forward: grid (row blocks, channel blocks) per segment; a program reads its [BLOCK_T, BLOCK_C] tile of x at the K
+lags (the K-1 extra rows come from cache), writes its tile of the segment's output: about one read of x and one
+write of the outputs.
+
+Backward: a program owns BLOCK_C channels of a segment and CHUNKS consecutive BLOCK_T-row chunks. Per chunk it
+loads x at the 2K-1 row offsets its tokens need (once each, kept in registers as a tuple of tiles), recomputes the
+pre-activation at the K row shifts that dx of the chunk reads (no [N, C] temporaries), forms
+dpre = dy * silu'(pre), writes dx of the chunk and adds dpre * x to K fp32 per-row dw tiles; at the end it reduces
+them over rows and writes its [BLOCK_C, K] dw partial. The partials ([row programs, C, K] fp32) are summed with
+torch: deterministic, no atomics. A segment whose gradient is None contributes zeros.
+
+Boundaries come from `position_in_doc` (offset of every token from its document start): tap j of token t is read
+only when position_in_doc[t] >= K-1-j, so no token reaches another document, and documents shorter than K work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+try:  # optional: Triton (the GPU kernel language; also runs on CPU tensors under TRITON_INTERPRET=1)
+    import triton
+    import triton.language as tl
+
+    # The kernels keep tuples of tiles (Triton's tuple support; verified with triton 3.6.0, CPU interpreter and
+    # ptxas for sm_90).
+    TRITON_CONV_AVAILABLE = True
+except ImportError:
+    TRITON_CONV_AVAILABLE = False
+
+
+@dataclass(frozen=True)
+class ConvBlocks:
+    """Tile sizes (powers of two) and warps per program. A forward program covers forward_rows x forward_channels;
+    a backward program backward_chunks chunks of backward_rows x backward_channels.
+
+    Chosen from ptxas' register counts for sm_90 (bf16, K=4): forward 68 registers, backward 104 (4 elements of a
+    tile per thread; 8 per thread needs ~180 and halves the resident warps). Not yet tuned by timing."""
+
+    forward_rows: int = 32
+    forward_channels: int = 128
+    forward_warps: int = 8
+    backward_rows: int = 16
+    backward_channels: int = 64
+    backward_chunks: int = 16
+    backward_warps: int = 8
+
+
+DEFAULT_BLOCKS = ConvBlocks()
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+if TRITON_CONV_AVAILABLE:
+
+    @triton.jit
+    def _conv_silu_forward_kernel(
+        x_ptr, w_ptr, pos_ptr, y_ptr, n_rows, n_channels, channel_offset, seg_channels,
+        KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_ok = rows < n_rows
+        col_ok = cols < seg_channels
+        channels = channel_offset + cols
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+        pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for lag in tl.static_range(KERNEL):  # lag 0 first: the order of the reference's sum
+            tap = tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32)
+            inside = row_ok & (pos >= lag)  # the tap stays inside the token's document
+            x = tl.load(x_ptr + (rows - lag)[:, None] * n_channels + channels[None, :],
+                        mask=inside[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            pre += x * tap[None, :]
+        out = pre * tl.sigmoid(pre)
+        tl.store(y_ptr + rows[:, None] * seg_channels + cols[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+    @triton.jit
+    def _conv_silu_backward_kernel(
+        x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
+        KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):  # fmt: skip
+        pid_t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_ok = cols < seg_channels
+        channels = channel_offset + cols
+        taps = tl.arange(0, KERNEL_POW2)
+        # w[lag] = weight[:, K-1-lag]: the tap applied to the input `lag` rows back.
+        w = ()
+        for lag in tl.static_range(KERNEL):
+            w = w + (tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32),)
+        # dw_rows[lag]: per-row partial sums of dw[:, K-1-lag], reduced over rows once at the end.
+        dw_rows = ()
+        for lag in tl.static_range(KERNEL):
+            dw_rows = dw_rows + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
+        first_row = pid_t.to(tl.int64) * (BLOCK_T * CHUNKS)
+        for chunk in range(CHUNKS):
+            rows = first_row + chunk * BLOCK_T + tl.arange(0, BLOCK_T)
+            # x at row offsets -(K-1) .. K-1 (xs[K-1+d] = x[rows + d]), positions at offsets 0 .. K-1.
+            xs = ()
+            for i in tl.static_range(2 * KERNEL - 1):
+                at = rows + (i - (KERNEL - 1))
+                xs = xs + (tl.load(x_ptr + at[:, None] * n_channels + channels[None, :],
+                                   mask=((at >= 0) & (at < n_rows))[:, None] & col_ok[None, :], other=0.0),)
+            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            # dx[u] = sum_shift w[shift] * dpre[u + shift], over the tokens u + shift of u's document.
+            for shift in tl.static_range(KERNEL):
+                at = rows + shift
+                pos = tl.load(pos_ptr + at, mask=at < n_rows, other=0)
+                pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+                for lag in tl.static_range(KERNEL):  # taps that reach before the document start read zero
+                    x = tl.where((pos >= lag)[:, None], xs[KERNEL - 1 + shift - lag].to(tl.float32), 0.0)
+                    pre += x * w[lag][None, :]
+                # dy of a token whose lag-`shift` tap leaves its document is read as zero: it does not reach u.
+                dy = tl.load(dy_ptr + at[:, None] * seg_channels + cols[None, :],
+                             mask=((at < n_rows) & (pos >= shift))[:, None] & col_ok[None, :], other=0.0)
+                sig = tl.sigmoid(pre)
+                dpre = dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
+                dx += dpre * w[shift][None, :]
+                if shift == 0:
+                    # dw[:, K-1-lag] gets dpre[t] * x[t - lag] from every token t of the chunk.
+                    updated = ()
+                    for lag in tl.static_range(KERNEL):
+                        x = tl.where((pos >= lag)[:, None], xs[KERNEL - 1 - lag].to(tl.float32), 0.0)
+                        updated = updated + (dw_rows[lag] + dpre * x,)
+                    dw_rows = updated
+            tl.store(dx_ptr + rows[:, None] * n_channels + channels[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=(rows < n_rows)[:, None] & col_ok[None, :])  # fmt: skip
+        dw = tl.zeros([BLOCK_C, KERNEL_POW2], dtype=tl.float32)
+        for lag in tl.static_range(KERNEL):
+            dw += tl.where(taps[None, :] == KERNEL - 1 - lag, tl.sum(dw_rows[lag], axis=0)[:, None], 0.0)
+        tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
+                 mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
+
+    # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
+    _INTERPRETED = not isinstance(_conv_silu_forward_kernel, triton.runtime.JITFunction)
+
+
+def _segments(split_sizes):
+    offset = 0
+    for size in split_sizes:
+        yield offset, size
+        offset += size
+
+
+def _device_guard(x: torch.Tensor):
+    # Triton launches on the current CUDA device; the tensors may live on another one.
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+class _CausalConv1dSiluSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, position_in_doc, split_sizes, blocks):
+        n_rows, n_channels = x.shape
+        kernel = weight.shape[1]
+        outs = tuple(x.new_empty(n_rows, size) for size in split_sizes)
+        if n_rows > 0:
+            with _device_guard(x):
+                for out, (offset, size) in zip(outs, _segments(split_sizes)):
+                    grid = (triton.cdiv(n_rows, blocks.forward_rows), triton.cdiv(size, blocks.forward_channels))
+                    _conv_silu_forward_kernel[grid](
+                        x, weight, position_in_doc, out, n_rows, n_channels, offset, size,
+                        KERNEL=kernel, BLOCK_T=blocks.forward_rows, BLOCK_C=blocks.forward_channels,
+                        num_warps=blocks.forward_warps,
+                    )  # fmt: skip
+        ctx.save_for_backward(x, weight, position_in_doc)
+        ctx.split_sizes, ctx.blocks = split_sizes, blocks
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight, position_in_doc = ctx.saved_tensors
+        blocks = ctx.blocks
+        n_rows, n_channels = x.shape
+        kernel = weight.shape[1]
+        # Few chunks for short streams: no program loops over rows that do not exist.
+        chunks = max(1, min(blocks.backward_chunks, triton.cdiv(max(n_rows, 1), blocks.backward_rows)))
+        row_programs = triton.cdiv(n_rows, blocks.backward_rows * chunks)
+        dx = torch.empty_like(x)
+        dw_partial = torch.empty(row_programs, n_channels, kernel, dtype=torch.float32, device=x.device)
+        with _device_guard(x):
+            for grad, (offset, size) in zip(grads, _segments(ctx.split_sizes)):
+                if grad is None:  # this output does not reach the loss
+                    dx[:, offset:offset + size].zero_()
+                    dw_partial[:, offset:offset + size].zero_()
+                    continue
+                if n_rows == 0:
+                    continue
+                grid = (row_programs, triton.cdiv(size, blocks.backward_channels))
+                _conv_silu_backward_kernel[grid](
+                    x, weight, position_in_doc, grad.contiguous(), dx, dw_partial, n_rows, n_channels, offset, size,
+                    KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=blocks.backward_rows,
+                    BLOCK_C=blocks.backward_channels, CHUNKS=chunks, num_warps=blocks.backward_warps,
+                )  # fmt: skip
+        dweight = dw_partial.sum(0).to(weight.dtype)
+        return dx, dweight, None, None, None
+
+
+def causal_conv1d_silu_split(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    position_in_doc: torch.Tensor,
+    split_sizes,
+    blocks: ConvBlocks = DEFAULT_BLOCKS,
+) -> tuple[torch.Tensor, ...]:
+    """silu(depthwise causal conv of x with `weight`, per document), one contiguous output per channel segment.
+
+    x [N, C] contiguous (bf16 / fp16 / fp32); weight [C, K] (`conv1d.weight.squeeze(1)`); position_in_doc integer
+    [N] (`PackedSequence.position_in_doc()`); split_sizes positive ints summing to C. Returns tensors [N, size] in
+    x's dtype, computed with fp32 accumulation; differentiable in x and weight.
+    """
+    if not TRITON_CONV_AVAILABLE:
+        raise RuntimeError("causal_conv1d_silu_split needs Triton (pip install triton)")
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be [N, C] in bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous (strides {x.stride()} for shape {tuple(x.shape)})")
+    n_rows, n_channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != n_channels or weight.shape[1] < 1 or weight.dtype not in _DTYPES:
+        raise ValueError(f"weight must be [C={n_channels}, K] in bf16, fp16 or fp32, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")  # fmt: skip
+    if position_in_doc.shape != (n_rows,) or position_in_doc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"position_in_doc must be an integer tensor [N={n_rows}], got "
+                         f"{tuple(position_in_doc.shape)} {position_in_doc.dtype}")  # fmt: skip
+    split_sizes = tuple(int(s) for s in split_sizes)
+    if not split_sizes or any(s <= 0 for s in split_sizes) or sum(split_sizes) != n_channels:
+        raise ValueError(f"split_sizes {list(split_sizes)} must be positive and sum to C={n_channels}")
+    devices = {x.device, weight.device, position_in_doc.device}
+    if len(devices) != 1:
+        raise ValueError(f"x, weight and position_in_doc must be on one device, got {sorted(map(str, devices))}")
+    if not x.is_cuda and not _INTERPRETED:
+        raise ValueError(f"causal_conv1d_silu_split runs on CUDA tensors, got {x.device}")
+    return _CausalConv1dSiluSplit.apply(x, weight.contiguous(), position_in_doc.contiguous(), split_sizes, blocks)
