@@ -284,3 +284,32 @@ def test_vision_language_model_shares_the_loss_path():
     dropped = model(input_ids=ids, labels=ids)
     assert kept.logits.shape == (1, 16, model.config.text_config.vocab_size) and dropped.logits is None
     assert torch.equal(kept.loss, dropped.loss)
+
+
+def test_backward_allocates_nothing_of_logits_size():
+    """The kept logits get no gradient. Autograd would otherwise pass the backward a zero-filled tensor of their
+    size (tokens x vocab) at the start of the backward. Every op the backward runs is recorded; none may produce
+    a tensor with as many elements as the logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel())
+            return out
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, vocab, hidden_size = 64, 512, 8
+    hidden = torch.randn(tokens, hidden_size, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=gen, requires_grad=True)
+    loss, logits = chunked_linear_cross_entropy(hidden, weight, torch.randint(0, vocab, (tokens,), generator=gen),
+                                                chunk_tokens=16)
+    assert logits.numel() == tokens * vocab
+    with LargestOutput():
+        loss.backward()
+    assert 0 < LargestOutput.largest < tokens * vocab // 4  # the largest is the lm_head weight gradient
+    assert hidden.grad is not None and weight.grad is not None
