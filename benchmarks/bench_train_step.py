@@ -1,6 +1,7 @@
 """Side-by-side training-step benchmark on one GPU: qwen35-packed vs transformers' built-in Qwen3.5.
 
-Forward + backward in bf16 on the same batches and the same weights:
+Forward + backward in bf16 on the same batches and the same weights, one model on the GPU at a time (the other
+waits on the CPU, so each peak is the running model's own):
   * uniform: 8 documents, lengths uniform in [128, 2048) (seed 1);
   * rl: 16 RL-shaped sequences, prompt 128-512 + completion 64-512 (60%) or 1024-3584 (40%) (seed 1);
 for a 1.386B hybrid config (vocab 65,536) and the real Qwen3.5-0.8B text config (vocab 248,320). Prints a table
@@ -104,13 +105,24 @@ def _with_config(model, fn, **fields):
             setattr(model.config, name, value)
 
 
+def _only_on_gpu(model, models):
+    """Move `model` to the GPU and every other model to the CPU: a run's peak memory is its own model's (both
+    models on the GPU would add the other's weights, 2.6 GiB for the 1.4B config, to every peak)."""
+    for other in models:
+        if other is not model:
+            other.zero_grad(set_to_none=True)
+            other.to("cpu")
+    model.to("cuda")
+    torch.cuda.empty_cache()
+
+
 def run_model(name, kwargs, rate, results, profile, selected, selected_batches, save):
     builtin_config = transformers.Qwen3_5TextConfig(**kwargs)
     torch.manual_seed(0)
-    builtin = transformers.Qwen3_5ForCausalLM(builtin_config).to("cuda", torch.bfloat16).train()
+    builtin = transformers.Qwen3_5ForCausalLM(builtin_config).to(torch.bfloat16).train()
     ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
     ours.load_state_dict(builtin.state_dict(), strict=True)
-    ours = ours.to("cuda", torch.bfloat16).train()
+    ours = ours.to(torch.bfloat16).train()
     n_all = sum(p.numel() for p in ours.parameters())
     n_embed = ours.model.embed_tokens.weight.numel() + (
         0 if ours.config.tie_word_embeddings else ours.lm_head.weight.numel())
@@ -151,6 +163,7 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
         for run_name, (model, fn) in runs.items():
             if selected and run_name not in selected:
                 continue
+            _only_on_gpu(model, (ours, builtin))
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
@@ -183,6 +196,7 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             for run_name, (model, fn) in runs.items():
                 if not run_name.startswith("ours") or (selected and run_name not in selected):
                     continue
+                _only_on_gpu(model, (ours, builtin))
                 # Kernels by CUDA time, and the operators that launched them with their input shapes (which
                 # reduction, copy or add a kernel belongs to).
                 with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
