@@ -182,9 +182,10 @@ def test_conv_that_ignores_boundaries_fails(dense, tmp_path, monkeypatch):
     """The GDN short conv run over the stream as one document: a leak of K-1 tokens per boundary."""
     from qwen35_packed.modeling import gated_deltanet, kernels
 
-    def leaky_conv(x, weight, packed, choice, initial_state=None):
+    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
         n = x.shape[0]
-        return kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        out = kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        return torch.split(out, split_sizes, dim=-1)
 
     monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", leaky_conv)
     code, checks, _ = doctor(dense, tmp_path)

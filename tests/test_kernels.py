@@ -169,7 +169,7 @@ def _conv_inputs(lengths, channels, kernel, dtype, seed):
 
 def _conv_with_grads(choice, lengths, x, weight, cotangent):
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), choice)
+    out = torch.cat(kernels.causal_conv1d_varlen(x, weight, _packed(lengths), choice, [x.shape[1]]), dim=-1)
     out.float().mul(cotangent).sum().backward()
     return out, x.grad, weight.grad
 
@@ -191,10 +191,11 @@ def test_compiled_conv_equals_eager_conv_and_per_document():
             torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol, msg=f"{dtype} {name}")
 
     x, weight = _conv_inputs(lengths, channels, kernel, torch.float32, seed=5)
-    packed_out = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), compiled)
+    (packed_out,) = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), compiled, [channels])
     start = 0
     for length in lengths:
-        alone = kernels.causal_conv1d_varlen(x[start:start + length], weight, _packed([length]), compiled)
+        (alone,) = kernels.causal_conv1d_varlen(x[start:start + length], weight, _packed([length]), compiled,
+                                                [channels])
         torch.testing.assert_close(packed_out[start:start + length], alone, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(alone, naive_conv(x[start:start + length], weight)[0], atol=1e-5, rtol=1e-5)
         start += length
@@ -210,6 +211,8 @@ def test_conv_choice_follows_gdn_and_config():
     if not kernels.FLA_AVAILABLE:
         with pytest.raises(RuntimeError, match="conv_kernel='fla'"):
             kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel="fla"), cpu, torch.float32)
+    with pytest.raises(RuntimeError, match="conv_kernel='triton'"):  # a CUDA kernel (CPU only in the interpreter)
+        kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel="triton"), cpu, torch.float32)
     with pytest.raises(ValueError, match="conv_kernel"):
         Qwen3_5PackedConfig(conv_kernel="cuda")
 
@@ -251,8 +254,8 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
     hidden = torch.randn(n, 3 * heads * d, generator=gen, requires_grad=True)
     mixed = hidden
     for _ in range(3):  # three GDN layers on one stream
-        conv = kernels.causal_conv1d_varlen(mixed, weight, packed, choice)
-        q, k, v = conv.view(n, 3 * heads, d).split(heads, dim=1)
+        q, k, v = (t.view(n, heads, d) for t in kernels.causal_conv1d_varlen(mixed, weight, packed, choice,
+                                                                             [heads * d] * 3))
         g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
         o, _ = kernels.gated_delta_rule_varlen(q, k, v, g, beta, packed, choice)
         mixed = mixed + o.repeat(1, 3, 1).reshape(n, -1)

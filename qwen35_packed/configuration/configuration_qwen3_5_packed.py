@@ -45,7 +45,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # Project-only kernel choices (modeling/kernels.py) and the values each accepts.
 KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "fla", "torch"),
-    "conv_kernel": ("auto", "fla", "compiled", "torch"),
+    "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
     "elementwise_kernel": ("auto", "compiled", "eager"),
 }

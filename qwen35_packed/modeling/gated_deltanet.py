@@ -77,8 +77,8 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
         weight = self.conv1d.weight.squeeze(1)
-        conv_out = causal_conv1d_varlen(mixed, weight, packed, choice, initial_state=conv_state)
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = causal_conv1d_varlen(mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim],
+                                       initial_state=conv_state)
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)

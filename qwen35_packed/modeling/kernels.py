@@ -10,15 +10,18 @@ Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run throu
 the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
 run eagerly; the two compute the same formula.
 
-The GDN short conv runs through FLA's `causal_conv1d`, or the boundary-masked formula below compiled the same way
-(`torch.compile`: a few fused kernels each way), or that formula eagerly.
+The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
+k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
+nor the split's concatenating backward happen), or the boundary-masked formula below compiled the same way
+(`torch.compile`: a few fused kernels each way), or that formula eagerly. Every path returns the split outputs.
 
 Varlen kernels read the boundaries from the PackedSequence, built once per forward: FLA gets the same int64
 cu_seqlens object and a CPU copy in every layer (its index helpers are memoised by tensor identity and would
 otherwise copy the boundaries to the host in every layer's forward and backward), per-document loops iterate over
 the CPU copy: the dispatch reads nothing back from the device in any layer.
 
-`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "compiled" | "torch"),
+`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
+"torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa") and `config.elementwise_kernel`
 ("auto" | "compiled" | "eager") force a path; forcing one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +76,7 @@ class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
     elementwise: str = "eager"  # "compiled" | "eager"
-    conv: str = "torch"  # "fla" | "compiled" | "torch" (GDN short conv)
+    conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
 
 
 _logged_choices: set = set()
@@ -123,6 +128,9 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             "conv_kernel='fla' was forced but flash-linear-attention "
             + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
         )
+    elif conv == "triton" and not (on_cuda and TRITON_CONV_AVAILABLE):
+        raise RuntimeError("conv_kernel='triton' was forced but " + ("Triton is not importable" if not
+                           TRITON_CONV_AVAILABLE else "the Triton conv kernel needs a CUDA device"))
     elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
 
@@ -244,19 +252,25 @@ def conv_final_state(
     return torch.where(before, history, state)
 
 
-def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, initial_state=None):
-    """Dispatch for the GDN short conv (weight [C, K]). FLA and the compiled formula serve the stateless
-    training / prefill path; decode steps with a cached state run the eager formula."""
+def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, split_sizes, initial_state=None):
+    """Dispatch for the GDN short conv (x [N, C], weight [C, K]); returns the outputs of the channel segments
+    `split_sizes` (q | k | v). The Triton kernel writes them as separate contiguous tensors; the other paths split
+    their [N, C] output into views. FLA, Triton and the compiled formula serve the stateless training / prefill path;
+    decode steps with a cached state run the eager formula."""
     if initial_state is not None:
-        return torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
-    if choice.conv == "fla":
+        out = torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
+    elif choice.conv == "triton":
+        return causal_conv1d_silu_split(x, weight, packed.position_in_doc(), split_sizes)
+    elif choice.conv == "fla":
         out, _ = _fla_causal_conv1d(
             x.unsqueeze(0), weight=weight, activation="silu", cu_seqlens=packed.cu_seqlens_int64(),
             cu_seqlens_cpu=packed.cu_seqlens_cpu(),
         )
-        return out.squeeze(0)
-    conv = _compiled(torch_causal_conv1d_varlen) if choice.conv == "compiled" else torch_causal_conv1d_varlen
-    return conv(x, weight, packed.position_in_doc())
+        out = out.squeeze(0)
+    else:
+        conv = _compiled(torch_causal_conv1d_varlen) if choice.conv == "compiled" else torch_causal_conv1d_varlen
+        out = conv(x, weight, packed.position_in_doc())
+    return torch.split(out, list(split_sizes), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------
