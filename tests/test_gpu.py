@@ -213,3 +213,90 @@ def test_host_syncs_do_not_grow_with_depth():
     RESULTS["host_syncs_per_step_2_and_8_layers"] = counts
     print(counts)
     assert counts[2] == counts[8] and counts[8] <= 4, counts
+
+
+# The RL batch of benchmarks/bench_train_step.py (seed 1): 16 documents, 26,354 tokens.
+RL_BATCH_LENGTHS = [796, 553, 3081, 2249, 523, 3342, 2160, 2882, 3611, 473, 558, 485, 1730, 701, 2307, 903]
+
+
+def _cuda_ms(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.skipif(not kernels.TRITON_CONV_AVAILABLE, reason="triton not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_conv_matches_reference_and_fla(dtype):
+    """The Triton GDN conv on the benchmark shape ([26,354 x 8192], q | k | v = 2048 | 2048 | 4096, K = 4, the RL
+    batch's documents): outputs and x / weight gradients against the fp32 PyTorch reference on the same inputs, FLA's
+    causal_conv1d when importable, and forward / forward + backward times of both (the backward includes what
+    each path's split costs: FLA's outputs are views whose gradients autograd concatenates)."""
+    from qwen35_packed.modeling.packing import PackedSequence
+
+    lengths, splits, kernel = RL_BATCH_LENGTHS, [2048, 2048, 4096], 4
+    n, channels = sum(lengths), sum(splits)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    packed = PackedSequence(cu, max(lengths), None, None, (1, n))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, channels, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(channels, kernel, device="cuda", generator=gen) * 0.5).to(dtype)
+    cotangents = [torch.randn(n, s, device="cuda", generator=gen).to(dtype) for s in splits]
+
+    def run(conv, inputs, grads=True):
+        xi, wi = (t.detach().clone().requires_grad_(grads) for t in inputs)
+        outs = kernels.causal_conv1d_varlen(xi, wi, packed, kernels.KernelChoice("fla", "sdpa", conv=conv), splits)
+        if grads:
+            torch.autograd.backward(outs, [c.to(o.dtype) for o, c in zip(outs, cotangents)])
+        return torch.cat([o.detach().float() for o in outs], dim=1), xi.grad, wi.grad
+
+    ref_out, ref_dx, ref_dw = run("torch", (x.float(), weight.float()))
+    convs = ["triton"] + (["fla"] if kernels.FLA_AVAILABLE else [])
+    name = str(dtype).split(".")[-1]
+    result = {}
+    for conv in convs:
+        out, dx, dw = run(conv, (x, weight))
+        if conv == "triton":
+            assert dx.dtype == dtype and dw.dtype == dtype
+        result[conv] = {
+            "out_max_abs_error": (out - ref_out).abs().max().item(),
+            # distance to the fp32 reference in units of the output dtype's rounding bound (half an ulp)
+            "out_in_half_ulps": ((out - ref_out).abs()
+                                 / (ref_out.abs() * torch.finfo(dtype).eps / 2).clamp(min=1e-30)).max().item(),
+            "dx_relative_error": ((dx.float() - ref_dx).norm() / ref_dx.norm()).item(),
+            "dweight_relative_error": ((dw.float() - ref_dw).norm() / ref_dw.norm()).item(),
+        }
+        inputs = (x.detach().requires_grad_(), weight.detach().requires_grad_())
+        choice = kernels.KernelChoice("fla", "sdpa", conv=conv)
+
+        def forward():
+            with torch.no_grad():
+                kernels.causal_conv1d_varlen(x, weight, packed, choice, splits)
+
+        def forward_backward():
+            outs = kernels.causal_conv1d_varlen(*inputs, packed, choice, splits)
+            torch.autograd.backward(outs, cotangents)
+            inputs[0].grad = inputs[1].grad = None
+
+        result[conv]["forward_ms"] = _cuda_ms(forward)
+        result[conv]["forward_backward_ms"] = _cuda_ms(forward_backward)
+    if "fla" in result:
+        out_fla, _, _ = run("fla", (x, weight), grads=False)
+        out_triton, _, _ = run("triton", (x, weight), grads=False)
+        result["triton_vs_fla_out_max_abs"] = (out_triton - out_fla).abs().max().item()
+    RESULTS[f"triton_conv_{name}"] = result
+    print(f"triton conv {name}: {result}")
+    triton = result["triton"]
+    if dtype == torch.float32:
+        assert triton["out_max_abs_error"] <= 1e-4, triton
+        assert triton["dx_relative_error"] <= 1e-5 and triton["dweight_relative_error"] <= 1e-5, triton
+    else:  # fp32 accumulation, one rounding: within half a bf16 ulp (plus fp32 summation-order noise)
+        assert triton["out_in_half_ulps"] <= 1.01, triton
+        assert triton["dx_relative_error"] <= 1e-2 and triton["dweight_relative_error"] <= 1e-2, triton
