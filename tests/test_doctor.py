@@ -267,3 +267,13 @@ def test_doctor_vllm_logprobs(vllm_python, tmp_path, monkeypatch):
     assert checks["versions.vllm"]["status"] == "PASS" and "(vLLM environment)" in checks["versions.vllm"]["detail"]
     numbers = {e["unit"]: e["value"] for e in report["parity"] if e["check"] == "numerics.vllm_logprobs"}
     assert 0 < numbers["mean KL"] <= 1e-3 and 0 < numbers["max |dlogp|"] < 0.5, numbers
+
+
+def test_every_kernel_choice_has_a_description():
+    # The kernels check describes the selected kernels by name: a choice added to the config without a description
+    # would fail the doctor with a KeyError on the machine that selects it.
+    from qwen35_packed.configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
+    from qwen35_packed.doctor.environment_checks import ATTENTION, CONV, PATHS
+
+    for field, described in (("gdn_kernel", PATHS), ("conv_kernel", CONV), ("attention_kernel", ATTENTION)):
+        assert set(KERNEL_FIELDS[field]) - {"auto"} <= set(described), field

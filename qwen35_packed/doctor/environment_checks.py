@@ -28,7 +28,7 @@ PATHS = {
     "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA fused gated RMSNorm"),
     "torch": ("per-document chunked delta rule in PyTorch (fp32)", "PyTorch gated RMSNorm (fp32)"),
 }
-CONV = {"fla": "FLA causal_conv1d (cu_seqlens)", "compiled": "boundary-masked depthwise conv, torch.compile",
+CONV = {"fla": "FLA causal_conv1d (cu_seqlens)", "triton": "Triton varlen conv (split q | k | v)", "compiled": "boundary-masked depthwise conv, torch.compile",
         "torch": "boundary-masked depthwise conv in PyTorch"}
 ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
 

@@ -117,9 +117,12 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     conv = getattr(config, "conv_kernel", "auto")
     if conv == "auto":
-        # Measured on an H200 ([26,354 x 8192] bf16, 16 documents, forward + backward): FLA 2.7 ms, the compiled
-        # formula 11.6 ms, eager 24.1 ms. FLA wherever it runs, else the compiled formula on CUDA.
-        if gdn == "fla":
+        # Measured on an H200 ([26,354 x 8192] bf16, 16 documents, forward + backward): FLA 2.7 ms plus the copies
+        # of its q | k | v views, the compiled formula 11.6 ms, eager 24.1 ms; the Triton kernel see
+        # benchmarks/results/*-conv.json. Triton on CUDA, else FLA, else the compiled formula.
+        if on_cuda and TRITON_CONV_AVAILABLE:
+            conv = "triton"
+        elif gdn == "fla":
             conv = "fla"
         else:
             conv = "compiled" if (on_cuda and TRITON_AVAILABLE and elementwise == "compiled") else "torch"
@@ -129,7 +132,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
         )
     elif conv == "triton" and not (on_cuda and TRITON_CONV_AVAILABLE):
-        raise RuntimeError("conv_kernel='triton' was forced but " + ("Triton is not importable" if not
+        raise RuntimeError("conv_kernel='triton' was forced but " + ("Triton >= 3.6 is not importable" if not
                            TRITON_CONV_AVAILABLE else "the Triton conv kernel needs a CUDA device"))
     elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")

@@ -35,10 +35,12 @@ try:  # optional: Triton (the GPU kernel language; also runs on CPU tensors unde
     import triton
     import triton.language as tl
 
-    # The kernels keep tuples of tiles (Triton's tuple support; verified with triton 3.6.0, CPU interpreter and
-    # ptxas for sm_90).
-    TRITON_CONV_AVAILABLE = True
+    # The kernels keep tuples of tiles (Triton's tuple support). Verified with triton 3.6.0 (CPU interpreter, ptxas
+    # for sm_90, the H200); older releases are not offered.
+    TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    TRITON_CONV_AVAILABLE = TRITON_VERSION >= (3, 6)
 except ImportError:
+    TRITON_VERSION = None
     TRITON_CONV_AVAILABLE = False
 
 
@@ -223,7 +225,8 @@ def causal_conv1d_silu_split(
     x's dtype, computed with fp32 accumulation; differentiable in x and weight.
     """
     if not TRITON_CONV_AVAILABLE:
-        raise RuntimeError("causal_conv1d_silu_split needs Triton (pip install triton)")
+        raise RuntimeError("causal_conv1d_silu_split needs Triton >= 3.6 (installed: "
+                           f"{'none' if TRITON_VERSION is None else '.'.join(map(str, TRITON_VERSION))})")
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [N, C] in bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
     if not x.is_contiguous():
