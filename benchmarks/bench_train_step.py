@@ -17,6 +17,7 @@ MFU = 6 x non-embedding parameters x real tokens / step time / bf16 matmul rate 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import time
@@ -126,7 +127,12 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
     n_all = sum(p.numel() for p in ours.parameters())
     n_embed = ours.model.embed_tokens.weight.numel() + (
         0 if ours.config.tie_word_embeddings else ours.lm_head.weight.numel())
-    results[name] = {"params": n_all, "non_embedding_params": n_all - n_embed}
+    from qwen35_packed.modeling import kernels, triton_conv
+
+    choice = kernels.select_kernels(ours.config, torch.device("cuda"), torch.bfloat16)
+    results[name] = {"params": n_all, "non_embedding_params": n_all - n_embed,
+                     "kernels": dataclasses.asdict(choice),
+                     "conv_blocks": dataclasses.asdict(triton_conv.DEFAULT_BLOCKS) if choice.conv == "triton" else None}
     vocab = kwargs["vocab_size"]
     for batch_name, lengths in batches().items():
         if selected_batches and batch_name not in selected_batches:
@@ -194,7 +200,7 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
             for run_name, (model, fn) in runs.items():
-                if not run_name.startswith("ours") or (selected and run_name not in selected):
+                if run_name != "ours_packed" or (selected and run_name not in selected):
                     continue
                 _only_on_gpu(model, (ours, builtin))
                 # Kernels by CUDA time, and the operators that launched them with their input shapes (which
