@@ -46,7 +46,7 @@ def cuda_ms(fn, reps=20):
 
 def candidates():
     yield DEFAULT_BLOCKS
-    for f_rows, f_ch, f_warps in itertools.product((16, 32, 64), (64, 128), (4, 8)):
+    for f_rows, f_ch, f_warps in itertools.product((32, 64), (64, 128, 256), (4, 8)):
         yield dataclasses.replace(DEFAULT_BLOCKS, forward_rows=f_rows, forward_channels=f_ch, forward_warps=f_warps)
     for b_rows, b_ch, b_chunks, b_warps in itertools.product((8, 16, 32), (32, 64, 128), (16,), (4, 8)):
         yield dataclasses.replace(DEFAULT_BLOCKS, backward_rows=b_rows, backward_channels=b_ch,
@@ -78,7 +78,9 @@ def main():
         outs = causal_conv1d_silu_split(x, weight, pos, SPLIT, blocks)
         torch.autograd.backward(outs, grads)
         out = torch.cat(outs, dim=1).float()
-        err = {"out": (out - ref_out).abs().max().item(), "dx": (x.grad.float() - ref_dx).abs().max().item(),
+        half_ulp = (ref_out.abs() * torch.finfo(x.dtype).eps / 2).clamp(min=1e-30)
+        err = {"out_in_half_ulps": ((out - ref_out).abs() / half_ulp).max().item(),
+               "dx_rel": ((x.grad.float() - ref_dx).norm() / ref_dx.norm()).item(),
                "dw_rel": ((weight.grad.float() - ref_dw).norm() / ref_dw.norm()).item()}
         x.grad = weight.grad = None
         return err
@@ -97,7 +99,8 @@ def main():
             rows.append({"blocks": dataclasses.asdict(blocks), "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         x.grad = weight.grad = None
-        ok = err["out"] < 2e-2 and err["dx"] < 5e-2 and err["dw_rel"] < 1e-2
+        # One rounding of an fp32 result (half an ulp, a little slack for summation order); bf16 gradients.
+        ok = err["out_in_half_ulps"] <= 1.01 and err["dx_rel"] < 1e-2 and err["dw_rel"] < 1e-2
         rows.append({"blocks": dataclasses.asdict(blocks), "forward_ms": fwd, "forward_backward_ms": both,
                      "backward_ms": both - fwd, "errors": err, "ok": ok})
         print(rows[-1], flush=True)

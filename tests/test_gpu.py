@@ -190,7 +190,7 @@ def test_recomputed_activations_bitwise_and_smaller_bf16():
 def test_host_syncs_do_not_grow_with_depth():
     """A training step reads nothing back from the GPU per layer: the boundaries reach FLA as one cu_seqlens object
     and a CPU copy, and the loss masks ignored targets without `nonzero`. Counted with CUDA's sync debug mode; a
-    few per step (FLA's first index build for a stream) are allowed, as long as 2 and 8 layers need the same."""
+    few per step (FLA's first index build for a stream) are allowed, as long as 8 layers need no more than 2."""
     import warnings
 
     docs = _docs(12)
@@ -212,7 +212,7 @@ def test_host_syncs_do_not_grow_with_depth():
         counts[layers] = sum("synchroniz" in str(w.message) for w in caught)  # "called a synchronizing CUDA operation"
     RESULTS["host_syncs_per_step_2_and_8_layers"] = counts
     print(counts)
-    assert counts[2] == counts[8] and counts[8] <= 4, counts
+    assert counts[8] <= counts[2] <= 4, counts
 
 
 # The RL batch of benchmarks/bench_train_step.py (seed 1): 16 documents, 26,354 tokens.
