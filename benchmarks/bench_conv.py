@@ -108,12 +108,13 @@ def main():
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "tokens": n, "documents": len(lengths), "split": SPLIT, "rows": rows}
     if kernels.FLA_AVAILABLE:
-        x_fla = x.detach().unsqueeze(0).requires_grad_()
+        # Own leaves: FLA's timed backwards must not accumulate into the gradients the final check reads.
+        x_fla, w_fla = x.detach().unsqueeze(0).requires_grad_(), weight.detach().requires_grad_()
         cu64, cu_cpu = packed.cu_seqlens_int64(), packed.cu_seqlens_cpu()
         dy = torch.cat(grads, dim=1).unsqueeze(0)
 
         def fla():
-            return kernels._fla_causal_conv1d(x_fla, weight=weight, activation="silu", cu_seqlens=cu64,
+            return kernels._fla_causal_conv1d(x_fla, weight=w_fla, activation="silu", cu_seqlens=cu64,
                                               cu_seqlens_cpu=cu_cpu)[0]
         with torch.no_grad():
             fla_fwd = cuda_ms(fla)
