@@ -126,8 +126,8 @@ def run_fsdp2(args) -> dict:
     probe = docs[0][:512][None].to(accelerator.device)
     with torch.no_grad():
         sharded_logits = model(probe).logits.float()
-    # torch's own full-state-dict gather (a collective: every rank calls it). accelerate 1.15's get_state_dict
-    # returned an empty dict for this FSDP2 config on two H200s; an empty dict must not pass for a saved model.
+    # torch's own full-state-dict gather (a collective: every rank calls it), as the CPU test does; a dict with
+    # missing tensors must not pass for a saved model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     report = {"mode": "fsdp2", "world": world, "lora": args.lora, "loss": global_loss.item(),
               "grad_norm": grad_norm.item(), "forward_dtypes": seen, "gdn_decay_units": n_decay_units,
@@ -136,6 +136,8 @@ def run_fsdp2(args) -> dict:
         expected = len(accelerator.unwrap_model(model).state_dict())
         if len(state) != expected:
             raise RuntimeError(f"the gathered full state dict has {len(state)} tensors, the model {expected}")
+        # Counted now: save_pretrained empties the dict it is given as it writes the shards.
+        report["saved_state_dict_tensors"] = len(state)
         if args.lora:  # the PEFT model's full state dict (base + adapters) into a fresh PEFT model
             reloaded = build_model(args.config, torch.float32, True)
             reloaded.load_state_dict(state, strict=True)
@@ -146,7 +148,6 @@ def run_fsdp2(args) -> dict:
         reloaded = reloaded.to(accelerator.device, torch.bfloat16).eval()
         with torch.no_grad():
             fresh_logits = reloaded(probe).logits.float()
-        report["saved_state_dict_tensors"] = len(state)
         report["reloaded_vs_sharded_max_abs_logit_diff"] = (fresh_logits - sharded_logits).abs().max().item()
         report["reloaded_forward_A_log_dtype"] = str(next(
             m for _, m in gated_deltanet_modules(reloaded)).A_log.dtype)
