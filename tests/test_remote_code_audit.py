@@ -199,3 +199,30 @@ def test_remote_code_at_runtime_writes_no_file_and_starts_nothing():
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_modules_named_by_auto_map_import_every_file_they_need_themselves():
+    """transformers 4.x copies into its module cache only the files named by the `from .name import` lines of the
+    module auto_map points at (a regex over its text), not the files those import. Everything such a module needs,
+    transitively, must therefore be named in it, or a folder loaded with a fresh cache fails with FileNotFoundError
+    (as the VL folder did, and the text folder once kernels.py imported triton_conv.py)."""
+    import re
+
+    from qwen35_packed.conversion.config import auto_map, vl_auto_map
+
+    sources = {path.stem: path.read_text() for path in remote_code_files()}
+    relative_import = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)  # as transformers 4.57 reads them
+
+    def named(module: str) -> set[str]:
+        return set(relative_import.findall(sources[module]))
+
+    tops = {reference.split(".")[0] for is_moe in (False, True) for mapping in (auto_map(is_moe), vl_auto_map(is_moe))
+            for reference in mapping.values()}
+    assert {"modeling_qwen3_5_packed", "modeling_qwen3_5_packed_vl"} <= tops
+    for top in sorted(tops):
+        needed, todo = set(), [top]
+        while todo:
+            for module in named(todo.pop()) - needed:
+                needed.add(module)
+                todo.append(module)
+        assert needed <= named(top), f"{top}.py must also name {sorted(needed - named(top))}"

@@ -38,6 +38,10 @@ from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
 from .rope import MRotaryEmbedding
+# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
+# lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
+# (tests/test_remote_code_audit.py checks that nothing is missing).
+from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,20 @@ from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
 from .vision import Qwen3_5PackedVisionModel
 
+# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
+# lines, not the ones those import: every file of the text model is named here too, so that a folder loads with a
+# fresh cache (tests/test_remote_code_audit.py checks the list is complete).
+from .attention import GatedAttention  # noqa: F401
+from .cache import Qwen3_5PackedCache  # noqa: F401
+from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
+from .kernels import select_kernels  # noqa: F401
+from .loss import chunked_linear_cross_entropy  # noqa: F401
+from .moe import SparseMoeBlock  # noqa: F401
+from .norms import ZeroCenteredRMSNorm  # noqa: F401
+from .recompute import recompute_enabled  # noqa: F401
+from .rope import MRotaryEmbedding  # noqa: F401
+from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
+
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
