@@ -1,0 +1,128 @@
+"""Where the GPU waits for the host in one training step: a profiler trace of the RL batch step, and the gaps between
+consecutive GPU kernels, attributed to the host operator that launched the kernel after each gap.
+
+When kernel time is below step time (v4: 468 ms of kernels in a 498 ms step), the difference is time the GPU sat idle
+because the host had not launched the next kernel yet: Python, dispatch, a synchronisation. The table sums the
+gaps by the outermost operator around the launch that ended them (e.g. an autograd Function's forward or a backward
+node) and lists the longest gaps with their launching operator chain.
+
+    python benchmarks/trace_train_step.py [--model hybrid_1p4b] [--batch rl_longtail_x16] [--out FILE]
+                                          [--trace FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_step import MODELS, batches, model_kwargs  # noqa: E402
+
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
+
+
+def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
+    """From a Chrome trace's events: total kernel time, the span from the first kernel's start to the last one's end,
+    and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
+    Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops_by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            ops_by_thread[e["tid"]].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: e["ts"])
+    starts = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_thread.items()}
+
+    def enclosing_ops(launch: dict) -> list[str]:
+        """Names of the host operators around a kernel launch, outermost first."""
+        ops, ts = ops_by_thread.get(launch["tid"], []), launch["ts"]
+        chain = [op for op in ops[: bisect.bisect_right(starts.get(launch["tid"], []), ts)]
+                 if op["ts"] <= ts <= op["ts"] + op["dur"]]
+        return [op["name"] for op in chain]
+
+    gaps, busy_until, kernel_us = [], None, 0.0
+    for kernel in kernels:
+        kernel_us += kernel["dur"]
+        if busy_until is not None and kernel["ts"] - busy_until >= min_gap_us:
+            launch = launches.get(kernel["args"].get("correlation"))
+            chain = enclosing_ops(launch) if launch else []
+            gaps.append({"gap_us": kernel["ts"] - busy_until, "next_kernel": kernel["name"][:80],
+                         "launched_by": chain[-3:], "outermost": chain[0] if chain else "(unknown)"})
+        end = kernel["ts"] + kernel["dur"]
+        busy_until = end if busy_until is None else max(busy_until, end)
+    span = (busy_until - kernels[0]["ts"]) if kernels else 0.0
+    by_outer = collections.Counter()
+    for gap in gaps:
+        by_outer[gap["outermost"]] += gap["gap_us"]
+    return {"kernel_ms": kernel_us / 1e3, "span_ms": span / 1e3, "gaps": len(gaps),
+            "idle_in_gaps_ms": sum(g["gap_us"] for g in gaps) / 1e3,
+            "idle_by_outermost_op_ms": {k: v / 1e3 for k, v in by_outer.most_common(25)},
+            "longest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:40]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="hybrid_1p4b", choices=sorted(MODELS))
+    parser.add_argument("--batch", default="rl_longtail_x16")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", default=None, help="also keep the Chrome trace here")
+    args = parser.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    kwargs = model_kwargs(args.model)
+    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).to("cuda", torch.bfloat16).train()
+    lengths = batches()[args.batch]
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.cat([torch.randint(0, kwargs["vocab_size"], (n,), generator=gen) for n in lengths])[None].cuda()
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, cu_seqlens=cu, labels=ids, use_cache=False).loss.backward()
+
+    for _ in range(3):  # compile, autotune, warm the allocator
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    trace = Path(args.trace) if args.trace else Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "model": args.model, "batch": args.batch, "tokens": sum(lengths),
+              "step_ms_unprofiled": step_ms, **idle_gaps(json.loads(trace.read_text())["traceEvents"])}
+    print(f"step {step_ms:.1f} ms unprofiled; profiled: kernels {result['kernel_ms']:.1f} ms in a "
+          f"{result['span_ms']:.1f} ms span, {result['gaps']} gaps >= 20 us = {result['idle_in_gaps_ms']:.1f} ms idle")
+    print(f"\n{'idle ms':>9}  outermost host operator before the next kernel")
+    for name, ms in result["idle_by_outermost_op_ms"].items():
+        print(f"{ms:>9.2f}  {name[:100]}")
+    print(f"\n{'gap us':>9}  launched by (innermost last) -> next kernel")
+    for gap in result["longest_gaps"][:15]:
+        print(f"{gap['gap_us']:>9.0f}  {' > '.join(gap['launched_by'])[:90]} -> {gap['next_kernel'][:40]}")
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / (
+        f"{result['date']}-trace-{args.model}-{args.batch}.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
