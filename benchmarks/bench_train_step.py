@@ -177,12 +177,12 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
                 rows[run_name] = {
                     "s_per_step": round(seconds, 4), "real_tok_per_s": round(n_real / seconds),
                     "mfu": round(6 * (n_all - n_embed) * n_real / seconds / rate, 3),
-                    "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                    "forward_kept_GiB": round(kept / 2**30, 1), "loss": loss,
+                    "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                    "forward_kept_GiB": round(kept / 2**30, 2), "loss": loss,
                 }
             except torch.OutOfMemoryError:
                 rows[run_name] = {"error": "out of memory",
-                                  "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+                                  "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
             model.zero_grad(set_to_none=True)
             print(name, batch_name, run_name, rows[run_name], flush=True)
             save()  # after every run: a later failure or time limit keeps what was measured
