@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_conv import cuda_ms  # noqa: E402
 from bench_train_step import MODELS, batches, model_kwargs  # noqa: E402
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
@@ -92,16 +93,7 @@ def main():
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, cu_seqlens=cu, labels=ids, use_cache=False).loss.backward()
 
-    for _ in range(3):  # compile, autotune, warm the allocator
-        step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / 3
+    step_ms = cuda_ms(step, reps=3)  # after 3 warm-up steps: compiled, autotuned, allocator warm
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
