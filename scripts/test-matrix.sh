@@ -40,7 +40,7 @@ for version in "${versions[@]}"; do
             && "$venv/bin/python" -m pip install -q --upgrade pip \
             && "$venv/bin/python" -m pip install -q torch==2.13.0 "transformers==$version" "${extra[@]}" -e ".[test]" \
             && echo "$requirements" > "$venv/READY" \
-            || { summary+=("transformers $version: install FAILED"); failed=1; continue; }
+            || { rm -rf "$venv"; summary+=("transformers $version: install FAILED"); failed=1; continue; }
     fi
     installed=$((SECONDS - start))
     echo "=== transformers $version: core suite + LoRA ($("$venv/bin/python" -c 'import transformers, peft;
