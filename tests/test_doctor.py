@@ -273,7 +273,8 @@ def test_every_kernel_choice_has_a_description():
     # The kernels check describes the selected kernels by name: a choice added to the config without a description
     # would fail the doctor with a KeyError on the machine that selects it.
     from qwen35_packed.configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
-    from qwen35_packed.doctor.environment_checks import ATTENTION, CONV, PATHS
+    from qwen35_packed.doctor.environment_checks import ATTENTION, CONV, MOE, PATHS
 
-    for field, described in (("gdn_kernel", PATHS), ("conv_kernel", CONV), ("attention_kernel", ATTENTION)):
+    for field, described in (("gdn_kernel", PATHS), ("conv_kernel", CONV), ("attention_kernel", ATTENTION),
+                             ("moe_kernel", MOE)):
         assert set(KERNEL_FIELDS[field]) - {"auto"} <= set(described), field

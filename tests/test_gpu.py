@@ -1,5 +1,7 @@
 """GPU checks (run on the H200, skipped elsewhere): packed == per-document with FLA kernels in bf16 and fp32,
-and the FLA path against the pure-PyTorch path. Set QWEN35_GPU_RESULTS=FILE to write the measured numbers."""
+and the FLA path against the pure-PyTorch path; the MoE experts through grouped_mm. Set QWEN35_GPU_RESULTS=FILE to
+write the measured numbers. Bounds sit at about 3x the values measured on the H200 (results/gpu/*-gpu-tests-*.json)
+or are calibrated against a control measured in the same test."""
 
 import contextlib
 import json
@@ -14,7 +16,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
+from qwen35_packed import (  # noqa: E402
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.modeling import kernels  # noqa: E402
 
 RESULTS: dict = {}
@@ -38,9 +45,16 @@ def write_results():
             json.dump(RESULTS, f, indent=2)
 
 
-def _model(dtype, **overrides):
+MOE_FIELDS = dict(intermediate_size=None, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256, router_aux_loss_coef=0.0)
+
+
+def _model(dtype, moe=False, **overrides):
     torch.manual_seed(0)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**{**GPU_CONFIG, **overrides}))
+    if moe:
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**{**GPU_CONFIG, **MOE_FIELDS, **overrides}))
+    else:
+        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**{**GPU_CONFIG, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -76,10 +90,11 @@ def test_fla_packed_equals_per_document(dtype):
                                   "elementwise": choice.elementwise}
     RESULTS[f"logit_abs_max_{name}"] = reference.abs().max().item()
     print(f"{name}: kernels {choice}, packed vs per-doc {diff_docs:.3g}, FLA vs torch {diff_ref:.3g}")
-    tolerance = 2e-3 if dtype == torch.float32 else 6e-2
     assert choice.gdn == "fla" and choice.conv == "triton" and choice.elementwise == "compiled"
-    assert diff_docs <= tolerance
-    assert diff_ref <= (2e-2 if dtype == torch.float32 else 1.5e-1)
+    # measured: packed vs per-document 6.1e-4 (fp32) and 0 (bf16); FLA vs PyTorch 3.2e-3 / 3.5e-2. A document
+    # leak moves logits by 0.1-0.7.
+    assert diff_docs <= 2e-3
+    assert diff_ref <= (1e-2 if dtype == torch.float32 else 1e-1)
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
@@ -98,7 +113,7 @@ def test_fla_packed_gradients_equal_per_document_bf16():
                 for n, p in model.named_parameters())
     RESULTS["bf16_grad_relative_error_packed_vs_per_document"] = worst
     print(f"bf16 grad packed vs per-doc, worst relative norm error {worst:.3g}")
-    assert worst <= 5e-2
+    assert worst <= 3e-2  # measured 5e-3 to 9e-3
 
 
 def test_torch_varlen_attention_is_causal_per_document():
@@ -136,12 +151,15 @@ def test_compiled_elementwise_matches_eager_bf16():
     errors = sorted((((runs["compiled"][1][n] - g).norm() / g.norm()).item(), n, g.norm().item())
                     for n, g in runs["eager"][1].items() if g.norm() > 1e-4)
     worst = errors[-1][0]
+    # The small ones are compared absolutely: a difference no larger than a few times their own size.
+    small = max(((runs["compiled"][1][n] - g).norm()).item() for n, g in runs["eager"][1].items() if g.norm() <= 1e-4)
     RESULTS["compiled_vs_eager_bf16"] = {"loss_abs_diff": loss_diff, "worst_grad_relative_norm_error": worst,
+                                         "worst_small_grad_abs_error": small,
                                          "worst_parameters": errors[-4:],
                                          "peak_MiB_compiled": runs["compiled"][2], "peak_MiB_eager": runs["eager"][2]}
     print(f"compiled vs eager bf16: loss diff {loss_diff:.3g}, worst grad rel err {worst:.3g}, "
           f"peak MiB {runs['compiled'][2]:.0f} vs {runs['eager'][2]:.0f}")
-    assert loss_diff <= 1e-2 and worst <= 5e-2
+    assert loss_diff <= 5e-4 and worst <= 1e-1 and small <= 3e-4  # measured 1.4e-4, 2.2e-2 to 3.5e-2
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
@@ -306,3 +324,110 @@ def test_chunked_loss_gradients_bf16_against_fp64():
     print(errors)
     # bf16 logits (8 bits of mantissa) bound the loss; the gradients carry bf16 rounding of softmax - onehot.
     assert errors["loss"] < 1e-3 and errors["grad_hidden"] < 1e-2 and errors["grad_weight"] < 1e-2, errors
+
+
+def _moe_batch(n_docs=12):
+    docs = _docs(n_docs)
+    ids = torch.cat(docs).unsqueeze(0)
+    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    return docs, ids, cu
+
+
+def _routing(model, run):
+    """Each MoE layer's top-k expert ids of every token, captured while `run()` runs: [layers, tokens, k]."""
+    captured, hooks = [], []
+    for module in model.modules():
+        if type(module).__name__ == "TopKRouter":
+            hooks.append(module.register_forward_hook(lambda m, a, out: captured.append(out[2].sort(-1).values)))
+    try:
+        result = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, captured
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
+    """bf16 training step of a MoE model: the grouped-GEMM experts (the auto choice) and the per-expert loop, both
+    against the loop in fp32 on the same weights. The grouped path may round differently, never worse."""
+    docs, ids, cu = _moe_batch()
+    reference = _model(torch.float32, moe=True, moe_kernel="loop").train()
+    reference(ids, labels=ids, cu_seqlens=cu).loss.backward()
+    ref_grads = {n: p.grad.float() for n, p in reference.named_parameters()}
+    with torch.no_grad():
+        ref_logits = reference.eval()(ids, cu_seqlens=cu, use_cache=False).logits.float()
+    del reference
+    runs = {}
+    for moe_kernel in ("auto", "loop"):
+        model = _model(torch.bfloat16, moe=True, moe_kernel=moe_kernel).train()
+        runs.setdefault("choice", {})[moe_kernel] = kernels.select_kernels(model.config, ids.device, torch.bfloat16).moe
+        model(ids, labels=ids, cu_seqlens=cu).loss.backward()
+        with torch.no_grad():
+            logits = model.eval()(ids, cu_seqlens=cu, use_cache=False).logits.float()
+        grads = {n: p.grad.float() for n, p in model.named_parameters()}
+        big = [n for n, g in ref_grads.items() if g.norm() > 1e-4]
+        runs[moe_kernel] = {
+            "logits_max_abs_error_vs_fp32": (logits - ref_logits).abs().max().item(),
+            "worst_grad_relative_error_vs_fp32": max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item()
+                                                     for n in big),
+            "worst_small_grad_abs_error_vs_fp32": max(((grads[n] - g).norm()).item() for n, g in ref_grads.items()
+                                                      if n not in big)}
+    RESULTS["moe_grouped_vs_loop_bf16"] = runs
+    print(runs)
+    assert runs["choice"] == {"auto": "grouped_mm", "loop": "loop"}
+    grouped, loop = runs["auto"], runs["loop"]
+    assert grouped["logits_max_abs_error_vs_fp32"] <= 1.5 * loop["logits_max_abs_error_vs_fp32"] + 1e-3
+    assert grouped["worst_grad_relative_error_vs_fp32"] <= 1.5 * loop["worst_grad_relative_error_vs_fp32"] + 1e-3
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_moe_packed_equals_per_document_bf16():
+    """Grouped-GEMM experts, packed vs each document alone in bf16: the same experts for every token and layer,
+    and logits as close as the dense model's."""
+    docs, ids, cu = _moe_batch()
+    model = _model(torch.bfloat16, moe=True)
+    with torch.no_grad():
+        packed, packed_routes = _routing(model, lambda: model(ids, cu_seqlens=cu, use_cache=False).logits[0].float())
+        alone = [_routing(model, lambda d=d: model(d[None], use_cache=False).logits[0].float()) for d in docs]
+    per_doc = torch.cat([logits for logits, _ in alone])
+    per_doc_routes = [torch.cat([routes[layer] for _, routes in alone]) for layer in range(len(packed_routes))]
+    same = sum((a == b).all(-1).sum().item() for a, b in zip(packed_routes, per_doc_routes))
+    total = sum(a.shape[0] for a in packed_routes)
+    diff = (packed - per_doc).abs().max().item()
+    RESULTS["moe_packed_vs_per_document_bf16"] = {"max_abs_logit_diff": diff, "same_routing": same,
+                                                  "token_layers": total}
+    print(RESULTS["moe_packed_vs_per_document_bf16"])
+    assert same == total and diff <= 2e-3
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_moe_grouped_experts_sync_free_and_deterministic():
+    """The MoE block with grouped_mm experts reads nothing back from the GPU in forward or backward (CUDA sync
+    debug mode 'error' raises on any synchronising call), and two identical backward passes give identical
+    gradients (no atomics in the combination of the top-k outputs)."""
+    model = _model(torch.bfloat16, moe=True).train()
+    block = next(m for m in model.modules() if type(m).__name__ == "SparseMoeBlock")
+    choice = kernels.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(5000, GPU_CONFIG["hidden_size"], device="cuda", generator=gen).to(torch.bfloat16)
+    cotangent = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        out, _ = block(xi, choice)
+        out.backward(cotangent)
+        return [xi.grad] + [p.grad.clone() for p in block.parameters()]
+
+    step()  # compile the fused chain outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    second = step()
+    identical = all(torch.equal(a, b) for a, b in zip(first, second))
+    RESULTS["moe_block_sync_free_and_deterministic"] = {"choice": choice.moe, "identical_gradients": identical}
+    assert choice.moe == "grouped_mm" and identical

@@ -48,6 +48,7 @@ KERNEL_FIELDS = {
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
     "elementwise_kernel": ("auto", "compiled", "eager"),
+    "moe_kernel": ("auto", "grouped_mm", "loop"),  # read by MoE models only
 }
 
 
@@ -198,6 +199,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool = True,
         conv_kernel: str = "auto",
+        moe_kernel: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -226,6 +228,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.elementwise_kernel = elementwise_kernel
         self.return_logits_with_loss = return_logits_with_loss
         self.conv_kernel = conv_kernel
+        self.moe_kernel = moe_kernel
 
         if layer_types is None:
             interval = 4 if full_attention_interval is None else int(full_attention_interval)

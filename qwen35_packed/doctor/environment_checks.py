@@ -31,6 +31,7 @@ PATHS = {
 CONV = {"fla": "FLA causal_conv1d (cu_seqlens)", "triton": "Triton varlen conv (split q | k | v)", "compiled": "boundary-masked depthwise conv, torch.compile",
         "torch": "boundary-masked depthwise conv in PyTorch"}
 ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
+MOE = {"grouped_mm": "one grouped GEMM per projection, no host sync", "loop": "one matmul per expert (host sync)"}
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -96,10 +97,14 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
     detail = (f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
               f"attention {ATTENTION[choice.attention]}"
               + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
+              + (f"; MoE experts {MOE[choice.moe]}" if getattr(config, "is_moe", False) else "")
               + (f" (forced: {', '.join(forced)})" if forced else ""))
     if device.type == "cuda" and choice.gdn == "torch":
         report.add("kernels.selection", WARN, detail + ": FLA absent, exact but about 2x slower or worse",
                    "pip install flash-linear-attention (the `gpu` extra)")
+    elif device.type == "cuda" and getattr(config, "is_moe", False) and choice.moe == "loop":
+        report.add("kernels.selection", WARN, detail + ": the experts run one matmul per expert, several times "
+                   "slower than grouped_mm", "run in bf16 on a torch whose grouped_mm dispatches there")
     elif device.type == "cuda" and choice.attention == "sdpa":
         report.add("kernels.selection", WARN, detail + ": no varlen attention kernel, one SDPA call per document",
                    "install flash-attn, or a torch with torch.nn.attention.varlen")

@@ -46,21 +46,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
     def _apply(self, fn, *args, **kwargs):
-        # Keep A_log / dt_bias in fp32 across .to(dtype) / .half() / .bfloat16(): move them, never down-cast them.
-        kept = {name: getattr(self, name) for name in FP32_PARAMETERS}
-        for name in FP32_PARAMETERS:
-            del self._parameters[name]
-        try:
-            super()._apply(fn, *args, **kwargs)
-        finally:
-            for name, param in kept.items():
-                moved = fn(param.data)
-                if moved.is_floating_point() and moved.dtype != torch.float32 and param.dtype == torch.float32:
-                    param.data = param.data.to(moved.device)
-                else:
-                    param.data = moved
-                self._parameters[name] = param
-        return self
+        # Keep A_log / dt_bias (and their gradients) fp32 across .to(dtype) / .half() / .bfloat16(): where `fn`
+        # would down-cast one of them, it is moved instead. Every other conversion (to_empty() from the meta
+        # device, device moves) is fn's own, so nn.Module decides as usual how to swap the parameter in.
+        fp32 = {id(t) for name in FP32_PARAMETERS for t in (self._parameters[name], self._parameters[name].grad)
+                if t is not None and t.dtype == torch.float32}
+
+        def keep_fp32(t):
+            out = fn(t)
+            if id(t) in fp32 and out.is_floating_point() and out.dtype != torch.float32:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, *args, **kwargs)
 
     def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor):
         beta = b.sigmoid()

@@ -22,8 +22,9 @@ the CPU copy: the dispatch reads nothing back from the device in any layer.
 
 `config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
-`config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa") and `config.elementwise_kernel`
-("auto" | "compiled" | "eager") force a path; forcing one that cannot run raises. The choice is logged once per
+`config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
+("auto" | "compiled" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") force a
+path; forcing one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
 """
 
@@ -77,6 +78,7 @@ class KernelChoice:
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
     elementwise: str = "eager"  # "compiled" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
+    moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
 
 
 _logged_choices: set = set()
@@ -137,16 +139,61 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
 
-    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv)
+    is_moe = bool(getattr(config, "is_moe", False))
+    moe = getattr(config, "moe_kernel", "auto") if is_moe else "loop"
+    if moe == "auto":
+        moe = "grouped_mm" if (on_cuda and grouped_mm_usable(device, dtype)) else "loop"
+    elif moe == "grouped_mm" and not grouped_mm_usable(device, dtype):
+        raise RuntimeError(f"moe_kernel='grouped_mm' was forced but torch's grouped_mm does not run on {device.type} "
+                           f"with {dtype} here" + ("" if GROUPED_MM is not None else " (this torch has none)"))
+
+    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe)
     key = (device.type, dtype, choice)
     if key not in _logged_choices:
         _logged_choices.add(key)
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""
-        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s",
-                       device.type, dtype, gdn, conv, attention, elementwise, slow)
+        if on_cuda and is_moe and moe == "loop":
+            slow += " (MoE experts in a per-expert loop with a host sync per layer: grouped_mm needs bf16)"
+        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s%s",
+                       device.type, dtype, gdn, conv, attention, elementwise,
+                       f", moe={moe}" if is_moe else "", slow)
     return choice
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped GEMM (MoE experts)
+# --------------------------------------------------------------------------------------------------------------
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str, device_index, dtype: torch.dtype) -> bool:
+    # Dispatch support differs by torch release, device and dtype (bf16 on Hopper; a CPU fallback in recent
+    # releases); a tiny forward + backward answers it where a version table would go stale.
+    if GROUPED_MM is None:
+        return False
+    try:
+        device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+        x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        out = GROUPED_MM(x, w.transpose(-2, -1), offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+        out.backward(torch.ones_like(out))
+        return True
+    except Exception:  # RuntimeError / NotImplementedError: no kernel for this device or dtype
+        return False
+
+
+def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return _grouped_mm_runs(device.type, device.index, dtype)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (group e = rows offsets[e-1]:offsets[e]) times weight[e]^T: x [M, in],
+    weight [E, out, in] (the nn.Linear layout of the fused expert tensors), offsets int32 [E] ending at M."""
+    return GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -167,6 +214,11 @@ def _swiglu(gate, up):
 
 def _sigmoid_gate(x, gate):
     return x * torch.sigmoid(gate)
+
+
+def _weighted_swiglu(gate_up, weight):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
 
 
 @functools.cache
@@ -198,6 +250,12 @@ def swiglu(gate, up, choice: KernelChoice | None = None):
 def sigmoid_gate(x, gate, choice: KernelChoice | None = None):
     """x * sigmoid(gate), same shapes."""
     return _elementwise(_sigmoid_gate, choice)(x, gate)
+
+
+def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
+    """silu(gate) * up * weight in fp32, cast to gate_up's dtype: gate_up [M, 2I] (gate | up halves), weight [M]
+    fp32 (the routing weight of each expert row)."""
+    return _elementwise(_weighted_swiglu, choice)(gate_up, weight)
 
 
 # --------------------------------------------------------------------------------------------------------------

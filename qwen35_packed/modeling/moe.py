@@ -2,8 +2,17 @@
 
 MoE: softmax router in fp32 -> top-k -> renormalised weights; experts stored fused as 3D tensors
 (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, the official checkpoint layout); a shared expert scaled by
-sigmoid(shared_expert_gate). Tokens are grouped by expert with one sort, so every expert runs one matmul over its
-tokens. The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them.
+sigmoid(shared_expert_gate). The (token, expert) pairs are sorted by expert once; then either
+
+* `grouped_mm` (the kernel choice on CUDA in bf16): one grouped GEMM per projection over all experts, with the
+  permutation, counts and offsets computed on the device, so the block never waits for the host. The SwiGLU and
+  the routing-weight product run as one fused chain, recomputed in the backward instead of kept, and the gathered
+  expert inputs are recomputed from the block input. Every gather is a permutation and the top-k outputs are
+  summed per token, so no two values are ever added in a data-dependent order: the gradients are deterministic.
+* `loop` (the reference, the CPU default): one matmul per expert over its tokens, after reading the counts on the
+  host.
+
+The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, swiglu
+from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
 
 
@@ -60,8 +69,16 @@ class FusedExperts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.is_swiglu = config.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor,
+                choice: KernelChoice | None = None) -> torch.Tensor:
+        """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype."""
+        if choice is not None and choice.moe == "grouped_mm":
+            return self.grouped(x, top_index, top_weights, choice)
+        return self.looped(x, top_index, top_weights)
+
+    def looped(self, x, top_index, top_weights):
         top_k = top_index.shape[-1]
         flat_expert = top_index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
@@ -77,6 +94,34 @@ class FusedExperts(nn.Module):
         routed = torch.cat(outputs) * top_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
+    def grouped(self, x, top_index, top_weights, choice):
+        n, top_k = top_index.shape
+        flat_expert = top_index.reshape(-1)
+        # order: (token, slot) pairs sorted by expert; slot_of: where each pair went (the inverse permutation).
+        order = torch.argsort(flat_expert, stable=True)
+        slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
+        # Recomputed from x in the backward instead (recompute.py).
+        rows = remember(_rows_by_expert(x, order, top_k), _rows_by_expert, x, order, top_k)
+        gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
+        weight = top_weights.reshape(-1)[order].float()
+        if self.is_swiglu:
+            hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
+        out = grouped_linear(hidden, self.down_proj, offsets)
+        return out[slot_of].view(n, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _rows_by_expert(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x's rows repeated top_k times, in expert order. Repeat then permute (not x[order // top_k]): both backward
+    passes are then a sum over a token's k copies and a permutation, never a scatter-add of repeated indices."""
+    return x.repeat_interleave(top_k, dim=0)[order]
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config):
@@ -89,7 +134,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32)."""
         logits, top_weights, top_index = self.gate(x)
-        routed = self.experts(x, top_index, top_weights)
+        routed = self.experts(x, top_index, top_weights, choice)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
         return routed + shared, logits
 

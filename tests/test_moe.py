@@ -1,0 +1,202 @@
+"""MoE experts (qwen35_packed/modeling/moe.py): the grouped-GEMM path against the per-expert loop, the reference.
+
+torch's grouped_mm has a CPU fallback, so `moe_kernel="grouped_mm"` runs here in fp32: the permutation, the
+offsets, the fused SwiGLU x routing weight, the recomputed inputs and the per-token top-k sum are the code the GPU
+runs (only the GEMM kernel differs). Routing corner cases: experts without tokens, one token, every token on one
+expert."""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import pytest
+import torch
+from conftest import tiny_kwargs
+
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
+from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling.kernels import KernelChoice, select_kernels
+from qwen35_packed.modeling.moe import FusedExperts
+from qwen35_packed.modeling.recompute import RecomputedActivations
+
+pytestmark = pytest.mark.skipif(not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32),
+                                reason="this torch has no grouped_mm on CPU")
+
+GROUPED = KernelChoice(gdn="torch", attention="sdpa", moe="grouped_mm")
+LOOP = KernelChoice(gdn="torch", attention="sdpa", moe="loop")
+
+
+def _experts(num_experts=8, hidden=16, intermediate=12, seed=0):
+    config = types.SimpleNamespace(num_experts=num_experts, moe_intermediate_size=intermediate, hidden_size=hidden,
+                                   hidden_act="silu")
+    torch.manual_seed(seed)
+    experts = FusedExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    return experts
+
+
+def _routing(n, top_k, num_experts, case, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if case == "all_on_one":  # expert 5 gets every token, in slot 0; the other slots pick distinct experts
+        rest = torch.stack([torch.randperm(num_experts - 1, generator=g)[: top_k - 1] for _ in range(n)])
+        index = torch.cat([torch.full((n, 1), 5), rest + (rest >= 5).long()], dim=1)
+    elif case == "few_experts":  # experts 0, 1 and 2 only: most experts empty, including the first and the last
+        index = torch.stack([torch.randperm(3, generator=g)[:top_k] for _ in range(n)])
+    else:
+        index = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n)])
+    weights = torch.rand(n, top_k, generator=g) + 0.05
+    return index, (weights / weights.sum(-1, keepdim=True)).requires_grad_()
+
+
+def _run(experts, x, index, weights, choice):
+    x = x.detach().clone().requires_grad_()
+    w = weights.detach().clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    out = experts(x, index, w, choice)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+    return out.detach(), x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+
+@pytest.mark.parametrize("n, top_k, case", [(37, 2, "random"), (1, 2, "random"), (40, 3, "all_on_one"),
+                                            (25, 2, "few_experts"), (64, 8, "random")])
+def test_grouped_experts_equal_the_loop_in_values_and_gradients(n, top_k, case):
+    experts = _experts()
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(3))
+    index, weights = _routing(n, top_k, 8, case)
+    loop = _run(experts, x, index, weights, LOOP)
+    grouped = _run(experts, x, index, weights, GROUPED)
+    for name, a, b in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), loop, grouped):
+        scale = a.abs().max().clamp(min=1e-6)
+        assert (a - b).abs().max() <= 1e-5 * scale, name
+    if case == "few_experts":  # experts that got no token get exactly zero gradient
+        assert grouped[3][3:].abs().max() == 0 and grouped[4][3:].abs().max() == 0
+
+
+def test_grouped_experts_are_deterministic():
+    experts = _experts()
+    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(3))
+    index, weights = _routing(50, 4, 8, "random")
+    first, second = _run(experts, x, index, weights, GROUPED), _run(experts, x, index, weights, GROUPED)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
+    # Both GEMM inputs of [N * k, ...] rows are recomputed in the backward (from the block input and the first
+    # GEMM's output), not kept through the forward.
+    experts = _experts()
+    x = torch.randn(30, 16, requires_grad=True)
+    index, weights = _routing(30, 2, 8, "random")
+    seen = []
+    original = kernels.GROUPED_MM
+
+    def watching(a, b, offs):
+        seen.append(weakref.ref(a))
+        return original(a, b, offs=offs)
+
+    kernels.GROUPED_MM = watching
+    try:
+        with RecomputedActivations():
+            out = experts(x, index, weights, GROUPED)
+        alive = [ref() is not None for ref in seen]
+        out.sum().backward()
+    finally:
+        kernels.GROUPED_MM = original
+    assert len(seen) >= 2 and not any(alive[:2]), alive
+
+
+def _model(moe_kernel: str):
+    torch.manual_seed(0)
+    return Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel=moe_kernel))
+
+
+def _packed_step(model):
+    g = torch.Generator().manual_seed(4)
+    lengths = [20, 1, 70, 9]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, cu_seqlens=cu, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads, ids, lengths
+
+
+def test_model_with_grouped_experts_equals_the_loop_and_stays_packed_exact():
+    logits_loop, loss_loop, grads_loop, ids, lengths = _packed_step(_model("loop").train())
+    model = _model("grouped_mm").train()
+    logits, loss, grads, _, _ = _packed_step(model)
+    assert (logits - logits_loop).abs().max() <= 1e-5
+    assert abs(loss - loss_loop) <= 1e-6
+    assert grads.keys() == grads_loop.keys()
+    for name, grad in grads.items():  # absolute floor: deep A_log / dt_bias gradients are ~1e-6 in all
+        ref = grads_loop[name]
+        assert (grad - ref).norm() <= 1e-5 * ref.norm() + 1e-9, name
+    # packed == each document alone, through the grouped path
+    model.eval()
+    start = 0
+    with torch.no_grad():
+        for length in lengths:
+            alone = model(input_ids=ids[:, start:start + length]).logits
+            assert (alone - logits[:, start:start + length]).abs().max() <= 1e-5
+            start += length
+
+
+def test_moe_kernel_choice():
+    config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"))
+    assert select_kernels(config, torch.device("cpu"), torch.float32).moe == "loop"  # auto: the reference on CPU
+    config.moe_kernel = "grouped_mm"
+    assert select_kernels(config, torch.device("cpu"), torch.float32).moe == "grouped_mm"
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="batched")
+
+
+def test_forcing_grouped_mm_where_it_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(kernels, "grouped_mm_usable", lambda device, dtype: False)
+    config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="grouped_mm")
+    with pytest.raises(RuntimeError, match="moe_kernel='grouped_mm' was forced"):
+        select_kernels(config, torch.device("cpu"), torch.float32)
+    config.moe_kernel = "auto"
+    assert select_kernels(config, torch.device("cpu"), torch.float32).moe == "loop"
+
+
+@pytest.mark.parametrize("moe_kernel", ["loop", "grouped_mm"])
+def test_lora_on_experts_through_peft_target_parameters(moe_kernel):
+    # PEFT's ParamWrapper swaps the expert tensors for W + BA while the experts run: the grouped path reads them
+    # as module attributes too, so LoRA acts, trains, merges and unmerges there as in the loop.
+    from peft import LoraConfig, get_peft_model
+
+    reference = _model("loop")
+    model = _model(moe_kernel)
+    config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    reference, model = get_peft_model(reference, LoraConfig(**config)), get_peft_model(model, LoraConfig(**config))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+            q.copy_(p)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    outs = []
+    for m in (reference, model):
+        out = m(input_ids=ids, cu_seqlens=cu, labels=ids)
+        out.loss.backward()
+        outs.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if "lora_" in n}))
+    assert (outs[0][0] - outs[1][0]).abs().max() <= 1e-5
+    assert outs[1][1] and all(g is not None and g.abs().max() > 0 for g in outs[1][1].values())
+    for name, grad in outs[1][1].items():
+        assert (grad - outs[0][1][name]).norm() <= 1e-5 * outs[0][1][name].norm(), name
+    with torch.no_grad():
+        with model.disable_adapter():
+            base_logits = model(input_ids=ids).logits
+        adapted = model(input_ids=ids).logits
+        model.merge_adapter()
+        merged = model(input_ids=ids).logits
+        model.unmerge_adapter()
+        unmerged = model(input_ids=ids).logits
+    assert (adapted - base_logits).abs().max() > 1e-3  # the adapter acts
+    assert (merged - adapted).abs().max() <= 1e-5 and (unmerged - adapted).abs().max() <= 1e-5
