@@ -28,7 +28,6 @@ benchmarks/results/<date>-moe-<tag>.json after every row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -37,7 +36,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_train_step import ROPE, batches, matmul_rate
+from bench_train_step import ROPE, batches, build_pair, config_fields, matmul_rate, only_on, peak_gib, sync, \
+    time_step
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
@@ -60,12 +60,8 @@ def layer_shapes(layers: int, vocab: int, tiny: bool) -> dict:
                 full_attention_interval=4, rope_parameters=ROPE)
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(device, fn, reps: int, warmup: int = 2) -> float:
+    """Seconds per call of fn (which runs its own backward), after warm-up calls."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -74,38 +70,6 @@ def timed(device, fn, reps: int, warmup: int = 2) -> float:
         fn()
     sync(device)
     return (time.perf_counter() - start) / reps
-
-
-def peak_gib(device) -> float:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else float("nan")
-
-
-def reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def only_on(device, model, models):
-    """`model` on `device`, every other model on the CPU: each peak is the running model's own."""
-    for other in models:
-        if other is not model:
-            other.zero_grad(set_to_none=True)
-            other.to("cpu")
-    model.to(device)
-
-
-@contextlib.contextmanager
-def config_fields(model, **fields):
-    config = model.config
-    saved = {k: getattr(config, k) for k in fields}
-    for k, v in fields.items():
-        setattr(config, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(config, k, v)
 
 
 def active_parameters(config) -> int:
@@ -120,23 +84,6 @@ def active_parameters(config) -> int:
         total += model.lm_head.weight.numel()
     unused = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
     return total - unused
-
-
-def build(kwargs: dict, device: torch.device):
-    """The built-in model (random init, bf16, on `device`) and ours with its weights, fp32 A_log / dt_bias."""
-    torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            builtin = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
-        with torch.device("meta"):
-            ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
-    finally:
-        torch.set_default_dtype(default_dtype)
-    ours.to_empty(device=device)
-    ours.load_state_dict(builtin.state_dict(), strict=True)
-    return builtin.train(), ours.train()
 
 
 def lora(model, reference):
@@ -187,7 +134,8 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
 def run_vocab(vocab, args, device, rate, results, save):
     kwargs = layer_shapes(args.layers, vocab, args.tiny)
     name = f"moe_35b_a3b_shapes_{args.layers}l_vocab{vocab}"
-    builtin, ours = build(kwargs, device)
+    builtin, ours = build_pair(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig,
+                               Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig, kwargs, device)
     models = (builtin, ours)
     n_active = active_parameters(ours.config)
     choice = kernels.select_kernels(ours.config, device, torch.bfloat16)
@@ -231,20 +179,11 @@ def run_vocab(vocab, args, device, rate, results, save):
         if selected_runs and run_name not in selected_runs:
             return
         only_on(device, model, models)
-        reset_peak(device)
-        losses = []
-
-        def train_step():
-            model.zero_grad(set_to_none=True)
-            loss = step()
-            loss.backward()
-            losses.append(loss.detach())
-
         try:
-            seconds = timed(device, train_step, args.reps)
+            seconds, loss, kept = time_step(model, step, device, args.reps)
             rows[run_name] = {"s_per_step": round(seconds, 4), "real_tok_per_s": round(n_real / seconds),
                               "mfu_active": round(6 * n_active * n_real / seconds / rate, 3) if rate else None,
-                              "peak_GiB": peak_gib(device), "loss": losses[-1].item()}
+                              "peak_GiB": peak_gib(device), "forward_kept_GiB": round(kept / 2**30, 2), "loss": loss}
         except torch.OutOfMemoryError:
             rows[run_name] = {"error": "out of memory", "peak_GiB": peak_gib(device)}
         except Exception as exc:
@@ -302,7 +241,7 @@ def print_table(results):
                     continue
                 print(f"{model_name:<40}{batch_name:<20}{run_name:<30}{row['real_tok_per_s']:>9}"
                       f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu_active'] or float('nan'):>7}"
-                      f"{row['peak_GiB']:>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}")
+                      f"{row['peak_GiB'] or float('nan'):>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}")
         for name, row in per_model.get("experts_alone_rl_tokens", {}).items():
             print(f"{model_name:<40}{'experts alone':<20}{name:<30}{row.get('ms', row.get('error'))} ms")
 

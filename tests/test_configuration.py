@@ -104,9 +104,11 @@ def test_moe_aux_coefficient_must_be_a_number():
         Qwen3_5MoePackedConfig(router_aux_loss_coef="0.001")
 
 
-@pytest.mark.skipif("Qwen3.5-0.8B" not in reference_configs(), reason="reference configs not available")
-def test_example_config_is_the_official_file():
-    # examples/fsdp2_train_step.py and benchmarks/bench_train_step.py read this copy (the reference set does not
-    # travel to the GPU machines); it must stay the official file byte for byte.
-    copy = Path(__file__).resolve().parents[1] / "examples" / "configs" / "Qwen3.5-0.8B.config.json"
-    assert copy.read_bytes() == (REFERENCE / "Qwen3.5-0.8B" / "config.json").read_bytes()
+@pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-4B", "Qwen3.5-9B", "Qwen3.5-35B-A3B"])
+def test_example_config_is_the_official_file(name):
+    # examples/fsdp2_train_step.py and the benchmarks read these copies (the reference set does not travel to the
+    # GPU machines); each must stay the official file byte for byte.
+    if name not in reference_configs():
+        pytest.skip("reference configs not available")
+    copy = Path(__file__).resolve().parents[1] / "examples" / "configs" / f"{name}.config.json"
+    assert copy.read_bytes() == (REFERENCE / name / "config.json").read_bytes()

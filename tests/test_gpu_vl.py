@@ -123,8 +123,9 @@ def test_packed_vl_equals_per_document(dtype):
     RESULTS[f"vl_gpu_packed_vs_torch_per_document_{name}"] = diff_ref
     RESULTS[f"logit_abs_max_{name}"] = reference.abs().max().item()
     print(f"{name}: kernels {choice}, packed vs per-doc {diff_docs:.3g}, GPU path vs torch path {diff_ref:.3g}")
-    assert diff_docs <= (2e-3 if dtype == torch.float32 else 6e-2)
-    assert diff_ref <= (2e-2 if dtype == torch.float32 else 1.5e-1)
+    # measured: 6.5e-4 (fp32) and 0 (bf16); GPU vs torch path 3.4e-3 / 3.1e-2 (results/gpu/*-vl-*.json)
+    assert diff_docs <= 2e-3
+    assert diff_ref <= (1e-2 if dtype == torch.float32 else 1e-1)
 
 
 def test_vl_matches_builtin_fp32_unpacked():
@@ -145,7 +146,7 @@ def test_vl_matches_builtin_fp32_unpacked():
             worst = max(worst, (got - expected).abs().max().item())
     RESULTS["vl_vs_builtin_fp32_unpacked"] = worst
     print(f"fp32 vs built-in composite on unpacked input: {worst:.3g}")
-    assert worst <= 2e-2
+    assert worst <= 3e-3  # measured 7.2e-4
 
 
 def test_packed_vl_gradients_equal_per_document_bf16():
@@ -172,9 +173,8 @@ def test_packed_vl_gradients_equal_per_document_bf16():
     RESULTS["vl_bf16_grad_relative_error_visual"] = worst_visual
     RESULTS["vl_bf16_grad_worst_parameters"] = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     print(f"bf16 grads packed vs per-doc: worst relative norm error {worst:.3g} (vision tower {worst_visual:.3g})")
-    # bf16 .grad accumulated over 6 per-document backward passes vs one packed pass: the CPU torch path measured
-    # 0.051 here, so the bound is 0.1.
-    assert worst <= 1e-1
+    # bf16 .grad accumulated over 6 per-document backward passes vs one packed pass: measured 4.7e-3 on the H200
+    assert worst <= 2e-2
 
 
 def test_vision_varlen_kernels_match_sdpa():
