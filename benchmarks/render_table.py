@@ -1,7 +1,8 @@
-"""Render the README's performance table from the benchmark result files (benchmarks/results/*-train-step*.json).
+"""Render the README's performance tables from the benchmark result files (benchmarks/results/).
 
-    python benchmarks/render_table.py            # the newest result file of every model, as a markdown table
-    python benchmarks/render_table.py --all      # every result file (the history)
+    python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
+    python benchmarks/render_table.py --all      # every train-step file (the history)
+    python benchmarks/render_table.py --moe      # the newest *-moe-*.json file (bench_moe.py)
 """
 
 from __future__ import annotations
@@ -52,5 +53,31 @@ def render(newest_only: bool = True) -> str:
     return "\n".join(lines)
 
 
+def render_moe() -> str:
+    path = sorted(RESULTS.glob("*-moe-*.json"))[-1]
+    data = json.loads(path.read_text())
+    lines = ["| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
+             "peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for model, per_model in data.items():
+        if not isinstance(per_model, dict) or "params" not in per_model:
+            continue
+        for batch, entry in per_model.items():
+            if not isinstance(entry, dict) or "runs" not in entry:
+                continue
+            for run, row in entry["runs"].items():
+                if "error" in row:
+                    lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
+                    continue
+                lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
+                             f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
+                             f"{row['mfu_active']:.0%} | {row['peak_GiB']} |")
+        for run, row in per_model.get("experts_alone_rl_tokens", {}).items():
+            lines.append(f"| {model} | experts of one layer alone, RL tokens | {run} | {row.get('ms')} ms | | | | |")
+    return "\n".join(lines) + f"\n\n({path.name})"
+
+
 if __name__ == "__main__":
-    print(render(newest_only="--all" not in sys.argv[1:]))
+    if "--moe" in sys.argv[1:]:
+        print(render_moe())
+    else:
+        print(render(newest_only="--all" not in sys.argv[1:]))

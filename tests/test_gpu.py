@@ -4,6 +4,7 @@ write the measured numbers. Bounds sit at about 3x the values measured on the H2
 or are calibrated against a control measured in the same test."""
 
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -347,38 +348,46 @@ def _routing(model, run):
     return result, captured
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
-    """bf16 training step of a MoE model: the grouped-GEMM experts (the auto choice) and the per-expert loop, both
-    against the loop in fp32 on the same weights. The grouped path may round differently, never worse."""
-    docs, ids, cu = _moe_batch()
-    reference = _model(torch.float32, moe=True, moe_kernel="loop").train()
-    reference(ids, labels=ids, cu_seqlens=cu).loss.backward()
-    ref_grads = {n: p.grad.float() for n, p in reference.named_parameters()}
+    """The experts of one MoE block in bf16 with a fixed routing: grouped_mm (the auto choice) and the per-expert
+    loop, both against the loop in fp32 on the same inputs (output and every gradient). The grouped path may round
+    differently, never worse. A fixed routing, because at the model level bf16 and fp32 route near-tie tokens to
+    other experts, which swamps any kernel difference (a model-level version measured 1.38 logit / 1.0 relative
+    gradient error for both paths alike)."""
+    model = _model(torch.bfloat16, moe=True).train()
+    block = next(m for m in model.modules() if type(m).__name__ == "SparseMoeBlock")
+    config = model.config
+    choice = kernels.select_kernels(config, torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 6000
+    x = torch.randn(n, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        ref_logits = reference.eval()(ids, cu_seqlens=cu, use_cache=False).logits.float()
-    del reference
-    runs = {}
-    for moe_kernel in ("auto", "loop"):
-        model = _model(torch.bfloat16, moe=True, moe_kernel=moe_kernel).train()
-        runs.setdefault("choice", {})[moe_kernel] = kernels.select_kernels(model.config, ids.device, torch.bfloat16).moe
-        model(ids, labels=ids, cu_seqlens=cu).loss.backward()
-        with torch.no_grad():
-            logits = model.eval()(ids, cu_seqlens=cu, use_cache=False).logits.float()
-        grads = {n: p.grad.float() for n, p in model.named_parameters()}
-        big = [n for n, g in ref_grads.items() if g.norm() > 1e-4]
-        runs[moe_kernel] = {
-            "logits_max_abs_error_vs_fp32": (logits - ref_logits).abs().max().item(),
-            "worst_grad_relative_error_vs_fp32": max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item()
-                                                     for n in big),
-            "worst_small_grad_abs_error_vs_fp32": max(((grads[n] - g).norm()).item() for n, g in ref_grads.items()
-                                                      if n not in big)}
-    RESULTS["moe_grouped_vs_loop_bf16"] = runs
-    print(runs)
-    assert runs["choice"] == {"auto": "grouped_mm", "loop": "loop"}
-    grouped, loop = runs["auto"], runs["loop"]
-    assert grouped["logits_max_abs_error_vs_fp32"] <= 1.5 * loop["logits_max_abs_error_vs_fp32"] + 1e-3
-    assert grouped["worst_grad_relative_error_vs_fp32"] <= 1.5 * loop["worst_grad_relative_error_vs_fp32"] + 1e-3
+        _, weights, index = block.gate(x)
+    cotangent = torch.randn(x.shape, device="cuda", generator=gen)
+
+    def run(dtype, moe):
+        experts = block.experts.to(dtype)
+        experts.zero_grad(set_to_none=True)
+        xi = x.to(dtype).detach().clone().requires_grad_()
+        wi = weights.clone().requires_grad_()
+        out = experts(xi, index, wi, dataclasses.replace(choice, moe=moe))
+        out.backward(cotangent.to(dtype))
+        result = [out.float(), xi.grad.float(), wi.grad.float(), experts.gate_up_proj.grad.float(),
+                  experts.down_proj.grad.float()]
+        block.experts.to(torch.bfloat16)
+        return result
+
+    reference = run(torch.float32, "loop")
+    names = ("out", "x", "routing_weights", "gate_up_proj", "down_proj")
+    errors = {}
+    for moe in ("grouped_mm", "loop"):
+        got = run(torch.bfloat16, moe)
+        errors[moe] = {name: ((g - r).norm() / r.norm()).item() for name, g, r in zip(names, got, reference)}
+    RESULTS["moe_experts_grouped_vs_loop_bf16_relative_to_fp32"] = errors
+    print(errors)
+    assert choice.moe == "grouped_mm"
+    for name in names:
+        assert errors["grouped_mm"][name] <= 1.5 * errors["loop"][name] + 1e-4, (name, errors)
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")

@@ -53,11 +53,26 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
     def forward(self, x: torch.Tensor):
-        logits = F.linear(x.float(), self.weight.float())
+        logits = batch_invariant_linear(x.float(), self.weight.float())
         probs = logits.softmax(dim=-1)
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return logits, top_weights, top_index
+
+
+ROUTER_ROWS = 512
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear over blocks of ROUTER_ROWS rows, the last one zero-padded, so every row goes through a GEMM of the
+    same shape. BLAS libraries pick their algorithm (and with it the summation order) by the row count: a token's
+    router logits then depended on how many tokens ran with it, a document packed with others got logits an fp32
+    ulp away from the same document alone, and near-tie tokens went to other experts
+    (benchmarks/moe_batch_invariance.py locates it). Routing is a discrete choice, so it must be exact per token."""
+    n = x.shape[0]
+    pad = (-n) % ROUTER_ROWS
+    blocks = F.pad(x, (0, 0, 0, pad)).split(ROUTER_ROWS)
+    return torch.cat([F.linear(block, weight) for block in blocks])[:n]
 
 
 class FusedExperts(nn.Module):
