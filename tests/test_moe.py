@@ -200,3 +200,25 @@ def test_lora_on_experts_through_peft_target_parameters(moe_kernel):
         unmerged = model(input_ids=ids).logits
     assert (adapted - base_logits).abs().max() > 1e-3  # the adapter acts
     assert (merged - adapted).abs().max() <= 1e-5 and (unmerged - adapted).abs().max() <= 1e-5
+
+
+def test_router_logits_of_a_document_do_not_depend_on_what_runs_with_it():
+    # BLAS picks its algorithm by the row count, so one plain GEMM gave a document alone logits an ulp away from
+    # the same rows packed (some rows here on CPU, every row on the H200), and near-tie tokens changed experts.
+    from qwen35_packed.modeling.moe import TopKRouter
+
+    config = types.SimpleNamespace(num_experts=32, num_experts_per_tok=4, hidden_size=512)
+    router = TopKRouter(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.05)
+    lengths = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
+    x = torch.randn(sum(lengths), 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        logits, _, index = router(x)
+        start = 0
+        for length in lengths:
+            alone, _, alone_index = router(x[start:start + length])
+            assert torch.equal(alone, logits[start:start + length])
+            assert torch.equal(alone_index, index[start:start + length])
+            start += length
