@@ -42,6 +42,23 @@ def _warn_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# model_type of the official composite (vision-language) configs, whose `text_config` is a text config.
+COMPOSITE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_config_dict(config_dict: dict) -> dict:
+    """The text model's part of a config.json: `text_config` of a composite one, with the top-level fields that
+    speak for the text model (`tie_word_embeddings`, which the composite model ties by, and the writer's
+    `transformers_version`, which `resolve_rope_parameters` reads); any other dict unchanged."""
+    text = config_dict.get("text_config")
+    if config_dict.get("model_type") not in COMPOSITE_MODEL_TYPES or not isinstance(text, dict):
+        return config_dict
+    text = dict(text)
+    if "tie_word_embeddings" in config_dict:
+        text["tie_word_embeddings"] = config_dict["tie_word_embeddings"]
+    if "transformers_version" in config_dict:
+        text.setdefault("transformers_version", config_dict["transformers_version"])
+    return text
 # Project-only kernel choices (modeling/kernels.py) and the values each accepts.
 KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "fla", "torch"),
@@ -256,6 +273,12 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
         self.rope_parameters = rope
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        # A composite (vision-language) folder loads into the text classes as its text model.
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return text_config_dict(config_dict), kwargs
 
     def _init_moe_fields(self, kwargs: dict) -> None:
         """Dense models carry no MoE fields; the MoE subclass overrides this."""

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..modeling.checkpoint_keys import FUSED_EXPERT_KEY as _FUSED_EXPERT
+from ..modeling.checkpoint_keys import PER_EXPERT_KEY as _PER_EXPERT
+from ..modeling.checkpoint_keys import fuse_gate_up as _fuse_gate_up
 from .errors import ConversionError, NotInvertibleError
 
 # Bytes per element of the safetensors dtype names.
@@ -175,21 +178,6 @@ class StripPrefix(Rule):
 
     def describe(self) -> str:
         return f"StripPrefix({self.prefix!r} -> {self.replacement!r})"
-
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-
-
-def _fuse_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # inputs: gate_0, up_0, gate_1, up_1, ...; gate_up[e] = cat([gate_e, up_e], dim=0)  ([E, 2I, H])
-    gate0 = tensors[0]
-    n_experts, inter = len(tensors) // 2, gate0.shape[0]
-    out = torch.empty((n_experts, 2 * inter, gate0.shape[1]), dtype=gate0.dtype)
-    for e in range(n_experts):
-        out[e, :inter].copy_(tensors[2 * e])
-        out[e, inter:].copy_(tensors[2 * e + 1])
-    return out
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
