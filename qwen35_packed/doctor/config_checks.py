@@ -94,12 +94,17 @@ def _mrope_section(folder: ModelFolder, report: DoctorReport) -> None:
     rope = config.rope_parameters
     half = int(config.head_dim * rope["partial_rotary_factor"]) // 2
     section = rope["mrope_section"]
-    if sum(section) != half:
+    if sum(section) == half:
+        report.add("config.mrope_section", PASS, f"{section} sums to the rotary half-dim {half}")
+    elif rope["mrope_interleaved"]:
+        report.add("config.mrope_section", PASS,
+                   f"{section} sums to {sum(section)}, the rotary half-dim is {half}: interleaved sections are read "
+                   "as transformers' built-in reads them (frequency i reads h / w while i < 3 x its section)")
+    else:
         report.add("config.mrope_section", FAIL,
                    f"mrope_section {section} sums to {sum(section)}, the rotary half-dim is {half}",
-                   "mrope_section (t, h, w) must sum to head_dim x partial_rotary_factor / 2")  # fmt: skip
-    else:
-        report.add("config.mrope_section", PASS, f"{section} sums to the rotary half-dim {half}")
+                   "contiguous mrope_section (t, h, w), mrope_interleaved False, must sum to head_dim x "
+                   "partial_rotary_factor / 2")  # fmt: skip
 
 
 def _layer_types(folder: ModelFolder, report: DoctorReport) -> None:
