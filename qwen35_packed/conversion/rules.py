@@ -89,6 +89,7 @@ class RuleReport:
     consumed: list[str] = field(default_factory=list)  # input keys the rule matched
     produced: list[str] = field(default_factory=list)  # output keys it created (empty for drops)
     reason: str | None = None  # why, for drops
+    label: str | None = None  # what the rule does, in words (`outcome`); the rule's description when unset
 
     def summary(self) -> str:
         if not self.consumed:
@@ -97,6 +98,14 @@ class RuleReport:
             because = f": {self.reason}" if self.reason else ""
             return f"{self.rule}: dropped {len(self.consumed)} tensors{because}"
         return f"{self.rule}: {len(self.consumed)} tensors -> {len(self.produced)}"
+
+    def outcome(self) -> str | None:
+        """What the rule did, in words (None when it matched nothing): the plan's line without `-v`."""
+        if not self.consumed:
+            return None
+        if not self.produced:
+            return f"{len(self.consumed)} dropped ({self.reason})" if self.reason else f"{len(self.consumed)} dropped"
+        return f"{len(self.consumed)} -> {len(self.produced)} {self.label or self.rule}"
 
 
 class Rule:
@@ -110,6 +119,10 @@ class Rule:
 
     def describe(self) -> str:
         return repr(self)
+
+    def label(self) -> str:
+        """What the rule does, in words (RuleReport.outcome)."""
+        return self.describe()
 
 
 def _put(out: dict[str, LazyTensor], key: str, value: LazyTensor, rule: Rule) -> None:
@@ -178,6 +191,9 @@ class StripPrefix(Rule):
 
     def describe(self) -> str:
         return f"StripPrefix({self.prefix!r} -> {self.replacement!r})"
+
+    def label(self) -> str:
+        return f"renamed {self.prefix}* -> {self.replacement}*"
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -278,6 +294,9 @@ class FuseExperts(Rule):
         where = f" in {self.scope!r}" if self.scope else ""
         return f"FuseExperts(experts.{{e}}.{{gate,up,down}}_proj.weight -> experts.{{gate_up_proj,down_proj}}{where})"
 
+    def label(self) -> str:
+        return "per-expert expert tensors fused"
+
 
 @dataclass(frozen=True)
 class SplitExperts(Rule):
@@ -322,6 +341,9 @@ class SplitExperts(Rule):
         where = f" in {self.scope!r}" if self.scope else ""
         return f"SplitExperts(experts.{{gate_up_proj,down_proj}} -> experts.{{e}}.{{gate,up,down}}_proj.weight{where})"
 
+    def label(self) -> str:
+        return "fused expert tensors split per expert"
+
 
 def _slice(value: LazyTensor, expert: int, start: int | None, stop: int | None):
     def fn(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -352,7 +374,7 @@ class MappingEngine:
         tensors = dict(sources)
         reports = []
         for rule in self.rules:
-            report = RuleReport(rule.describe())
+            report = RuleReport(rule.describe(), label=rule.label())
             tensors = rule.apply(tensors, report)
             reports.append(report)
         return MappingPlan(tensors, reports)
