@@ -30,6 +30,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         max_shard_size=args.max_shard_size,
         progress=not args.no_progress,
+        verbose=args.verbose,
     )
     return 0
 
@@ -109,6 +110,8 @@ def _add_convert(subparsers) -> None:
         help="largest output shard, e.g. 5GB, 500MB, 2GiB or bytes (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print every mapping rule (matched or not) and the remote-code file names")
     p.add_argument("--verify", action="store_true",
                    help="compare the tensors of the folders A and B (dtype, shape, sha256 of the bytes); exit status 0 "
                         "when identical, 1 when not")  # fmt: skip

@@ -46,10 +46,14 @@ INDEX_NAME = "model.safetensors.index.json"
 CREDENTIAL_PATTERN = re.compile(r"(^|[._-])(token|credentials?|secrets?|netrc|api[_-]?key)([._-]|$)", re.IGNORECASE)
 # A Hugging Face access token inside a file that is otherwise allowed (a config or tokenizer file someone pasted it in)
 TOKEN_CONTENT_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
-PACKED_ARCHITECTURES = ("Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM")
+# architecture -> (MoE, vision-language): every folder `convert` writes, and the official ones.
+PACKED_ARCHITECTURES = {
+    "Qwen3_5PackedForCausalLM": (False, False), "Qwen3_5MoePackedForCausalLM": (True, False),
+    "Qwen3_5PackedForConditionalGeneration": (False, True), "Qwen3_5MoePackedForConditionalGeneration": (True, True),
+}  # fmt: skip
 OFFICIAL_ARCHITECTURES = {
-    "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": True,
-    "Qwen3_5ForConditionalGeneration": False, "Qwen3_5MoeForConditionalGeneration": True,
+    "Qwen3_5ForCausalLM": (False, False), "Qwen3_5MoeForCausalLM": (True, False),
+    "Qwen3_5ForConditionalGeneration": (False, True), "Qwen3_5MoeForConditionalGeneration": (True, True),
 }  # fmt: skip
 
 
@@ -78,6 +82,7 @@ class UploadPlan:
     card_source: str  # "generated" or "README.md in FOLDER"
     token_source: str
     notes: list[str] = field(default_factory=list)
+    vision: bool = False  # a vision-language model (or an adapter of one)
 
     @property
     def total_size(self) -> int:
@@ -88,7 +93,7 @@ class UploadPlan:
         out = [
             f"repo {self.repo_id} (model repository, {visibility}; created if missing)",
             f"folder {self.folder}: {self.kind} {'MoE' if self.is_moe else 'dense'}"
-            + (" adapter" if self.kind == "adapter" else " model"),
+            + (" vision-language" if self.vision else " text") + (" adapter" if self.kind == "adapter" else " model"),
             f"token: {self.token_source}",
             f"upload {len(self.files)} files, {format_bytes(self.total_size)}:",
         ]
@@ -132,14 +137,23 @@ def remote_code_names() -> set[str]:
     return {p.name for p in remote_code_files()}
 
 
-def _classify(folder: Path) -> tuple[str, bool, dict]:
-    """(kind, is_moe, config or adapter config)."""
+def _adapter_of_vision_model(weights: Path) -> bool:
+    """Whether a PEFT adapter's tensors sit in a vision-language model (its text decoder is `language_model`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as handle:
+        return any(".language_model." in key or ".visual." in key for key in handle.keys())
+
+
+def _classify(folder: Path) -> tuple[str, bool, bool, dict]:
+    """(kind, is_moe, vision-language, config or adapter config)."""
     if (folder / "adapter_config.json").is_file():
         adapter = _read_json(folder / "adapter_config.json")
-        if not (folder / "adapter_model.safetensors").is_file():
+        weights = folder / "adapter_model.safetensors"
+        if not weights.is_file():
             raise UploadError("adapter_config.json without adapter_model.safetensors (only safetensors are uploaded)")
         targets = json.dumps(adapter.get("target_parameters") or [])
-        return "adapter", "experts" in targets, adapter
+        return "adapter", "experts" in targets, _adapter_of_vision_model(weights), adapter
     if not (folder / "config.json").is_file():
         raise UploadError(f"{folder} has neither config.json (a model) nor adapter_config.json (a PEFT adapter)")
     config = _read_json(folder / "config.json")
@@ -154,9 +168,9 @@ def _classify(folder: Path) -> tuple[str, bool, dict]:
                 f"config.json names {arch} but the remote code is incomplete (auto_map {auto_map or 'missing'}, "
                 f"missing files {missing}); convert the checkpoint with `qwen35-packed convert`"
             )
-        return "packed", arch == "Qwen3_5MoePackedForCausalLM", config
+        return ("packed", *PACKED_ARCHITECTURES[arch], config)
     if arch in OFFICIAL_ARCHITECTURES:
-        return "official", OFFICIAL_ARCHITECTURES[arch], config
+        return ("official", *OFFICIAL_ARCHITECTURES[arch], config)
     raise UploadError(
         f"config.json has architectures {architectures}; expected one of {list(PACKED_ARCHITECTURES)} (this "
         f"project's layout) or {list(OFFICIAL_ARCHITECTURES)} (official)"
@@ -312,48 +326,53 @@ def license_from_file(folder: Path) -> str | None:
 # --------------------------------------------------------------------------------------------------------- card
 
 
-def usage_snippets(repo_id: str, kind: str, is_moe: bool, base_model: str | None) -> dict[str, str]:
-    """The code blocks of the card, by name; each is complete as shown (the tests run the transformers one)."""
-    builtin = "Qwen3_5MoeForCausalLM" if is_moe else "Qwen3_5ForCausalLM"
+def usage_snippets(repo_id: str, kind: str, is_moe: bool, base_model: str | None,
+                   vision: bool = False) -> dict[str, str]:
+    """The code blocks of the card, by name; each is complete as shown (the tests run the transformers one).
+    A vision-language folder loads through `AutoModelForImageTextToText` (its auto_map / the built-in mapping)."""
+    builtin = ("Qwen3_5MoeForConditionalGeneration" if is_moe else "Qwen3_5ForConditionalGeneration") if vision else (
+        "Qwen3_5MoeForCausalLM" if is_moe else "Qwen3_5ForCausalLM")
+    auto = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
     remote = ", trust_remote_code=True" if kind == "packed" else ""
     snippets = {}
     if kind == "adapter":
         base = base_model or "BASE_MODEL"
         snippets["peft"] = (
             "from peft import PeftModel\n"
-            "from transformers import AutoModelForCausalLM\n\n"
-            f'base = AutoModelForCausalLM.from_pretrained("{base}", trust_remote_code=True)\n'
+            f"from transformers import {auto}\n\n"
+            f'base = {auto}.from_pretrained("{base}", trust_remote_code=True)\n'
             f'model = PeftModel.from_pretrained(base, "{repo_id}")\n'
             "merged = model.merge_and_unload()  # plain weights with the base model's names (vLLM loads them)\n"
         )
         return snippets
     snippets["transformers"] = (
         "import torch\n"
-        "from transformers import AutoModelForCausalLM\n\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{remote})\n'
+        f"from transformers import {auto}\n\n"
+        f'model = {auto}.from_pretrained("{repo_id}"{remote})\n'
         "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
         "logits = model(ids).logits\n"
     )
     if kind == "packed":
         snippets["packed"] = (
             "import torch\n"
-            "from transformers import AutoModelForCausalLM\n\n"
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+            f"from transformers import {auto}\n\n"
+            f'model = {auto}.from_pretrained("{repo_id}", trust_remote_code=True)\n'
             "# two documents (4 and 3 tokens) packed in one row: each one sees only itself\n"
             "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
             "out = model(ids, cu_seqlens=torch.tensor([0, 4, 7]), labels=ids)\n"
             "# also accepted: position_ids restarting at 0 per document (DataCollatorWithFlattening)\n"
         )
-        snippets["trl"] = (
-            f"trl grpo --model_name_or_path {repo_id} --trust_remote_code true \\\n"
-            "    --dataset_name YOUR_DATASET --reward_funcs my_rewards.reward_fn \\\n"
-            "    --output_dir grpo-out\n"
-            "# my_rewards.py (on PYTHONPATH): def reward_fn(completions, **kwargs) -> list[float]\n"
-        )
+        if not vision:  # `trl grpo` trains text models
+            snippets["trl"] = (
+                f"trl grpo --model_name_or_path {repo_id} --trust_remote_code true \\\n"
+                "    --dataset_name YOUR_DATASET --reward_funcs my_rewards.reward_fn \\\n"
+                "    --output_dir grpo-out\n"
+                "# my_rewards.py (on PYTHONPATH): def reward_fn(completions, **kwargs) -> list[float]\n"
+            )
         snippets["peft"] = (
             "from peft import LoraConfig, get_peft_model\n"
-            "from transformers import AutoModelForCausalLM\n\n"
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+            f"from transformers import {auto}\n\n"
+            f'model = {auto}.from_pretrained("{repo_id}", trust_remote_code=True)\n'
             "config = LoraConfig(\n"
             "    r=16, lora_alpha=32, lora_dropout=0.0, task_type=\"CAUSAL_LM\",\n"
             "    target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\",  # gated attention\n"
@@ -433,6 +452,7 @@ def build_card(
     license: str | None,
     config: dict,
     report: dict | None,
+    vision: bool = False,
 ):
     """The model card (a huggingface_hub ModelCard) for the folder."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -445,16 +465,16 @@ def build_card(
         base_model=base_model,
         license=license,
         tags=tags,
-        pipeline_tag="text-generation",
+        pipeline_tag="image-text-to-text" if vision else "text-generation",
     )
     name = repo_id.split("/")[-1]
-    size = "MoE" if is_moe else "dense"
+    size = ("MoE" if is_moe else "dense") + (" vision-language" if vision else " text")
     about = {
         "packed": (
-            f"Qwen3.5 {size} text model in the `qwen35-packed` layout: "
+            f"Qwen3.5 {size} model in the `qwen35-packed` layout: "
             "transformers remote code (`trust_remote_code=True`) that is exact for packed documents (the GDN conv, "
             "the delta-rule recurrence, attention, rope positions and the loss all honour document boundaries). The "
-            "weights have the names and shapes of transformers' built-in Qwen3.5 text classes, which load them "
+            "weights have the names and shapes of transformers' built-in Qwen3.5 classes, which load them "
             "without `trust_remote_code` (unpacked input only)."
         ),
         "official": (
@@ -467,7 +487,7 @@ def build_card(
     if base_model:
         lines += [f"Base model: [{base_model}](https://huggingface.co/{base_model}).", ""]
     lines += ["## Usage", ""]
-    for key, code in usage_snippets(repo_id, kind, is_moe, base_model).items():
+    for key, code in usage_snippets(repo_id, kind, is_moe, base_model, vision).items():
         lines += [f"### {_TITLES[key]}", "", f"```{_LANGUAGES[key]}", code.rstrip("\n"), "```", ""]
     coef = (config.get("text_config") or config).get("router_aux_loss_coef") if kind != "adapter" else None
     if is_moe and coef is not None:
@@ -510,7 +530,7 @@ def plan_upload(
         validate_repo_id(repo_id)
     except HFValidationError as exc:
         raise UploadError(f"--repo-id {repo_id!r}: {exc}") from exc
-    kind, is_moe, config = _classify(folder)
+    kind, is_moe, vision, config = _classify(folder)
     chosen, skipped, notes = select_files(folder, kind)
     report = load_report(folder)
     source = (report or {}).get("source", {})
@@ -532,13 +552,14 @@ def plan_upload(
         card_text, card_source = (folder / CARD_NAME).read_text(encoding="utf-8"), f"{CARD_NAME} in FOLDER"
         notes.append(f"note: uploading the folder's own {CARD_NAME}; --replace-card uploads the generated card")
     else:
-        card = build_card(repo_id, kind, is_moe, base_model=base_model, license=license, config=config, report=report)
+        card = build_card(repo_id, kind, is_moe, base_model=base_model, license=license, config=config, report=report,
+                          vision=vision)
         card_text, card_source = str(card), "generated"
         data = card_text.encode("utf-8")
         files.append(UploadFile(CARD_NAME, len(data), content=data))
     files.sort(key=lambda f: f.path_in_repo)
     return UploadPlan(folder, repo_id, private, kind, is_moe, files, skipped, card_text, card_source,
-                      token_source(), notes)  # fmt: skip
+                      token_source(), notes, vision)  # fmt: skip
 
 
 def upload(plan: UploadPlan, api) -> object:

@@ -278,3 +278,33 @@ def test_every_kernel_choice_has_a_description():
     for field, described in (("gdn_kernel", PATHS), ("conv_kernel", CONV), ("attention_kernel", ATTENTION),
                              ("moe_kernel", MOE)):
         assert set(KERNEL_FIELDS[field]) - {"auto"} <= set(described), field
+
+
+def test_non_qwen35_folder_says_so_first(tmp_path, capsys):
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    code, checks, _ = doctor(folder, tmp_path)
+    rows = capsys.readouterr().out.splitlines()
+    assert code == 1 and list(checks) == ["folder.model_type"]
+    assert "not a Qwen3.5 model: model_type 'llama'" in checks["folder.model_type"]["detail"]
+    assert rows[3].startswith("folder.model_type  FAIL")  # the table's first row
+
+
+def test_rope_stated_once_is_a_warning_that_convert_resolves(dense, tmp_path):
+    """Rope only in rope_parameters and no mrope_section (what transformers' built-in text config saves): readers
+    that look elsewhere fall back to their defaults. Expected for a folder `convert` did not write: a WARN naming the
+    fix, not a FAIL; the official sections are read as the built-in reads them although they do not sum to the
+    rotary half-dim."""
+
+    def edit(config):
+        for key in ("rope_scaling", "rope_theta", "partial_rotary_factor"):
+            config.pop(key, None)
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+    code, checks, _ = doctor(edited(dense, tmp_path / "m", edit), tmp_path)
+    assert checks["config.rope"]["status"] == "WARN", checks["config.rope"]
+    assert "expected for a folder not written by `qwen35-packed convert`" in checks["config.rope"]["detail"]
+    assert checks["config.mrope_section"]["status"] == "PASS"
+    assert "as transformers' built-in reads them" in checks["config.mrope_section"]["detail"]
+    assert code == 0 and failing(checks) == []

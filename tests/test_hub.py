@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from qwen35_packed import hub
 from qwen35_packed.conversion import convert, remote_code_files
-from test_conversion import build_builtin
+from conftest import requires_builtin_qwen35
+from test_conversion import build_builtin, build_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_NotARealTokenButSecret0123456789"
@@ -319,3 +320,40 @@ def test_shards_are_whatever_the_index_names(tmp_path):
     assert ("model-00001-of-00009.safetensors", "a shard model.safetensors.index.json does not name (stale?)") in (
         plan.skipped
     )
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_vision_language_folders_and_their_adapters(kind, tmp_path):
+    """What `convert` writes by default from a composite checkpoint (this project's vision-language classes), the
+    composite checkpoint itself and a LoRA adapter of the converted model: each is accepted, and the card's
+    snippets load it through AutoModelForImageTextToText and run as written."""
+    src, out = tmp_path / "src", tmp_path / "packed"
+    build_tiny_vlm(kind=kind).save_pretrained(src)
+    convert(src, out, progress=False, log=lambda line: None)
+    moe = kind == "moe"
+    for folder, expected_kind in ((out, "packed"), (src, "official")):
+        plan = hub.plan_upload(folder, "org/vl")
+        assert (plan.kind, plan.is_moe, plan.vision) == (expected_kind, moe, True)
+        card = ModelCard(plan.card_text)
+        assert card.data.pipeline_tag == "image-text-to-text" and "vision-language" in card.text
+        assert "AutoModelForCausalLM" not in card.text and "trl grpo" not in card.text
+        snippets = hub.usage_snippets(str(folder), expected_kind, moe, None, vision=True)
+        for name in ("transformers", "packed") if expected_kind == "packed" else ("transformers",):
+            scope = {}
+            exec(compile(snippets[name], f"<card:{name}>", "exec"), scope)
+            assert type(scope["model"]).__name__.endswith("ForConditionalGeneration")
+            assert scope["logits"].shape == (1, 7, 128) if name == "transformers" else torch.isfinite(
+                scope["out"].loss)
+    pytest.importorskip("peft")
+    scope = {}
+    exec(compile(hub.usage_snippets(str(out), "packed", moe, None, vision=True)["peft"], "<card:peft>", "exec"),
+         scope)  # fmt: skip
+    adapter = tmp_path / "adapter"
+    scope["model"].save_pretrained(adapter)
+    plan = hub.plan_upload(adapter, "org/vl-adapter", base_model=str(out))
+    assert (plan.kind, plan.vision) == ("adapter", True)
+    scope = {}
+    exec(compile(hub.usage_snippets(str(adapter), "adapter", moe, str(out), vision=True)["peft"], "<card:adapter>",
+                 "exec"), scope)  # fmt: skip
+    assert type(scope["merged"]).__name__.endswith("PackedForConditionalGeneration")

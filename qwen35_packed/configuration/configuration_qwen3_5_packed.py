@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import math
 
+import transformers
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,23 @@ def _warn_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# model_type of the official composite (vision-language) configs, whose `text_config` is a text config.
+COMPOSITE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_config_dict(config_dict: dict) -> dict:
+    """The text model's part of a config.json: `text_config` of a composite one, with the top-level fields that
+    speak for the text model (`tie_word_embeddings`, which the composite model ties by, and the writer's
+    `transformers_version`, which `resolve_rope_parameters` reads); any other dict unchanged."""
+    text = config_dict.get("text_config")
+    if config_dict.get("model_type") not in COMPOSITE_MODEL_TYPES or not isinstance(text, dict):
+        return config_dict
+    text = dict(text)
+    if "tie_word_embeddings" in config_dict:
+        text["tie_word_embeddings"] = config_dict["tie_word_embeddings"]
+    if "transformers_version" in config_dict:
+        text.setdefault("transformers_version", config_dict["transformers_version"])
+    return text
 # Project-only kernel choices (modeling/kernels.py) and the values each accepts.
 KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "fla", "torch"),
@@ -135,10 +154,10 @@ def resolve_rope_parameters(
         )
     for key in _ROPE_KEYS:
         merged.setdefault(key, QWEN3_5_ROPE_DEFAULTS[key])
-    if merged["rope_type"] != "default":
-        raise ValueError(
-            f"rope_type {merged['rope_type']!r} is not supported by qwen35-packed (Qwen3.5 uses 'default')."
-        )
+    supported = ("default", *ROPE_INIT_FUNCTIONS)
+    if merged["rope_type"] not in supported:
+        raise ValueError(f"rope_type {merged['rope_type']!r} is not one of the rope types transformers "
+                         f"{transformers.__version__} implements: {', '.join(supported)}")
     merged["rope_theta"] = float(merged["rope_theta"])
     merged["partial_rotary_factor"] = float(merged["partial_rotary_factor"])
     if len(merged["mrope_section"]) != 3:
@@ -256,9 +275,37 @@ class Qwen3_5PackedConfig(PretrainedConfig):
 
         self._init_moe_fields(kwargs)
         self.validate_layout()
+        self._check_scaled_rope()  # before transformers 5's base __init__, whose own check raises a KeyError
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
         self.rope_parameters = rope
+
+    def _check_scaled_rope(self) -> None:
+        """Scaled rope types read their parameters through transformers' own functions (modeling/rope.py): run
+        them once here, so that a missing or bad parameter is an error when the config is read."""
+        rope = self.rope_parameters
+        if rope["rope_type"] == "default":
+            return
+        if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+            # what transformers 5 fills in (standardize_rope_params), kept in the file for every reader
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        if not isinstance(getattr(type(self), "rope_scaling", None), property):
+            # transformers 4's rope functions read `rope_scaling`, and longrope a top-level
+            # `original_max_position_embeddings`
+            self.rope_scaling = rope
+            if "original_max_position_embeddings" in rope:
+                self.original_max_position_embeddings = rope["original_max_position_embeddings"]
+        try:
+            ROPE_INIT_FUNCTIONS[rope["rope_type"]](self, "cpu")
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"rope_type {rope['rope_type']!r} with rope parameters {rope} cannot be computed by "
+                             f"transformers {transformers.__version__}: {type(err).__name__}: {err}") from err
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        # A composite (vision-language) folder loads into the text classes as its text model.
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return text_config_dict(config_dict), kwargs
 
     def _init_moe_fields(self, kwargs: dict) -> None:
         """Dense models carry no MoE fields; the MoE subclass overrides this."""
@@ -274,11 +321,14 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         rotary_dim = int(self.head_dim * self.rope_parameters["partial_rotary_factor"])
         if rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {rotary_dim} must be even")
-        if sum(self.rope_parameters["mrope_section"]) != rotary_dim // 2:
+        # Interleaved sections are read as the built-in reads them, whatever their sum; contiguous ones (a layout
+        # only this project implements) must cover the rotary half-dim exactly.
+        if not self.rope_parameters["mrope_interleaved"] and sum(self.rope_parameters["mrope_section"]) != (
+                rotary_dim // 2):
             raise ValueError(
                 f"mrope_section {self.rope_parameters['mrope_section']} must sum to the rotary half-dim "
                 f"{rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor "
-                f"{self.rope_parameters['partial_rotary_factor']} / 2)"
+                f"{self.rope_parameters['partial_rotary_factor']} / 2) when mrope_interleaved is False"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")

@@ -99,6 +99,12 @@ class _TextConfigKnowsItsWriter:
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
+        if config_dict.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text"):
+            raise ValueError(
+                f"this is a text model's config (model_type {config_dict['model_type']!r}): the vision-language "
+                "classes need a composite (vision-language) checkpoint; load a text folder with "
+                "Qwen3_5PackedForCausalLM / Qwen3_5MoePackedForCausalLM"
+            )
         text, writer = config_dict.get("text_config"), config_dict.get("transformers_version")
         if isinstance(text, dict) and writer is not None and "transformers_version" not in text:
             config_dict = {**config_dict, "text_config": {**text, "transformers_version": writer}}

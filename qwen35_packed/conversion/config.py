@@ -14,7 +14,7 @@ from ..configuration.configuration_qwen3_5_packed import (
     resolve_rope_parameters,
 )
 from .errors import ConversionError
-from .rope_readers import disagreements, normalized_rope_keys, rope_table, rope_views
+from .rope_readers import disagreements, normalized_rope_keys, resolution_line, rope_table, rope_views
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
 COMPOSITE_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
@@ -156,6 +156,7 @@ def _normalize_text(
     for key in _NOT_CARRIED:
         text.pop(key, None)
     source_views = rope_views(text)
+    source_text = copy.deepcopy(text)
     top_level_factor = text.get("partial_rotary_factor")
     try:
         rope = resolve_rope_parameters(
@@ -183,6 +184,8 @@ def _normalize_text(
         rope_lines.extend(rope_table(written_views, "rope as each reader sees it (SRC and the written config.json):"))
     else:
         rope_lines.extend(rope_table(source_views, "rope as each reader sees SRC's config.json:"))
+        if disagreements(source_views):
+            rope_lines.append(resolution_line(source_text, source_views))
         rope_lines.extend(rope_table(written_views, "rope as each reader sees the written config.json:"))
     text["model_type"] = model_type
 

@@ -259,6 +259,7 @@ class ConversionPlan:
     locations: dict[str, Path]  # source key -> shard file, over SRC and the *_from checkpoints
     direction: str = "packed"
     lines: list[str] = field(default_factory=list)  # the printed plan
+    verbose_only: set[int] = field(default_factory=set)  # indices of `lines` printed only with -v (the rules)
 
     @property
     def copied_files(self) -> list[str]:
@@ -387,7 +388,7 @@ def _prefixed(tensors: dict[str, LazyTensor], prefix: str) -> dict[str, LazyTens
 
 
 def _insert(mapping: MappingPlan, extra: dict[str, LazyTensor], description: str) -> None:
-    report = RuleReport(description)
+    report = RuleReport(description, label=description[0].lower() + description[1:])
     for key, value in extra.items():
         if key in mapping.outputs:
             raise ConversionError(f"{description}: {key!r} is also produced from SRC")
@@ -618,8 +619,11 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
     )
     for extra in extra_sources:
         lines.append(f"{extra.role} {extra.folder}: {len(extra.tensors)} tensors in {len(extra.shard_files)} shard(s)")
+    outcomes = [o for o in (report.outcome() for report in mapping.reports) if o]
+    lines.append(f"  tensors: {'; '.join(outcomes) if outcomes else 'all as stored'}")
     for report in mapping.reports:
-        lines.append(f"  {report.summary()}")
+        plan.verbose_only.add(len(lines))
+        lines.append(f"    rule {report.summary()}")
     layout = {"packed": "this project's layout", "packed-composite": "this project's composite layout",
               "official-text": "official text layout",
               "official-composite": "official composite layout"}[output_config.layout]  # fmt: skip
@@ -629,7 +633,9 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
     )
     lines.append(f"  config: {summarize(output_config)}")
     if plan.remote_code:
-        lines.append(f"  remote code: {', '.join(p.name for p in plan.remote_code)}")
+        lines.append(f"  remote code: {len(plan.remote_code)} files of qwen35_packed/configuration and /modeling")
+        plan.verbose_only.add(len(lines))
+        lines.append(f"    {', '.join(p.name for p in plan.remote_code)}")
     copied = [c.name if c.source.parent == plan.src else f"{c.name} (from {c.source.parent.name})" for c in plan.copied]
     lines.append(f"  copied: {', '.join(copied) if copied else '(no tokenizer / generation files found)'}")
     for item in plan.copied:
@@ -791,10 +797,12 @@ def convert(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    verbose: bool = False,
 ) -> ConversionPlan:
     """Convert SRC into OUT in the direction `to` ('packed' or 'official'); see the module doc.
 
-    With `dry_run` the plan is printed and nothing is written. Raises ConversionError with a readable message. An
+    With `dry_run` the plan is printed and nothing is written; `verbose` adds every mapping rule's line and the
+    remote-code file names to the printed plan. Raises ConversionError with a readable message. An
     interrupt (Ctrl-C, or SIGTERM through the CLI) is logged with what it left: OUT complete, or nothing.
     """
     existed = Path(out).exists()  # then planning refuses it; an interrupt before that must not call it ours
@@ -809,8 +817,9 @@ def convert(
             router_aux_loss_coef=router_aux_loss_coef,
             max_shard_size=max_shard_size,
         )
-        for line in plan.lines:
-            log(line)
+        for i, line in enumerate(plan.lines):
+            if verbose or i not in plan.verbose_only:
+                log(line)
         if dry_run:
             log("dry run: nothing written")
             return plan

@@ -130,6 +130,30 @@ def rope_table(views: dict[str, dict], title: str) -> list[str]:
     return lines
 
 
+def _stated(text: dict, name: str) -> list:
+    """The values SRC itself writes for `name` (in rope_parameters, rope_scaling, at the top level)."""
+    places = [_dict_or_none(text.get("rope_parameters")) or {}, _dict_or_none(text.get("rope_scaling")) or {}, text]
+    return [place[name] for place in places if place.get(name) is not None]
+
+
+def contradicted_fields(text: dict, fields: list[str]) -> list[str]:
+    """Those of `fields` that the config states more than once with different values (a disagreement among the
+    readers is otherwise expected: the value is stated once, or not at all, and readers differ in their defaults)."""
+    return [name for name in fields if any(not _same(v, _stated(text, name)[0]) for v in _stated(text, name))]
+
+
+def resolution_line(text: dict, views: dict[str, dict]) -> str:
+    """Why the readers of a source config disagree and that the written config resolves it (`convert`'s table)."""
+    bad = disagreements(views)
+    contradicted = contradicted_fields(text, bad)
+    if contradicted:
+        return (f"    SRC states {', '.join(contradicted)} twice with different values, read as transformers 5 reads "
+                "them (see the note); the written config.json resolves it: every reader sees the values below")
+    return (f"    expected: SRC states {', '.join(bad)} in one place or not at all, and the readers that look "
+            "elsewhere use their own defaults; the written config.json resolves it: every reader sees the values "
+            "below")
+
+
 def normalized_rope_keys(rope: dict) -> dict:
     """The rope keys of a config every reader reads the same way: v5 dict, v4 dict, legacy top-level keys.
 
@@ -145,10 +169,12 @@ def normalized_rope_keys(rope: dict) -> dict:
 
 __all__ = [
     "READERS",
+    "contradicted_fields",
     "ROPE_FIELDS",
     "V4_DEFAULTS",
     "disagreements",
     "normalized_rope_keys",
+    "resolution_line",
     "rope_table",
     "rope_views",
 ]

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..modeling.checkpoint_keys import FUSED_EXPERT_KEY as _FUSED_EXPERT
+from ..modeling.checkpoint_keys import PER_EXPERT_KEY as _PER_EXPERT
+from ..modeling.checkpoint_keys import fuse_gate_up as _fuse_gate_up
 from .errors import ConversionError, NotInvertibleError
 
 # Bytes per element of the safetensors dtype names.
@@ -86,6 +89,7 @@ class RuleReport:
     consumed: list[str] = field(default_factory=list)  # input keys the rule matched
     produced: list[str] = field(default_factory=list)  # output keys it created (empty for drops)
     reason: str | None = None  # why, for drops
+    label: str | None = None  # what the rule does, in words (`outcome`); the rule's description when unset
 
     def summary(self) -> str:
         if not self.consumed:
@@ -94,6 +98,14 @@ class RuleReport:
             because = f": {self.reason}" if self.reason else ""
             return f"{self.rule}: dropped {len(self.consumed)} tensors{because}"
         return f"{self.rule}: {len(self.consumed)} tensors -> {len(self.produced)}"
+
+    def outcome(self) -> str | None:
+        """What the rule did, in words (None when it matched nothing): the plan's line without `-v`."""
+        if not self.consumed:
+            return None
+        if not self.produced:
+            return f"{len(self.consumed)} dropped ({self.reason})" if self.reason else f"{len(self.consumed)} dropped"
+        return f"{len(self.consumed)} -> {len(self.produced)} {self.label or self.rule}"
 
 
 class Rule:
@@ -107,6 +119,10 @@ class Rule:
 
     def describe(self) -> str:
         return repr(self)
+
+    def label(self) -> str:
+        """What the rule does, in words (RuleReport.outcome)."""
+        return self.describe()
 
 
 def _put(out: dict[str, LazyTensor], key: str, value: LazyTensor, rule: Rule) -> None:
@@ -176,20 +192,8 @@ class StripPrefix(Rule):
     def describe(self) -> str:
         return f"StripPrefix({self.prefix!r} -> {self.replacement!r})"
 
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-
-
-def _fuse_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # inputs: gate_0, up_0, gate_1, up_1, ...; gate_up[e] = cat([gate_e, up_e], dim=0)  ([E, 2I, H])
-    gate0 = tensors[0]
-    n_experts, inter = len(tensors) // 2, gate0.shape[0]
-    out = torch.empty((n_experts, 2 * inter, gate0.shape[1]), dtype=gate0.dtype)
-    for e in range(n_experts):
-        out[e, :inter].copy_(tensors[2 * e])
-        out[e, inter:].copy_(tensors[2 * e + 1])
-    return out
+    def label(self) -> str:
+        return f"renamed {self.prefix}* -> {self.replacement}*"
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -290,6 +294,9 @@ class FuseExperts(Rule):
         where = f" in {self.scope!r}" if self.scope else ""
         return f"FuseExperts(experts.{{e}}.{{gate,up,down}}_proj.weight -> experts.{{gate_up_proj,down_proj}}{where})"
 
+    def label(self) -> str:
+        return "per-expert expert tensors fused"
+
 
 @dataclass(frozen=True)
 class SplitExperts(Rule):
@@ -334,6 +341,9 @@ class SplitExperts(Rule):
         where = f" in {self.scope!r}" if self.scope else ""
         return f"SplitExperts(experts.{{gate_up_proj,down_proj}} -> experts.{{e}}.{{gate,up,down}}_proj.weight{where})"
 
+    def label(self) -> str:
+        return "fused expert tensors split per expert"
+
 
 def _slice(value: LazyTensor, expert: int, start: int | None, stop: int | None):
     def fn(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -364,7 +374,7 @@ class MappingEngine:
         tensors = dict(sources)
         reports = []
         for rule in self.rules:
-            report = RuleReport(rule.describe())
+            report = RuleReport(rule.describe(), label=rule.label())
             tensors = rule.apply(tensors, report)
             reports.append(report)
         return MappingPlan(tensors, reports)

@@ -31,6 +31,15 @@ def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) ->
         raise DoctorError("--device cuda, but torch sees no CUDA device")
     folder = read_folder(model_dir)
     report = DoctorReport(str(model_dir), device)
+    if not folder.is_qwen35:  # every other check would only list the ways another model differs from Qwen3.5
+        types = " / ".join(repr(t) for t in dict.fromkeys((folder.config.get("model_type"), folder.text.get(
+            "model_type"))) if t) or "none"
+        report.add("folder.model_type", FAIL,
+                   f"not a Qwen3.5 model: model_type {types}, architectures {folder.config.get('architectures')}; "
+                   "nothing else was checked",
+                   "the doctor checks Qwen3.5 folders: model_type qwen3_5_text / qwen3_5_moe_text, or a composite "
+                   "qwen3_5 / qwen3_5_moe one")  # fmt: skip
+        return report
     run_config_checks(folder, report)
     run_loading_checks(folder, report)
     run_environment_checks(folder, torch.device(device), report, vllm_elsewhere=with_vllm)

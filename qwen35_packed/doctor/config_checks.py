@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 from ..configuration.configuration_qwen3_5_packed import LAYER_TYPES
-from ..conversion.rope_readers import ROPE_FIELDS, disagreements, rope_views
+from ..conversion.rope_readers import ROPE_FIELDS, contradicted_fields, disagreements, rope_views
 from ..conversion.schema import expected_text_tensors, expected_vision_tensors
 from .environment_checks import builtin_qwen35_available
 from .folder import ModelFolder
@@ -74,9 +74,17 @@ def _rope(folder: ModelFolder, report: DoctorReport) -> None:
     else:
         rope = folder.packed_config.rope_parameters
         views["qwen35_packed config"] = {name: rope[name] for name in ROPE_FIELDS}
-    for name in disagreements(views):
+    disagreeing = disagreements(views)
+    for name in disagreeing:
         seen = ", ".join(f"{reader} {_fmt(view[name])}" for reader, view in views.items())
         problems.append(f"readers disagree on {name}: {seen}")
+    if problems and len(problems) == len(disagreeing) and not contradicted_fields(folder.text, disagreeing) and (
+            folder.packed_config is not None):
+        # stated once (or not at all), readers differ only in their defaults: usual for a folder `convert` did
+        # not write, and what it resolves
+        report.add("config.rope", WARN, "expected for a folder not written by `qwen35-packed convert`: "
+                   + "; ".join(problems), ROPE_FIX)
+        return
     if problems:
         report.add("config.rope", FAIL, "; ".join(problems), ROPE_FIX)
         return
@@ -94,12 +102,17 @@ def _mrope_section(folder: ModelFolder, report: DoctorReport) -> None:
     rope = config.rope_parameters
     half = int(config.head_dim * rope["partial_rotary_factor"]) // 2
     section = rope["mrope_section"]
-    if sum(section) != half:
+    if sum(section) == half:
+        report.add("config.mrope_section", PASS, f"{section} sums to the rotary half-dim {half}")
+    elif rope["mrope_interleaved"]:
+        report.add("config.mrope_section", PASS,
+                   f"{section} sums to {sum(section)}, the rotary half-dim is {half}: interleaved sections are read "
+                   "as transformers' built-in reads them (frequency i reads h / w while i < 3 x its section)")
+    else:
         report.add("config.mrope_section", FAIL,
                    f"mrope_section {section} sums to {sum(section)}, the rotary half-dim is {half}",
-                   "mrope_section (t, h, w) must sum to head_dim x partial_rotary_factor / 2")  # fmt: skip
-    else:
-        report.add("config.mrope_section", PASS, f"{section} sums to the rotary half-dim {half}")
+                   "contiguous mrope_section (t, h, w), mrope_interleaved False, must sum to head_dim x "
+                   "partial_rotary_factor / 2")  # fmt: skip
 
 
 def _layer_types(folder: ModelFolder, report: DoctorReport) -> None:

@@ -35,6 +35,14 @@ class ModelFolder:
         return architectures[0] if architectures else None
 
     @property
+    def is_qwen35(self) -> bool:
+        """Whether config.json describes a Qwen3.5 model at all (text, or composite with a Qwen3.5 text_config)."""
+        if self.composite:
+            return self.config.get("model_type") in COMPOSITE_MODEL_TYPES and self.text.get(
+                "model_type", "qwen3_5_text") in TEXT_MODEL_TYPES
+        return self.config.get("model_type") in TEXT_MODEL_TYPES
+
+    @property
     def tied(self) -> bool:
         """tie_word_embeddings as loaders read it (a composite config's top level decides for its model)."""
         return bool(self.config.get("tie_word_embeddings", self.text.get("tie_word_embeddings", False)))

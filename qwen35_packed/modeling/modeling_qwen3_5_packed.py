@@ -28,6 +28,12 @@ from transformers.utils import ModelOutput
 
 from .attention import GatedAttention
 from .cache import Qwen3_5PackedCache
+from .checkpoint_keys import (
+    IGNORED_MISSING_EXPERT_KEYS,
+    IGNORED_UNEXPECTED_EXPERT_KEYS,
+    TEXT_KEY_MAPPING,
+    from_official_layout,
+)
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
@@ -121,11 +127,18 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3_5PackedDecoderLayer"]
-    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\."]
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\.", *IGNORED_UNEXPECTED_EXPERT_KEYS]
+    _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
     _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
     _supports_sdpa = True
     _is_stateful = True
     enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # Any official layout (composite or text, experts fused or per expert): checkpoint_keys.py.
+        return from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs,
+                                    TEXT_KEY_MAPPING)
 
     def _init_weights(self, module):
         init = getattr(transformers, "initialization", None) or nn.init

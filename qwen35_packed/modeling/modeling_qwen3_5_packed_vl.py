@@ -30,6 +30,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
 from .modeling_qwen3_5_packed import (
@@ -98,16 +99,18 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3_5PackedDecoderLayer", "Qwen3_5PackedVisionBlock"]
-    _keys_to_ignore_on_load_unexpected = [r"^mtp\."]
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", *IGNORED_UNEXPECTED_EXPERT_KEYS]
+    _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
     _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
     _supports_sdpa = True
     _is_stateful = True
     enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # Experts fused or per expert, every parameter accounted for: checkpoint_keys.py.
+        result = from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs, None)
         # Loading replaces the parameters (requires_grad back to True): re-apply freeze_vision afterwards.
-        result = super().from_pretrained(*args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
         if getattr(model.config, "freeze_vision", False):
             model.set_vision_frozen(True)

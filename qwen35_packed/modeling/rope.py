@@ -6,18 +6,27 @@ layout. Each of the rotary_dim/2 frequencies reads one of the three position axe
     i < 3 * sections[2], t otherwise;
   * contiguous (mrope_interleaved False): the first sections[0] frequencies read t, the next sections[1] h,
     the last sections[2] w.
-Text tokens have t == h == w, so for text the result is ordinary rope.
+Text tokens have t == h == w, so for text the result is ordinary rope. The interleaved rule is read exactly as
+transformers' built-in reads it, whatever the sections sum to (a config without `mrope_section` gets the
+official [11, 11, 10], as the built-in's does).
+
+Rope types: `default` is computed here; the scaled types transformers implements (`linear`, `dynamic`, `yarn`,
+`longrope`, `llama3`, ...: its `ROPE_INIT_FUNCTIONS`) take their frequencies and attention scaling from
+transformers' own functions, as the built-in model does. `dynamic` and `longrope` depend on the longest sequence
+of the call (its largest position + 1), read on the host, as in the built-in; unlike the built-in nothing is kept
+between calls (the built-in keeps frequencies grown by an earlier, longer call).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-def mrope_axis_of_frequency(sections: list[int], interleaved: bool) -> torch.Tensor:
-    """long [rotary_dim/2]: which position axis (0=t, 1=h, 2=w) each frequency reads."""
-    half = sum(sections)
+def mrope_axis_of_frequency(sections: list[int], interleaved: bool, half: int) -> torch.Tensor:
+    """long [half]: which position axis (0=t, 1=h, 2=w) each of the `half` = rotary_dim/2 frequencies reads
+    (contiguous sections must sum to `half`)."""
     axis = torch.zeros(half, dtype=torch.long)
     if interleaved:
         idx = torch.arange(half)
@@ -36,10 +45,32 @@ class MRotaryEmbedding(nn.Module):
     def __init__(self, config):
         super().__init__()
         rope = config.rope_parameters
+        self.config = config
+        self.rope_type = rope["rope_type"]
         self.rotary_dim = config.rotary_dim
         self.theta = rope["rope_theta"]
         self.sections = list(rope["mrope_section"])
         self.interleaved = bool(rope["mrope_interleaved"])
+
+    def inverse_frequencies(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(fp32 inverse frequencies [rotary_dim/2], attention scaling of cos / sin) for this call's positions."""
+        device = position_ids.device
+        if self.rope_type == "default":
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+            return 1.0 / (self.theta**exponents), 1.0
+        init = ROPE_INIT_FUNCTIONS[self.rope_type]
+        if self.rope_type == "dynamic":
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.config.max_position_embeddings:
+                return init(self.config, device, seq_len=seq_len)
+        elif self.rope_type == "longrope":
+            seq_len = int(position_ids.max()) + 1
+            original = self.config.rope_parameters.get("original_max_position_embeddings",
+                                                       self.config.max_position_embeddings)
+            _, scaling = init(self.config, device)  # the built-in keeps the scaling of its construction
+            if seq_len > original:
+                return init(self.config, device, seq_len=original + 1)[0], scaling
+        return init(self.config, device)
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -47,13 +78,12 @@ class MRotaryEmbedding(nn.Module):
         device = position_ids.device
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(3, -1)
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        freqs = position_ids[..., None].float() * inv_freq  # [3, N, half]
-        axis = mrope_axis_of_frequency(self.sections, self.interleaved).to(device)
+        inv_freq, scaling = self.inverse_frequencies(position_ids)
+        freqs = position_ids[..., None].float() * inv_freq.to(device=device, dtype=torch.float32)  # [3, N, half]
+        axis = mrope_axis_of_frequency(self.sections, self.interleaved, freqs.shape[-1]).to(device)
         freqs = torch.gather(freqs, 0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Rope as transformers' built-in Qwen3.5 reads it: a config without `mrope_section` (dense, MoE, vision-language)
+and every scaled rope type the built-in implements, logits equal to the built-in's (CPU, fp32, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import _randomize_zero_init, requires_builtin_qwen35, tiny_kwargs
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig
+from qwen35_packed import Qwen3_5PackedForCausalLM
+from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
+
+# What `Qwen3_5TextConfig(head_dim=32)` saves: no mrope_section; the rotary half-dim is 4, not the 32 that the
+# official sections [11, 11, 10] (which the built-in then uses) sum to.
+NO_SECTIONS = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+MAX_POSITIONS = 48  # the longer input below runs past it, where dynamic / longrope / yarn scaling matters
+BASE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+SCALED = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 12},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 24,
+                 "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.0, 1.0, 1.0],
+                 "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+
+
+def builtin_text_pair(kind: str, rope: dict, **overrides):
+    kwargs = dict(tiny_kwargs(kind), rope_parameters=dict(rope), **overrides)
+    torch.manual_seed(0)
+    if kind == "moe":
+        ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
+        ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
+    else:
+        ref = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kwargs))
+        ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
+    _randomize_zero_init(ref)
+    ours.load_state_dict(ref.state_dict())
+    return ref.eval(), ours.eval()
+
+
+def _logits(model, length: int, seed: int = 3) -> torch.Tensor:
+    ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_text_config_without_mrope_section_matches_builtin(kind, tmp_path):
+    ref, _ = builtin_text_pair(kind, NO_SECTIONS)
+    ref.save_pretrained(tmp_path)  # the built-in's file, read by our class
+    assert "mrope_section" not in ref.config.to_dict()["rope_parameters"]
+    ours = (Qwen3_5MoePackedForCausalLM if kind == "moe" else Qwen3_5PackedForCausalLM).from_pretrained(tmp_path)
+    assert (_logits(ours.eval(), 40) - _logits(ref, 40)).abs().max() <= 1e-4
+
+
+@requires_builtin_qwen35
+def test_vision_language_without_mrope_section_matches_builtin():
+    text = dict(tiny_kwargs("dense"), rope_parameters=dict(NO_SECTIONS))
+    ref, ours = builtin_vl_pair("dense", text_config=text)
+    gen = torch.Generator().manual_seed(1)
+    ids, images, _ = make_document(gen, 2)
+    ids = ids.unsqueeze(0)
+    inputs = dict(input_ids=ids, pixel_values=pixels_for(images, gen), image_grid_thw=grid_tensor(images),
+                  mm_token_type_ids=token_types(ids))
+    with torch.no_grad():
+        assert (ours(**inputs).logits - ref(**inputs, use_cache=False).logits).abs().max() <= 1e-4
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("rope_type", sorted(SCALED))
+def test_scaled_rope_matches_builtin(rope_type):
+    rope = dict(BASE, **SCALED[rope_type])
+    ref, ours = builtin_text_pair("dense", rope, max_position_embeddings=MAX_POSITIONS)
+    _, plain = builtin_text_pair("dense", dict(BASE, rope_type="default"), max_position_embeddings=MAX_POSITIONS)
+    for length in (20, 2 * MAX_POSITIONS + 5):
+        assert (_logits(ours, length) - _logits(ref, length)).abs().max() <= 1e-4, length
+    # the scaling is in effect: the long input's logits are far from those of unscaled rope
+    assert (_logits(ours, 2 * MAX_POSITIONS + 5) - _logits(plain, 2 * MAX_POSITIONS + 5)).abs().max() > 1e-2
+
+
+def test_scaled_rope_packed_equals_per_document():
+    """Static scaled types keep packed == per-document (dynamic / longrope follow the call's longest sequence)."""
+    config = Qwen3_5PackedConfig(**dict(tiny_kwargs("dense"), rope_parameters=dict(BASE, **SCALED["yarn"]),
+                                        max_position_embeddings=MAX_POSITIONS))
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(config).eval()
+    docs = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 70)]
+    cu = torch.tensor([0, 30, 100])
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat(docs)[None], cu_seqlens=cu).logits[0]
+        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    assert (packed - alone).abs().max() <= 1e-5
