@@ -189,15 +189,17 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         cu_seq_lens_k=None,
         max_length_q=None,
         max_length_k=None,
+        seq_idx=None,
     ):
         """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
-        explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k))
+        explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
 
         if cache is not None and cache.has_state:
             if explicit_packing:
-                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k) cannot be used with a filled cache")
+                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
+                                 "filled cache")
             if attention_mask is not None and not bool(attention_mask[:, -shape[1]:].bool().all()):
                 raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
             packed = cache.decode_sequence(shape[0], shape[1], device)
@@ -207,7 +209,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         else:
             packed = build_packed_sequence(
                 shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k,
+                max_length_q, max_length_k, seq_idx,
             )
             one_doc_per_row = packed.num_docs == shape[0]
             if use_cache is None:
@@ -253,7 +255,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                cache=None, **kwargs):
+                seq_idx=None, cache=None, **kwargs):
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
@@ -264,7 +266,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
             use_cache, bool(output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
         return Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
@@ -329,14 +331,14 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, cache=None,
-                **kwargs):
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
+                cache=None, **kwargs):
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
             use_cache, bool(output_hidden_states), want_router, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k,
+            max_length_q, max_length_k, seq_idx,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,

@@ -184,6 +184,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         cu_seq_lens_k=None,
         max_length_q=None,
         max_length_k=None,
+        seq_idx=None,
     ) -> PackedMultimodalResult:
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -200,7 +201,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
 
         packed = build_packed_sequence(
             shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k,
+            max_length_q, max_length_k, seq_idx,
         )
         given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
         if input_ids is not None:
@@ -253,15 +254,15 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, use_cache=None,
-                **kwargs):
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
+                use_cache=None, **kwargs):
         _check_kwargs(kwargs)
         _refuse_cache(use_cache)
         result = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
             image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states),
             _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
-            cu_seq_lens_k, max_length_q, max_length_k,
+            cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
         packed = result.packed
         return Qwen3_5PackedVLModelOutput(
@@ -336,14 +337,14 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                max_length_q=None, max_length_k=None, use_cache=None, **kwargs):
+                max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, **kwargs):
         _refuse_cache(use_cache)  # first: generate() passes cache kwargs too, the reason to give is the cache
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
             image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
         packed, hidden = result.packed, result.hidden
 
