@@ -36,7 +36,7 @@ from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balan
 from .numerics import enable_numerics_check
 from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
-from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
+from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 from .rope import MRotaryEmbedding
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
@@ -52,7 +52,9 @@ _CACHE_KWARG = (
     else "past_key_values"
 )
 # Keyword arguments trainers and generate() pass that carry nothing for this model.
-_IGNORED_KWARGS = frozenset({"return_dict", "cache_position", "output_attentions"})
+_IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
+# Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
+_PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 _logged_once: set = set()
 
 
@@ -255,7 +257,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                seq_idx=None, cache=None, **kwargs):
+                seq_idx=None, cache=None, return_dict=None, **kwargs):
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
@@ -265,15 +267,16 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                       "for RL", self.config.router_aux_loss_coef)
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, bool(output_hidden_states), want_router,
+            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router,
             cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
-        return Qwen3_5PackedModelOutput(
+        output = Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
             hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
             router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
 def _check_kwargs(kwargs: dict) -> None:
@@ -284,6 +287,26 @@ def _check_kwargs(kwargs: dict) -> None:
         raise ValueError("output_attentions is not supported: varlen attention kernels never form the matrix")
 
 
+def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
+    """generate() would silently drop packing kwargs; boundaries inside a row (cu_seqlens, cu_seq_lens_q/k,
+    seq_idx, or position_ids that restart within a row) raise instead."""
+    given = [name for name in _PACKING_KWARGS if kwargs.get(name) is not None]
+    position_ids = kwargs.get("position_ids")
+    if not given and position_ids is not None and torch.as_tensor(position_ids).ndim == 2:
+        ids = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
+                                         if kwargs.get(k) is not None), None)
+        if ids is not None:
+            packed = build_packed_sequence(tuple(ids.shape[:2]), ids.device, kwargs.get("attention_mask"),
+                                           position_ids)
+            if packed.num_docs != ids.shape[0]:
+                given = ["position_ids that restart within a row"]
+    if given:
+        raise ValueError(
+            f"generate() got packed document boundaries ({', '.join(given)}); generation continues one document "
+            "per row: pass one document per row instead (left-padded, with attention_mask)"
+        )
+
+
 def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
     """Per-layer router logits as [batch * seq, num_experts] with zeros at pad positions, the layout of the
     built-in model: transformers' `load_balancing_loss_func(router_logits, ..., attention_mask)` (which TRL's GRPO
@@ -291,6 +314,15 @@ def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
     if not router_logits:
         return None
     return tuple(packed.unpack(layer).flatten(0, 1) for layer in router_logits)
+
+
+def _wants_hidden_states(config, requested) -> bool:
+    return bool(getattr(config, "output_hidden_states", False) if requested is None else requested)
+
+
+def _wants_dict(config, requested) -> bool:
+    """return_dict=False (or the config's return_dict) gives a plain tuple of the output's set fields."""
+    return bool(getattr(config, "return_dict", True) if requested is None else requested)
 
 
 def _wants_router_logits(config, requested) -> bool:
@@ -332,19 +364,20 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                cache=None, **kwargs):
+                cache=None, shift_labels=None, return_dict=None, **kwargs):
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, bool(output_hidden_states), want_router, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k, seq_idx,
+            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router, cu_seqlens,
+            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
-                                                      kwargs.get("num_items_in_batch"), router_logits, want_router)
+                                                      kwargs.get("num_items_in_batch"), router_logits, want_router,
+                                                      shift_labels)
 
-        return Qwen3_5PackedCausalLMOutput(
+        output = Qwen3_5PackedCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
@@ -352,18 +385,19 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
     def lm_head_outputs(self, hidden, packed, labels, logits_to_keep, num_items_in_batch, router_logits,
-                        want_router):
+                        want_router, shift_labels=None):
         """lm_head, loss and MoE aux loss on the packed stream -> (loss, aux_loss, logits in the caller's layout).
         Shared with the vision-language classes: the text settings come from `config.get_text_config()`."""
         text_config = self.config.get_text_config()
         full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
-            targets = shift_labels_within_documents(labels, packed)
+            targets = loss_targets(packed, labels, shift_labels)
             loss, logits = self.packed_loss(hidden, targets, packed, num_items_in_batch,
                                             keep_logits=text_config.return_logits_with_loss)
         elif full_logits:
@@ -406,6 +440,11 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         denominator = num_items_in_batch if num_items_in_batch is not None else (
             (targets != IGNORE_INDEX).sum().clamp(min=1))
         return total / denominator, (packed.unpack(logits) if keep_logits else None)
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin.generate, refusing packed rows: generation continues one document per row."""
+        refuse_packed_generation(args, kwargs)
+        return GenerationMixin.generate(self, *args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, cache=None, use_cache=True, **kwargs):

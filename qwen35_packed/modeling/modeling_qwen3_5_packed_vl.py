@@ -36,6 +36,8 @@ from .modeling_qwen3_5_packed import (
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedTextModel,
     _check_kwargs,
+    _wants_dict,
+    _wants_hidden_states,
     _wants_router_logits,
     router_logits_in_caller_layout,
 )
@@ -255,22 +257,24 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                use_cache=None, **kwargs):
+                use_cache=None, return_dict=None, **kwargs):
         _check_kwargs(kwargs)
         _refuse_cache(use_cache)
         result = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states),
+            image_grid_thw, video_grid_thw, mm_token_type_ids,
+            _wants_hidden_states(self.config.text_config, output_hidden_states),
             _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
             cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
         packed = result.packed
-        return Qwen3_5PackedVLModelOutput(
+        output = Qwen3_5PackedVLModelOutput(
             last_hidden_state=packed.unpack(result.hidden),
             hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
             router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
@@ -337,22 +341,24 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, **kwargs):
+                max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
+                return_dict=None, **kwargs):
         _refuse_cache(use_cache)  # first: generate() passes cache kwargs too, the reason to give is the cache
         _check_kwargs(kwargs)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states), want_router,
+            image_grid_thw, video_grid_thw, mm_token_type_ids,
+            _wants_hidden_states(self.config.text_config, output_hidden_states), want_router,
             cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
         packed, hidden = result.packed, result.hidden
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
                                                       kwargs.get("num_items_in_batch"), result.router_logits,
-                                                      want_router)
+                                                      want_router, shift_labels)
 
-        return Qwen3_5PackedVLCausalLMOutput(
+        output = Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
@@ -360,6 +366,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
             router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration):

@@ -331,3 +331,32 @@ def shift_labels_within_documents(labels: torch.Tensor, packed: PackedSequence, 
     ends = packed.cu_seqlens[1:].long() - 1
     targets[ends] = ignore_index
     return targets
+
+
+def loss_targets(packed: PackedSequence, labels=None, shift_labels=None, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets on the packed stream from the caller's `labels` (unshifted) or `shift_labels` (already
+    shifted, transformers' loss kwarg: the target of token t is shift_labels[t]; it wins over `labels`, as in
+    transformers' ForCausalLMLoss). Both must have the shape of input_ids.
+
+    `shift_labels` are used as given, except that the last token of a document followed by another document in
+    its row must have no target (ignore_index): packed documents never predict across a boundary. The last token of
+    a row keeps its target (the row may be one chunk of a longer sequence, as under context parallelism).
+    """
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None and tuple(value.shape) != packed.batch_shape:
+            raise ValueError(f"{name} must have the shape of input_ids {list(packed.batch_shape)}, got "
+                             f"{list(value.shape)}")
+    if shift_labels is None:
+        return shift_labels_within_documents(labels, packed, ignore_index)
+    targets = packed.pack(shift_labels.unsqueeze(-1)).squeeze(-1)
+    ends = packed.cu_seqlens[1:-1].long() - 1  # every document end but the stream's last
+    inside_row = ~_row_first_tokens(packed)[ends + 1]
+    crossing = targets[ends[inside_row]] != ignore_index
+    if bool(crossing.any()):
+        token = int(ends[inside_row][crossing][0])
+        raise ValueError(
+            f"shift_labels give real token {token}, the last of its document, a target in the next document of its "
+            f"row; packed documents do not predict across a boundary: put {ignore_index} there (shifting labels "
+            "that are -100 at each document's first token does)"
+        )
+    return targets
