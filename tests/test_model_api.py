@@ -99,3 +99,114 @@ def test_return_dict_false_gives_a_tuple_and_config_output_hidden_states_is_hono
     assert torch.equal(as_tuple[0], expected[0]) and torch.equal(from_config[0], expected[0])
     assert torch.equal(as_tuple[-1][0], expected[-1][0])  # router logits of the first layer
     assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
+
+
+# ------------------------------------------------------------------------------------------------ token ids, classes
+
+
+def test_configs_built_in_code_have_token_id_attributes(tmp_path):
+    from transformers import GenerationConfig
+
+    from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig, Qwen3_5PackedVLConfig
+
+    for config in (Qwen3_5PackedConfig(), Qwen3_5MoePackedConfig(), Qwen3_5PackedVLConfig().text_config):
+        assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, None, None)
+    config = Qwen3_5PackedConfig(pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    config.save_pretrained(tmp_path)
+    loaded = Qwen3_5PackedConfig.from_pretrained(tmp_path)
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 2, 1)
+    generation = GenerationConfig.from_model_config(loaded)
+    assert (generation.pad_token_id, generation.eos_token_id) == (0, 1)
+
+
+def test_moe_text_backbone_class_and_automodel_on_converted_folders(tmp_path):
+    from transformers import AutoModel
+
+    from qwen35_packed.integrations.tiny import build_tiny_folder
+    from qwen35_packed.modeling import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
+
+    model = packed_model("moe")
+    assert type(model.model) is Qwen3_5PackedTextModel  # the causal LM's backbone is built by the dense class
+    backbone = Qwen3_5MoePackedTextModel(model.config)
+    backbone.load_state_dict(model.model.state_dict())
+    ids, positions = _packed_row()
+    with torch.no_grad():
+        assert torch.equal(backbone(ids, position_ids=positions).last_hidden_state,
+                           model.model(ids, position_ids=positions).last_hidden_state)
+    folder = build_tiny_folder(tmp_path / "moe", "moe")
+    loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded).__name__ == "Qwen3_5MoePackedTextModel"
+    assert loaded.layers[0].mlp.experts.gate_up_proj.abs().sum() > 0
+
+
+def test_decoder_layers_are_gradient_checkpointing_layers_with_the_callers_kwargs():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = packed_model("dense").train()
+    ids, positions = _packed_row()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    for layer in model.model.layers:
+        assert isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
+        assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+        layer.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+    model(ids, position_ids=positions, labels=ids).loss.backward()
+    # every layer ran twice: once in the forward, once recomputed in the backward (which stops early, once the
+    # last tensor it needs is recomputed: the norm at the start of the layer runs again)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+
+
+# ------------------------------------------------------------------------------------------------ generation API
+
+
+def _generate(model, case, ids, mask):
+    import transformers
+
+    greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    if case == "beam_search":
+        return model.generate(ids, num_beams=3, **greedy)
+    if case == "sample_with_dict":
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0,
+                             return_dict_in_generate=True, output_scores=True)
+        return torch.cat([out.sequences.float().flatten(), torch.stack(out.scores).flatten()])
+    if case == "inputs_embeds":
+        return model.generate(inputs_embeds=model.get_input_embeddings()(ids), **greedy)
+    if case == "empty_dynamic_cache":
+        return model.generate(ids, past_key_values=transformers.DynamicCache(config=model.config), **greedy)
+    # continue_from_cache: a second generate() picks up the cache and the sequence the first one returned
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    grown = torch.cat([mask, mask.new_ones(mask.shape[0], first.sequences.shape[1] - ids.shape[1])], dim=1)
+    return model.generate(first.sequences, attention_mask=grown, past_key_values=first.past_key_values,
+                          max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("case", ["beam_search", "sample_with_dict", "inputs_embeds", "empty_dynamic_cache",
+                                  "continue_from_cache"])
+def test_generation_api_equals_the_builtin(case):
+    from conftest import builtin_pair
+
+    ref, ours = builtin_pair("dense")
+    for model in (ref, ours):
+        model.generation_config.pad_token_id = 0
+    ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        expected, got = _generate(ref, case, ids, mask), _generate(ours, case, ids, mask)
+    assert got.shape == expected.shape
+    if case == "sample_with_dict":
+        assert (got - expected).abs().max().item() <= 1e-4
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_a_filled_transformers_cache_is_refused():
+    from conftest import builtin_pair
+
+    ref, ours = builtin_pair("dense")
+    ids = torch.randint(3, 120, (1, 6))
+    with torch.no_grad():
+        filled = ref(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="cannot be continued by the packed Qwen3.5 model"):
+            ours(ids[:, -1:], past_key_values=filled)

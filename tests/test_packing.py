@@ -151,6 +151,7 @@ def _build(**kwargs):
         ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "max_length_q": 4}, "max_length_q=4"),
         ({"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]])}, "holes"),
         ({"attention_mask": torch.zeros(1, 10, dtype=torch.long)}, "no real token"),
+        ({"attention_mask": torch.ones(1, 1, 10, 10).tril()}, "4D or custom masks are not accepted"),
         ({"position_ids": torch.tensor([[0, 1, 2, 4, 5, 6, 0, 1, 2, 3]])}, "count 0, 1, 2"),
         (
             {"cu_seqlens": torch.tensor([0, 4, 10]), "attention_mask": torch.tensor([[1] * 9 + [0]])},

@@ -198,6 +198,9 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool = True,
         conv_kernel: str = "auto",
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -256,6 +259,9 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
         self.rope_parameters = rope
+        # Attributes even when unset, as the built-in text configs have them (generation utilities read them);
+        # set after the base __init__, which on transformers 4.x resets them to None unless found in kwargs.
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
 
     def _init_moe_fields(self, kwargs: dict) -> None:
         """Dense models carry no MoE fields; the MoE subclass overrides this."""

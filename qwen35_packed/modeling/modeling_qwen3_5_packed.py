@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 from typing import Any
@@ -24,10 +23,11 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .attention import GatedAttention
-from .cache import Qwen3_5PackedCache
+from .cache import Qwen3_5PackedCache, as_packed_cache
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
@@ -86,7 +86,10 @@ Qwen3_5PackedCausalLMOutput = _output_class(
 )
 
 
-class Qwen3_5PackedDecoderLayer(nn.Module):
+class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
+    """A decoder layer; `gradient_checkpointing_enable()` checkpoints it as transformers checkpoints the built-in's
+    (GradientCheckpointingLayer: the hidden states positional, everything else keyword arguments)."""
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -167,7 +170,6 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         )
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(config)
-        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
@@ -196,6 +198,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
+        cache = as_packed_cache(cache)
         explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
 
         if cache is not None and cache.has_state:
@@ -232,7 +235,8 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        checkpointing = (self.training and torch.is_grad_enabled()
+                         and any(layer.gradient_checkpointing for layer in self.layers))
         # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
         # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
         recompute = RecomputedActivations() if recompute_enabled() and not checkpointing else contextlib.nullcontext()
@@ -240,11 +244,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             for layer in self.layers:
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-                step = functools.partial(layer, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
-                if checkpointing:
-                    hidden, logits = self._gradient_checkpointing_func(step, hidden)
-                else:
-                    hidden, logits = step(hidden)
+                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, choice)
@@ -258,7 +258,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
                 seq_idx=None, cache=None, return_dict=None, **kwargs):
-        _check_kwargs(kwargs)
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
@@ -279,12 +279,20 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
-def _check_kwargs(kwargs: dict) -> None:
+class Qwen3_5MoePackedTextModel(Qwen3_5PackedTextModel):
+    """The MoE text backbone (the counterpart of transformers' Qwen3_5MoeTextModel; AutoModel on a MoE folder)."""
+
+    config_class = Qwen3_5MoePackedConfig
+
+
+def _check_kwargs(kwargs: dict, config) -> None:
     unknown = sorted(set(kwargs) - _IGNORED_KWARGS - {"num_items_in_batch"})
     if unknown:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
-    if kwargs.get("output_attentions"):
-        raise ValueError("output_attentions is not supported: varlen attention kernels never form the matrix")
+    requested = kwargs.get("output_attentions")
+    if requested or (requested is None and getattr(config, "output_attentions", False)):
+        raise ValueError("output_attentions is not supported (nor config.output_attentions=True): the varlen "
+                         "attention kernels never form the attention matrix")
 
 
 def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
@@ -365,7 +373,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
                 cache=None, shift_labels=None, return_dict=None, **kwargs):
-        _check_kwargs(kwargs)
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
@@ -448,10 +456,13 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, cache=None, use_cache=True, **kwargs):
-        cache = cache if cache is not None else past_key_values
+        cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None and cache.has_state:
-            inputs["input_ids"] = input_ids[:, cache.consumed_columns:]
+            # The columns the cache has not consumed: input_ids hold the whole sequence when continuing from a cache,
+            # only the generated tokens after a prefill from inputs_embeds; the attention mask always spans it all.
+            total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - (total - cache.consumed_columns):]
             inputs[_CACHE_KWARG] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
@@ -474,6 +485,7 @@ __all__ = [
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5PackedTextModel",
+    "Qwen3_5MoePackedTextModel",
     "Qwen3_5PackedPreTrainedModel",
     "Qwen3_5PackedCache",
     "PackedSequence",

@@ -33,6 +33,7 @@ from transformers.utils import ModelOutput
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
 from .modeling_qwen3_5_packed import (
+    Qwen3_5MoePackedTextModel,
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedTextModel,
     _check_kwargs,
@@ -132,7 +133,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         super().__init__(config)
         self.visual = Qwen3_5PackedVisionModel(config.vision_config)
         self.visual.attention_kernel_config = config.text_config
-        self.language_model = Qwen3_5PackedTextModel(config.text_config)
+        text_model = Qwen3_5MoePackedTextModel if config.text_config.is_moe else Qwen3_5PackedTextModel
+        self.language_model = text_model(config.text_config)
         if config.vision_config.out_hidden_size != config.text_config.hidden_size:
             raise ValueError(
                 f"vision_config.out_hidden_size={config.vision_config.out_hidden_size} must equal "
@@ -258,7 +260,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
                 use_cache=None, return_dict=None, **kwargs):
-        _check_kwargs(kwargs)
+        _check_kwargs(kwargs, self.config)
         _refuse_cache(use_cache)
         result = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
@@ -344,7 +346,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
                 return_dict=None, **kwargs):
         _refuse_cache(use_cache)  # first: generate() passes cache kwargs too, the reason to give is the cache
-        _check_kwargs(kwargs)
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
