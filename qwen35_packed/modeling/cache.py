@@ -28,6 +28,9 @@ class Qwen3_5PackedCache:
         self.values: list[list[torch.Tensor | None]] = [[None] * batch_size for _ in range(num_layers)]
         self.seen_tokens: torch.Tensor | None = None  # long [B]: real tokens consumed per row
         self.consumed_columns = 0  # columns of the caller's input_ids consumed (padding included)
+        # long [B] or None: added to the rope position of every cached step. After a multimodal prefill the next text
+        # position is the prompt's largest (t, h, w) position + 1, not its token count (the built-in's rope_deltas).
+        self.position_offset: torch.Tensor | None = None
 
     @property
     def has_state(self) -> bool:
@@ -50,7 +53,10 @@ class Qwen3_5PackedCache:
         if batch != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows but the input has {batch}")
         host_cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int64)
-        positions = (self.seen_tokens.to(device).unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
+        start = self.seen_tokens.to(device)
+        if self.position_offset is not None:
+            start = start + self.position_offset.to(device)
+        positions = (start.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
         # The boundaries are built on the host, so no decode step copies them back from the device.
         return PackedSequence(host_cu.to(device, torch.int32), q_len, positions, None, (batch, q_len),
                               host_cu_seqlens=host_cu)
@@ -72,6 +78,8 @@ class Qwen3_5PackedCache:
         self.keys = [[layer[j] for j in order] for layer in self.keys]
         self.values = [[layer[j] for j in order] for layer in self.values]
         self.seen_tokens = self.seen_tokens.index_select(0, beam_idx.to(self.seen_tokens.device))
+        if self.position_offset is not None:
+            self.position_offset = self.position_offset.index_select(0, beam_idx.to(self.position_offset.device))
 
 
 def as_packed_cache(cache):

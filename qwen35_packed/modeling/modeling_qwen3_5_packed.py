@@ -216,7 +216,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
                 max_length_q, max_length_k, seq_idx,
             )
-            one_doc_per_row = packed.num_docs == shape[0]
+            # A cache holds one document per row: the caller's rows, or those of a cache the caller built for a
+            # stream of packed rows (the vision-language prefill passes its whole batch as one packed stream).
+            one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
             if use_cache is None:
                 use_cache = bool(self.config.use_cache) and not self.training and one_doc_per_row
             if use_cache and not one_doc_per_row:
