@@ -153,8 +153,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     layers), `mrope_interleaved`.
 
     `return_logits_with_loss` (default True, transformers' contract): with `labels`, also return the logits
-    (detached, [batch, seq, vocab] in the compute dtype; TRL's SFTTrainer reads them for its accuracy and entropy
-    metrics). False returns `logits=None` and never materialises them (the loss and gradients are the same), which
+    (detached, [batch, seq, vocab] in the compute dtype), for callers that read them. False returns `logits=None` and never materialises them (the loss and gradients are the same), which
     saves [tokens x vocab] of memory and its writes.
     """
 
