@@ -26,6 +26,7 @@ CORE_TEST_FILES = frozenset({
     "test_loading_official.py",
     "test_loss.py",
     "test_modeling.py",
+    "test_model_api.py",
     "test_mrope_positions.py",
     "test_packing.py",
     "test_parity_builtin.py",

@@ -235,6 +235,7 @@ def test_dense_config(dense, tmp_path):
     assert data["architectures"] == ["Qwen3_5PackedForCausalLM"]
     assert data["auto_map"] == {
         "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5PackedConfig",
+        "AutoModel": "modeling_qwen3_5_packed.Qwen3_5PackedTextModel",
         "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5PackedForCausalLM",
     }
     assert data["rope_parameters"] == {
@@ -289,6 +290,7 @@ def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
     assert data["architectures"] == ["Qwen3_5MoePackedForCausalLM"]
     assert data["auto_map"] == {
         "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5MoePackedConfig",
+        "AutoModel": "modeling_qwen3_5_packed.Qwen3_5MoePackedTextModel",
         "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5MoePackedForCausalLM",
     }
     assert type(transformers.AutoConfig.from_pretrained(out)) is transformers.Qwen3_5MoeTextConfig

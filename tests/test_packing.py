@@ -28,7 +28,7 @@ def _packed_row(docs):
     return ids, cu, positions, int(lengths.max())
 
 
-FORMS = ["position_ids", "cu_seq_lens", "cu_seqlens", "cu_seqlens+position_ids"]
+FORMS = ["position_ids", "cu_seq_lens", "cu_seqlens", "cu_seqlens+position_ids", "seq_idx", "flattening collator"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -36,11 +36,16 @@ def test_packed_row_equals_per_document(kind, form):
     model = packed_model(kind)
     docs = _docs()
     ids, cu, positions, max_len = _packed_row(docs)
+    seq_idx = torch.repeat_interleave(torch.arange(len(docs), dtype=torch.int32), cu.diff())[None]
+    cu_seq_lens = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     kwargs = {
         "position_ids": {"position_ids": positions},
-        "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len},
+        "cu_seq_lens": cu_seq_lens,
         "cu_seqlens": {"cu_seqlens": cu},
         "cu_seqlens+position_ids": {"cu_seqlens": cu, "position_ids": positions},
+        "seq_idx": {"seq_idx": seq_idx},
+        # what TRL's padding-free collator sends (DataCollatorWithFlattening with return_seq_idx adds the same)
+        "flattening collator": {"position_ids": positions, "seq_idx": seq_idx, **cu_seq_lens},
     }[form]
     with torch.no_grad():
         packed = model(ids, use_cache=False, **kwargs).logits[0]
@@ -146,16 +151,37 @@ def _build(**kwargs):
         ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "max_length_q": 4}, "max_length_q=4"),
         ({"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]])}, "holes"),
         ({"attention_mask": torch.zeros(1, 10, dtype=torch.long)}, "no real token"),
+        ({"attention_mask": torch.ones(1, 1, 10, 10).tril()}, "4D or custom masks are not accepted"),
         ({"position_ids": torch.tensor([[0, 1, 2, 4, 5, 6, 0, 1, 2, 3]])}, "count 0, 1, 2"),
         (
             {"cu_seqlens": torch.tensor([0, 4, 10]), "attention_mask": torch.tensor([[1] * 9 + [0]])},
             "cannot be combined",
         ),
+        # seq_idx must change exactly where another source starts a document
+        ({"cu_seqlens": torch.tensor([0, 4, 10]), "seq_idx": torch.tensor([[0] * 5 + [1] * 5])},
+         "seq_idx contradicts cu_seqlens: at real token 4 seq_idx does not start"),
+        ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "seq_idx": torch.zeros(1, 10, dtype=torch.long)},
+         "seq_idx contradicts cu_seq_lens_q/k"),
+        ({"position_ids": torch.arange(10)[None], "seq_idx": torch.tensor([[0] * 4 + [1] * 6])},
+         "seq_idx contradicts position_ids: at real token 4 seq_idx starts"),
+        ({"seq_idx": torch.zeros(1, 9, dtype=torch.long)}, r"seq_idx must be \[batch, seq_len\]"),
+        ({"seq_idx": torch.zeros(1, 10)}, "seq_idx must be an integer tensor"),
     ],
 )
 def test_bad_packing_input_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _build(**kwargs)
+
+
+def test_seq_idx_alone_sets_boundaries_and_padding_starts_rows():
+    # seq_idx alone splits rows like restarting position_ids; with left padding a row's first real token starts a
+    # document whatever seq_idx holds at the pad positions before it.
+    packed = _build(seq_idx=torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2]]))
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 10]
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    packed = _build(shape=(2, 5), attention_mask=mask, seq_idx=torch.tensor([[7, 7, 7, 7, 8], [0, 0, 1, 1, 1]]),
+                    position_ids=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 1, 2]]))
+    assert packed.cu_seqlens.tolist() == [0, 2, 3, 5, 8]
 
 
 def test_model_rejects_cache_with_packed_documents():

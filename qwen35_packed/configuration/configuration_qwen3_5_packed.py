@@ -173,8 +173,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     layers), `mrope_interleaved`.
 
     `return_logits_with_loss` (default True, transformers' contract): with `labels`, also return the logits
-    (detached, [batch, seq, vocab] in the compute dtype; TRL's SFTTrainer reads them for its accuracy and entropy
-    metrics). False returns `logits=None` and never materialises them (the loss and gradients are the same), which
+    (detached, [batch, seq, vocab] in the compute dtype), for callers that read them. False returns `logits=None` and never materialises them (the loss and gradients are the same), which
     saves [tokens x vocab] of memory and its writes.
     """
 
@@ -219,6 +218,9 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         return_logits_with_loss: bool = True,
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -279,6 +281,9 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
         self.rope_parameters = rope
+        # Attributes even when unset, as the built-in text configs have them (generation utilities read them);
+        # set after the base __init__, which on transformers 4.x resets them to None unless found in kwargs.
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
 
     def _check_scaled_rope(self) -> None:
         """Scaled rope types read their parameters through transformers' own functions (modeling/rope.py): run

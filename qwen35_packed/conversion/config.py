@@ -23,6 +23,7 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_fa
 CONFIG_MODULE = "configuration_qwen3_5_packed"
 MODELING_MODULE = "modeling_qwen3_5_packed"
 ARCHITECTURES = {False: "Qwen3_5PackedForCausalLM", True: "Qwen3_5MoePackedForCausalLM"}
+TEXT_BASE_MODELS = {False: "Qwen3_5PackedTextModel", True: "Qwen3_5MoePackedTextModel"}  # what AutoModel gives
 OFFICIAL_TEXT_ARCHITECTURES = {False: "Qwen3_5ForCausalLM", True: "Qwen3_5MoeForCausalLM"}
 OFFICIAL_COMPOSITE_ARCHITECTURES = {
     False: "Qwen3_5ForConditionalGeneration",
@@ -80,6 +81,7 @@ def auto_map(is_moe: bool) -> dict:
     arch = ARCHITECTURES[is_moe]
     return {
         "AutoConfig": f"{CONFIG_MODULE}.{CONFIG_CLASSES[is_moe].__name__}",
+        "AutoModel": f"{MODELING_MODULE}.{TEXT_BASE_MODELS[is_moe]}",
         "AutoModelForCausalLM": f"{MODELING_MODULE}.{arch}",
     }
 

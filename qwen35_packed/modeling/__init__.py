@@ -12,6 +12,7 @@ sys.modules.setdefault(f"{__name__}.configuration_qwen3_5_packed_vl", _configura
 
 from .modeling_qwen3_5_packed import (  # noqa: E402
     Qwen3_5MoePackedForCausalLM,
+    Qwen3_5MoePackedTextModel,
     Qwen3_5PackedCache,
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedPreTrainedModel,
@@ -28,6 +29,7 @@ __all__ = [
     "PackedSequence",
     "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5MoePackedTextModel",
     "Qwen3_5PackedCache",
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5PackedForConditionalGeneration",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 from typing import Any
@@ -24,10 +23,11 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .attention import GatedAttention
-from .cache import Qwen3_5PackedCache
+from .cache import Qwen3_5PackedCache, as_packed_cache
 from .checkpoint_keys import (
     IGNORED_MISSING_EXPERT_KEYS,
     IGNORED_UNEXPECTED_EXPERT_KEYS,
@@ -42,7 +42,7 @@ from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balan
 from .numerics import enable_numerics_check
 from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
-from .packing import PackedSequence, build_packed_sequence, input_shape, shift_labels_within_documents
+from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 from .rope import MRotaryEmbedding
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
@@ -58,7 +58,9 @@ _CACHE_KWARG = (
     else "past_key_values"
 )
 # Keyword arguments trainers and generate() pass that carry nothing for this model.
-_IGNORED_KWARGS = frozenset({"return_dict", "cache_position", "output_attentions"})
+_IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
+# Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
+_PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 _logged_once: set = set()
 
 
@@ -90,7 +92,10 @@ Qwen3_5PackedCausalLMOutput = _output_class(
 )
 
 
-class Qwen3_5PackedDecoderLayer(nn.Module):
+class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
+    """A decoder layer; `gradient_checkpointing_enable()` checkpoints it as transformers checkpoints the built-in's
+    (GradientCheckpointingLayer: the hidden states positional, everything else keyword arguments)."""
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -178,7 +183,6 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         )
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(config)
-        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
@@ -202,15 +206,18 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         cu_seq_lens_k=None,
         max_length_q=None,
         max_length_k=None,
+        seq_idx=None,
     ):
         """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
-        explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k))
+        cache = as_packed_cache(cache)
+        explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
 
         if cache is not None and cache.has_state:
             if explicit_packing:
-                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k) cannot be used with a filled cache")
+                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
+                                 "filled cache")
             if attention_mask is not None and not bool(attention_mask[:, -shape[1]:].bool().all()):
                 raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
             packed = cache.decode_sequence(shape[0], shape[1], device)
@@ -220,9 +227,11 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         else:
             packed = build_packed_sequence(
                 shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k,
+                max_length_q, max_length_k, seq_idx,
             )
-            one_doc_per_row = packed.num_docs == shape[0]
+            # A cache holds one document per row: the caller's rows, or those of a cache the caller built for a
+            # stream of packed rows (the vision-language prefill passes its whole batch as one packed stream).
+            one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
             if use_cache is None:
                 use_cache = bool(self.config.use_cache) and not self.training and one_doc_per_row
             if use_cache and not one_doc_per_row:
@@ -241,7 +250,8 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        checkpointing = (self.training and torch.is_grad_enabled()
+                         and any(layer.gradient_checkpointing for layer in self.layers))
         # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
         # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
         recompute = RecomputedActivations() if recompute_enabled() and not checkpointing else contextlib.nullcontext()
@@ -249,11 +259,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             for layer in self.layers:
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-                step = functools.partial(layer, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
-                if checkpointing:
-                    hidden, logits = self._gradient_checkpointing_func(step, hidden)
-                else:
-                    hidden, logits = step(hidden)
+                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, choice)
@@ -266,8 +272,8 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                cache=None, **kwargs):
-        _check_kwargs(kwargs)
+                seq_idx=None, cache=None, return_dict=None, **kwargs):
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
@@ -276,23 +282,52 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                       "for RL", self.config.router_aux_loss_coef)
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, bool(output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
-        return Qwen3_5PackedModelOutput(
+        output = Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
             hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
             router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
-def _check_kwargs(kwargs: dict) -> None:
+class Qwen3_5MoePackedTextModel(Qwen3_5PackedTextModel):
+    """The MoE text backbone (the counterpart of transformers' Qwen3_5MoeTextModel; AutoModel on a MoE folder)."""
+
+    config_class = Qwen3_5MoePackedConfig
+
+
+def _check_kwargs(kwargs: dict, config) -> None:
     unknown = sorted(set(kwargs) - _IGNORED_KWARGS - {"num_items_in_batch"})
     if unknown:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
-    if kwargs.get("output_attentions"):
-        raise ValueError("output_attentions is not supported: varlen attention kernels never form the matrix")
+    requested = kwargs.get("output_attentions")
+    if requested or (requested is None and getattr(config, "output_attentions", False)):
+        raise ValueError("output_attentions is not supported (nor config.output_attentions=True): the varlen "
+                         "attention kernels never form the attention matrix")
+
+
+def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
+    """generate() would silently drop packing kwargs; boundaries inside a row (cu_seqlens, cu_seq_lens_q/k,
+    seq_idx, or position_ids that restart within a row) raise instead."""
+    given = [name for name in _PACKING_KWARGS if kwargs.get(name) is not None]
+    position_ids = kwargs.get("position_ids")
+    if not given and position_ids is not None and torch.as_tensor(position_ids).ndim == 2:
+        ids = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
+                                         if kwargs.get(k) is not None), None)
+        if ids is not None:
+            packed = build_packed_sequence(tuple(ids.shape[:2]), ids.device, kwargs.get("attention_mask"),
+                                           position_ids)
+            if packed.num_docs != ids.shape[0]:
+                given = ["position_ids that restart within a row"]
+    if given:
+        raise ValueError(
+            f"generate() got packed document boundaries ({', '.join(given)}); generation continues one document "
+            "per row: pass one document per row instead (left-padded, with attention_mask)"
+        )
 
 
 def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
@@ -302,6 +337,15 @@ def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
     if not router_logits:
         return None
     return tuple(packed.unpack(layer).flatten(0, 1) for layer in router_logits)
+
+
+def _wants_hidden_states(config, requested) -> bool:
+    return bool(getattr(config, "output_hidden_states", False) if requested is None else requested)
+
+
+def _wants_dict(config, requested) -> bool:
+    """return_dict=False (or the config's return_dict) gives a plain tuple of the output's set fields."""
+    return bool(getattr(config, "return_dict", True) if requested is None else requested)
 
 
 def _wants_router_logits(config, requested) -> bool:
@@ -342,20 +386,21 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, cache=None,
-                **kwargs):
-        _check_kwargs(kwargs)
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
+                cache=None, shift_labels=None, return_dict=None, **kwargs):
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, bool(output_hidden_states), want_router, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k,
+            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router, cu_seqlens,
+            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
-                                                      kwargs.get("num_items_in_batch"), router_logits, want_router)
+                                                      kwargs.get("num_items_in_batch"), router_logits, want_router,
+                                                      shift_labels)
 
-        return Qwen3_5PackedCausalLMOutput(
+        output = Qwen3_5PackedCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
@@ -363,18 +408,19 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             router_logits=router_logits_in_caller_layout(router_logits, packed),
             **{_CACHE_KWARG: cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
     def lm_head_outputs(self, hidden, packed, labels, logits_to_keep, num_items_in_batch, router_logits,
-                        want_router):
+                        want_router, shift_labels=None):
         """lm_head, loss and MoE aux loss on the packed stream -> (loss, aux_loss, logits in the caller's layout).
         Shared with the vision-language classes: the text settings come from `config.get_text_config()`."""
         text_config = self.config.get_text_config()
         full_logits = isinstance(logits_to_keep, int) and logits_to_keep == 0
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
-            targets = shift_labels_within_documents(labels, packed)
+            targets = loss_targets(packed, labels, shift_labels)
             loss, logits = self.packed_loss(hidden, targets, packed, num_items_in_batch,
                                             keep_logits=text_config.return_logits_with_loss)
         elif full_logits:
@@ -418,12 +464,20 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             (targets != IGNORE_INDEX).sum().clamp(min=1))
         return total / denominator, (packed.unpack(logits) if keep_logits else None)
 
+    def generate(self, *args, **kwargs):
+        """GenerationMixin.generate, refusing packed rows: generation continues one document per row."""
+        refuse_packed_generation(args, kwargs)
+        return GenerationMixin.generate(self, *args, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, cache=None, use_cache=True, **kwargs):
-        cache = cache if cache is not None else past_key_values
+        cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None and cache.has_state:
-            inputs["input_ids"] = input_ids[:, cache.consumed_columns:]
+            # The columns the cache has not consumed: input_ids hold the whole sequence when continuing from a cache,
+            # only the generated tokens after a prefill from inputs_embeds; the attention mask always spans it all.
+            total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - (total - cache.consumed_columns):]
             inputs[_CACHE_KWARG] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
@@ -446,6 +500,7 @@ __all__ = [
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5PackedTextModel",
+    "Qwen3_5MoePackedTextModel",
     "Qwen3_5PackedPreTrainedModel",
     "Qwen3_5PackedCache",
     "PackedSequence",

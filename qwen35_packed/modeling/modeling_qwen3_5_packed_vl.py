@@ -28,15 +28,20 @@ import torch
 import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.utils import ModelOutput
 
 from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
+from .cache import Qwen3_5PackedCache, as_packed_cache
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
 from .modeling_qwen3_5_packed import (
+    _CACHE_KWARG,
+    Qwen3_5MoePackedTextModel,
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedTextModel,
     _check_kwargs,
+    _output_class,
+    _wants_dict,
+    _wants_hidden_states,
     _wants_router_logits,
     router_logits_in_caller_layout,
 )
@@ -49,7 +54,6 @@ from .vision import Qwen3_5PackedVisionModel
 # lines, not the ones those import: every file of the text model is named here too, so that a folder loads with a
 # fresh cache (tests/test_remote_code_audit.py checks the list is complete).
 from .attention import GatedAttention  # noqa: F401
-from .cache import Qwen3_5PackedCache  # noqa: F401
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .kernels import select_kernels  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
@@ -62,27 +66,18 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
-@dataclass
-class Qwen3_5PackedVLModelOutput(ModelOutput):
-    """Decoder output in the caller's layout (pad positions are zeros), router_logits included."""
-
-    last_hidden_state: torch.Tensor | None = None
-    hidden_states: tuple | None = None
-    router_logits: tuple | None = None
-    rope_position_ids: torch.Tensor | None = None
-
-
-@dataclass
-class Qwen3_5PackedVLCausalLMOutput(ModelOutput):
-    """Causal-LM output in the caller's layout; aux_loss is set when router logits were requested.
-    rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions)."""
-
-    loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    hidden_states: tuple | None = None
-    router_logits: tuple | None = None
-    rope_position_ids: torch.Tensor | None = None
+Qwen3_5PackedVLModelOutput = _output_class(
+    "Qwen3_5PackedVLModelOutput",
+    "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
+    "the 3D positions used, [3, batch, seq] (zeros at pad positions).",
+    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+)
+Qwen3_5PackedVLCausalLMOutput = _output_class(
+    "Qwen3_5PackedVLCausalLMOutput",
+    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
+    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions).",
+    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+)
 
 
 @dataclass
@@ -92,6 +87,7 @@ class PackedMultimodalResult:
     positions: torch.Tensor  # long [3, N] rope positions
     all_hidden: list | None
     router_logits: list | None
+    cache: Qwen3_5PackedCache | None = None
 
 
 class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
@@ -110,6 +106,12 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         # Experts fused or per expert, every parameter accounted for: checkpoint_keys.py.
         result = from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs, None)
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() must not build a transformers DynamicCache: the text decoder creates its own cache.
+        return False
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
         # Loading replaces the parameters (requires_grad back to True): re-apply freeze_vision afterwards.
         model = result[0] if isinstance(result, tuple) else result
         if getattr(model.config, "freeze_vision", False):
@@ -133,7 +135,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         super().__init__(config)
         self.visual = Qwen3_5PackedVisionModel(config.vision_config)
         self.visual.attention_kernel_config = config.text_config
-        self.language_model = Qwen3_5PackedTextModel(config.text_config)
+        text_model = Qwen3_5MoePackedTextModel if config.text_config.is_moe else Qwen3_5PackedTextModel
+        self.language_model = text_model(config.text_config)
         if config.vision_config.out_hidden_size != config.text_config.hidden_size:
             raise ValueError(
                 f"vision_config.out_hidden_size={config.vision_config.out_hidden_size} must equal "
@@ -187,9 +190,17 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         cu_seq_lens_k=None,
         max_length_q=None,
         max_length_k=None,
+        seq_idx=None,
+        cache=None,
+        use_cache: bool = False,
     ) -> PackedMultimodalResult:
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
+        cache = as_packed_cache(cache)
+        if cache is not None and cache.has_state:
+            return self._cached_step(input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
+                                     output_router_logits, pixel_values, pixel_values_videos, cu_seqlens,
+                                     cu_seq_lens_q, cu_seq_lens_k, seq_idx)
         for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
                                    (pixel_values_videos, video_grid_thw, "video")):
             pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
@@ -203,7 +214,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
 
         packed = build_packed_sequence(
             shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k,
+            max_length_q, max_length_k, seq_idx,
         )
         given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
         if input_ids is not None:
@@ -243,56 +254,76 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             dummy = self.dummy_vision_output(embeds.device)
             embeds = embeds + (dummy.sum() * 0.0).to(embeds.dtype)
 
-        hidden, _, _, all_hidden, router_logits = self.language_model.run_packed(
+        if use_cache:
+            if packed.num_docs != shape[0]:
+                raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
+            cache = Qwen3_5PackedCache(self.config.text_config.num_hidden_layers, shape[0])
+        hidden, _, cache, all_hidden, router_logits = self.language_model.run_packed(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=positions.unsqueeze(1),
             cu_seqlens=packed.cu_seqlens,
-            use_cache=False,
+            cache=cache,
+            use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
         )
-        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits)
+        if cache is not None:
+            # The cache counts the caller's columns, and text after the prompt continues at its largest position + 1.
+            cache.consumed_columns = shape[1]
+            last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
+                0, packed.doc_index(), positions.amax(dim=0), reduce="amax")
+            cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
+        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
+
+    def _cached_step(self, input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
+                     output_router_logits, pixel_values, pixel_values_videos, *packing) -> PackedMultimodalResult:
+        """A generation step after the prefill: new text tokens only, one document per row."""
+        if pixel_values is not None or pixel_values_videos is not None:
+            raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
+        if any(value is not None for value in packing):
+            raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
+                             "filled cache")
+        hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
+            input_ids, attention_mask, None, inputs_embeds, cache, True, output_hidden_states, output_router_logits,
+        )
+        positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
+        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, use_cache=None,
-                **kwargs):
-        _check_kwargs(kwargs)
-        _refuse_cache(use_cache)
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
+                use_cache=None, return_dict=None, past_key_values=None, cache=None, **kwargs):
+        _check_kwargs(kwargs, self.config)
         result = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states),
+            image_grid_thw, video_grid_thw, mm_token_type_ids,
+            _wants_hidden_states(self.config.text_config, output_hidden_states),
             _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
-            cu_seq_lens_k, max_length_q, max_length_k,
+            cu_seq_lens_k, max_length_q, max_length_k, seq_idx, cache if cache is not None else past_key_values,
+            bool(use_cache),
         )
         packed = result.packed
-        return Qwen3_5PackedVLModelOutput(
+        output = Qwen3_5PackedVLModelOutput(
             last_hidden_state=packed.unpack(result.hidden),
             hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
             router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
+            **{_CACHE_KWARG: result.cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
     config_class = Qwen3_5MoePackedVLConfig
 
 
-def _refuse_cache(use_cache) -> None:
-    if use_cache:
-        raise ValueError(
-            "use_cache=True is not supported by the packed vision-language classes (no generate() with images "
-            "here; use vLLM or the built-in class for generation)"
-        )
-
-
 def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed.unpack(p) for p in positions])
 
 
-# GenerationMixin: transformers gives a model a `generation_config` only when it can generate, and TRL's GRPOTrainer
-# reads it (pad / eos ids) even when vLLM generates; `generate()` itself stops at the use_cache error below.
+# GenerationMixin: generate() with this model's own cache (the prefill encodes the images, later steps add text);
+# TRL's GRPOTrainer also reads the `generation_config` transformers gives only to models that can generate.
 class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
@@ -339,29 +370,57 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                max_length_q=None, max_length_k=None, use_cache=None, **kwargs):
-        _refuse_cache(use_cache)  # first: generate() passes cache kwargs too, the reason to give is the cache
-        _check_kwargs(kwargs)
+                max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
+                return_dict=None, past_key_values=None, cache=None, **kwargs):
+        _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids, bool(output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            image_grid_thw, video_grid_thw, mm_token_type_ids,
+            _wants_hidden_states(self.config.text_config, output_hidden_states), want_router,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
+            cache if cache is not None else past_key_values, bool(use_cache),
         )
         packed, hidden = result.packed, result.hidden
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
                                                       kwargs.get("num_items_in_batch"), result.router_logits,
-                                                      want_router)
+                                                      want_router, shift_labels)
 
-        return Qwen3_5PackedVLCausalLMOutput(
+        output = Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
             hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
             router_logits=router_logits_in_caller_layout(result.router_logits, packed),
             rope_position_ids=_unpack_positions(packed, result.positions),
+            **{_CACHE_KWARG: result.cache},
         )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
+
+    generate = Qwen3_5PackedForCausalLM.generate  # refuses packed rows: generation continues one document per row
+    _reorder_cache = Qwen3_5PackedForCausalLM._reorder_cache
+
+    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
+        # generate() repeats batch-first tensors per beam / returned sequence; pixel values are patch-first (the
+        # images of all rows in one tensor), so repeating them would scramble the images.
+        if expand_size > 1 and any(model_kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
+            raise ValueError("num_beams > 1 or num_return_sequences > 1 with images or videos is not supported by "
+                             "the packed vision-language classes; repeat the rows (and their images) yourself")
+        return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, cache=None, use_cache=True, pixel_values=None,
+                                      pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
+                                      mm_token_type_ids=None, **kwargs):
+        """The text model's inputs; images, videos and their token types go into the prefill only."""
+        inputs = Qwen3_5PackedForCausalLM.prepare_inputs_for_generation(
+            self, input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs)
+        if _CACHE_KWARG not in inputs:
+            inputs.update(pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
+                          image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                          mm_token_type_ids=mm_token_type_ids)
+        return inputs
 
 
 class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration):

@@ -6,9 +6,14 @@ Accepted entry forms (precedence from the most explicit to the least):
       transformers' DataCollatorWithFlattening path produces (batch size 1; q and k must be equal);
   (b) `position_ids` that restart at 0 for every document (one or more rows);
   (a) a padded batch with a 2D `attention_mask` (left and/or right padding, no holes).
+`seq_idx` [batch, seq_len] (the document index of every token, as TRL's flattening collator and
+DataCollatorWithFlattening(return_seq_idx=True) add it for linear-attention convs) may accompany any form: a
+document starts wherever it changes within a row. Alone (or with padding only) it gives the boundaries, like
+restarting position_ids; with another source it must agree with it.
 Forms combine only when they agree: an explicit boundary source (c/d) given together with `position_ids` must
-match the per-document positions it implies, `cu_seqlens` and `cu_seq_lens_q` must be equal, and padding cannot be
-combined with c/d. Anything else raises ValueError naming the problem.
+match the per-document positions it implies, `cu_seqlens` and `cu_seq_lens_q` must be equal, `seq_idx` must change
+exactly at the documents' starts, and padding cannot be combined with c/d. Anything else raises ValueError naming
+the problem.
 
 Every row of a padded batch is one document (or several, when its position_ids restart); pad tokens are dropped
 before the first layer, so no layer ever computes on them, and outputs are scattered back to the padded layout.
@@ -168,9 +173,11 @@ def build_packed_sequence(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> PackedSequence:
     """Resolve the caller's batch into a PackedSequence, enforcing the packing contract (module docstring)."""
     batch, seq_len = input_shape
+    seq_idx_changes = _seq_idx_changes(seq_idx, batch, seq_len, device) if seq_idx is not None else None
     mrope_positions = None
     if position_ids is not None:
         position_ids = torch.as_tensor(position_ids, device=device)
@@ -222,6 +229,8 @@ def build_packed_sequence(
         if position_ids is not None:
             _check_positions_match(position_ids[0], derived, source)
         packed.position_ids = derived if mrope_positions is None else mrope_positions[:, 0]
+        if seq_idx_changes is not None:
+            _check_seq_idx_matches(packed, seq_idx_changes, source)
         return packed
 
     # (a) padding and/or (b) restarting position ids.
@@ -243,6 +252,8 @@ def build_packed_sequence(
         starts[:, 0] = True
     if position_ids is not None:
         starts |= position_ids == 0
+    elif seq_idx_changes is not None:  # seq_idx is the boundary source (checked against position_ids otherwise)
+        starts |= seq_idx_changes
     flat_starts = starts.reshape(-1)
     if token_index is not None:
         flat_starts = flat_starts.index_select(0, token_index)
@@ -266,7 +277,46 @@ def build_packed_sequence(
         packed.position_ids = derived
     else:
         packed.position_ids = torch.stack([packed.pack(p.unsqueeze(-1)).squeeze(-1) for p in mrope_positions])
+    if seq_idx_changes is not None and position_ids is not None:
+        _check_seq_idx_matches(packed, seq_idx_changes, "position_ids")
     return packed
+
+
+def _seq_idx_changes(seq_idx, batch: int, seq_len: int, device) -> torch.Tensor:
+    """bool [batch, seq_len]: True where seq_idx differs from the previous token of its row."""
+    seq_idx = torch.as_tensor(seq_idx, device=device)
+    if seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+        raise ValueError(f"seq_idx must be an integer tensor, got {seq_idx.dtype}")
+    if seq_idx.ndim == 1:
+        seq_idx = seq_idx.unsqueeze(0)
+    if tuple(seq_idx.shape) != (batch, seq_len):
+        raise ValueError(f"seq_idx must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(seq_idx.shape)}")
+    changes = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+    changes[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return changes
+
+
+def _check_seq_idx_matches(packed: PackedSequence, changes: torch.Tensor, source: str) -> None:
+    """seq_idx must change exactly at the documents' starts (a row's first real token always starts one)."""
+    doc_starts = torch.zeros(packed.num_tokens, dtype=torch.bool, device=changes.device)
+    doc_starts[packed.cu_seqlens[:-1].long()] = True
+    # The first real token of a row starts a document whatever seq_idx says there (padding may precede it).
+    seq_starts = packed.pack(changes.unsqueeze(-1)).squeeze(-1) | _row_first_tokens(packed)
+    if not torch.equal(seq_starts, doc_starts):
+        bad = int(torch.nonzero(seq_starts != doc_starts)[0])
+        what = "starts a new document" if bool(seq_starts[bad]) else "does not start a new document"
+        raise ValueError(f"seq_idx contradicts {source}: at real token {bad} seq_idx {what} but {source} says "
+                         "otherwise")
+
+
+def _row_first_tokens(packed: PackedSequence) -> torch.Tensor:
+    """bool [num_tokens]: True at the first real token of every caller row."""
+    batch, seq_len = packed.batch_shape
+    rows = (packed.token_index if packed.token_index is not None
+            else torch.arange(batch * seq_len, device=packed.cu_seqlens.device)) // seq_len
+    first = torch.ones_like(rows, dtype=torch.bool)
+    first[1:] = rows[1:] != rows[:-1]
+    return first
 
 
 def shift_labels_within_documents(labels: torch.Tensor, packed: PackedSequence, ignore_index: int = -100):
@@ -280,4 +330,33 @@ def shift_labels_within_documents(labels: torch.Tensor, packed: PackedSequence, 
     targets[:-1] = flat[1:]
     ends = packed.cu_seqlens[1:].long() - 1
     targets[ends] = ignore_index
+    return targets
+
+
+def loss_targets(packed: PackedSequence, labels=None, shift_labels=None, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets on the packed stream from the caller's `labels` (unshifted) or `shift_labels` (already
+    shifted, transformers' loss kwarg: the target of token t is shift_labels[t]; it wins over `labels`, as in
+    transformers' ForCausalLMLoss). Both must have the shape of input_ids.
+
+    `shift_labels` are used as given, except that the last token of a document followed by another document in
+    its row must have no target (ignore_index): packed documents never predict across a boundary. The last token of
+    a row keeps its target (the row may be one chunk of a longer sequence, as under context parallelism).
+    """
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None and tuple(value.shape) != packed.batch_shape:
+            raise ValueError(f"{name} must have the shape of input_ids {list(packed.batch_shape)}, got "
+                             f"{list(value.shape)}")
+    if shift_labels is None:
+        return shift_labels_within_documents(labels, packed, ignore_index)
+    targets = packed.pack(shift_labels.unsqueeze(-1)).squeeze(-1)
+    ends = packed.cu_seqlens[1:-1].long() - 1  # every document end but the stream's last
+    inside_row = ~_row_first_tokens(packed)[ends + 1]
+    crossing = targets[ends[inside_row]] != ignore_index
+    if bool(crossing.any()):
+        token = int(ends[inside_row][crossing][0])
+        raise ValueError(
+            f"shift_labels give real token {token}, the last of its document, a target in the next document of its "
+            f"row; packed documents do not predict across a boundary: put {ignore_index} there (shifting labels "
+            "that are -100 at each document's first token does)"
+        )
     return targets

@@ -1,0 +1,217 @@
+"""The model API as transformers users (and its generation and training utilities) call it: input checks on labels
+and generate(), shift_labels, return_dict / output_hidden_states from the config, token ids on configs, the MoE text
+backbone class, gradient checkpointing layers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import packed_model, requires_builtin_qwen35
+
+DOCS = [7, 1, 12]  # a packed row of three documents, one of a single token
+
+
+def _packed_row(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 120, (1, sum(DOCS)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0)
+    return ids, positions
+
+
+# ------------------------------------------------------------------------------------------------ labels
+
+
+@pytest.mark.parametrize("name, shape", [("labels", (2, 20)), ("labels", (1, 10)), ("shift_labels", (1, 19)),
+                                         ("labels", (20,))])
+def test_labels_of_another_shape_than_input_ids_raise(name, shape):
+    model = packed_model("dense")
+    ids, _ = _packed_row()
+    with pytest.raises(ValueError, match=rf"{name} must have the shape of input_ids \[1, 20\]"):
+        model(ids, **{name: torch.randint(3, 120, shape)})
+
+
+def test_shift_labels_give_the_labels_loss_and_respect_document_boundaries():
+    model = packed_model("dense")
+    ids, positions = _packed_row()
+    labels = ids.clone()
+    starts = (positions == 0).nonzero()[:, 1]
+    labels[0, starts] = -100  # as TRL's and transformers' flattening collators mark document starts
+    shift_labels = torch.cat([labels[:, 1:], torch.full((1, 1), -100)], dim=1)
+    with torch.no_grad():
+        expected = model(ids, position_ids=positions, labels=labels).loss
+        got = model(ids, position_ids=positions, shift_labels=shift_labels).loss
+        # a target at the last token of a row is used as given (the row may be one chunk of a longer sequence)
+        single = ids[:, :7]
+        chunk_targets = torch.randint(3, 120, (1, 7))
+        logits = model(single).logits
+        chunk_loss = model(single, shift_labels=chunk_targets).loss
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert chunk_loss.item() == pytest.approx(F.cross_entropy(logits[0], chunk_targets[0]).item(), rel=1e-5)
+
+    crossing = shift_labels.clone()
+    crossing[0, 6] = ids[0, 7]  # the first document's last token would predict the second document's first token
+    with pytest.raises(ValueError, match="real token 6, the last of its document, a target in the next document"):
+        model(ids, position_ids=positions, shift_labels=crossing)
+
+
+# ------------------------------------------------------------------------------------------------ generate()
+
+
+@pytest.mark.parametrize("form", ["cu_seqlens", "cu_seq_lens", "seq_idx", "position_ids"])
+def test_generate_refuses_packed_boundaries(form):
+    model = packed_model("dense")
+    ids, positions = _packed_row()
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    kwargs = {"cu_seqlens": {"cu_seqlens": cu}, "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu},
+              "seq_idx": {"seq_idx": torch.repeat_interleave(torch.arange(3), torch.tensor(DOCS))[None]},
+              "position_ids": {"position_ids": positions}}[form]
+    with pytest.raises(ValueError, match="generate\\(\\) got packed document boundaries .* one document per row"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
+
+
+def test_generate_accepts_position_ids_of_one_document_per_row():
+    model = packed_model("dense")
+    ids, _ = _packed_row()
+    plain = model.generate(ids, max_new_tokens=3, do_sample=False)
+    given = model.generate(ids, max_new_tokens=3, do_sample=False, position_ids=torch.arange(20)[None])
+    assert torch.equal(plain, given)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+@pytest.mark.parametrize("part", ["causal_lm", "backbone"])
+def test_return_dict_false_gives_a_tuple_and_config_output_hidden_states_is_honoured(part):
+    model = packed_model("moe")
+    module = model if part == "causal_lm" else model.model
+    ids, positions = _packed_row()
+    with torch.no_grad():
+        as_dict = module(ids, position_ids=positions, output_router_logits=True)
+        as_tuple = module(ids, position_ids=positions, output_router_logits=True, return_dict=False)
+        assert as_dict.hidden_states is None
+        model.config.return_dict = False
+        from_config = module(ids, position_ids=positions, output_router_logits=True)
+        model.config.return_dict, model.config.output_hidden_states = True, True
+        hidden = module(ids, position_ids=positions).hidden_states
+    assert isinstance(as_tuple, tuple) and isinstance(from_config, tuple)
+    expected = as_dict.to_tuple()  # the set fields in order (aux_loss, logits, ... for the causal LM)
+    assert len(as_tuple) == len(from_config) == len(expected) >= 2
+    assert torch.equal(as_tuple[0], expected[0]) and torch.equal(from_config[0], expected[0])
+    assert torch.equal(as_tuple[-1][0], expected[-1][0])  # router logits of the first layer
+    assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
+
+
+# ------------------------------------------------------------------------------------------------ token ids, classes
+
+
+def test_configs_built_in_code_have_token_id_attributes(tmp_path):
+    from transformers import GenerationConfig
+
+    from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig, Qwen3_5PackedVLConfig
+
+    for config in (Qwen3_5PackedConfig(), Qwen3_5MoePackedConfig(), Qwen3_5PackedVLConfig().text_config):
+        assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, None, None)
+    config = Qwen3_5PackedConfig(pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    config.save_pretrained(tmp_path)
+    loaded = Qwen3_5PackedConfig.from_pretrained(tmp_path)
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 2, 1)
+    generation = GenerationConfig.from_model_config(loaded)
+    assert (generation.pad_token_id, generation.eos_token_id) == (0, 1)
+
+
+def test_moe_text_backbone_class():
+    from qwen35_packed.modeling import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
+
+    model = packed_model("moe")
+    assert type(model.model) is Qwen3_5PackedTextModel  # the causal LM's backbone is built by the dense class
+    backbone = Qwen3_5MoePackedTextModel(model.config)
+    backbone.load_state_dict(model.model.state_dict())
+    ids, positions = _packed_row()
+    with torch.no_grad():
+        assert torch.equal(backbone(ids, position_ids=positions).last_hidden_state,
+                           model.model(ids, position_ids=positions).last_hidden_state)
+
+
+@requires_builtin_qwen35  # the tiny folder is written by the built-in classes
+def test_automodel_on_a_converted_moe_folder_gives_the_moe_backbone(tmp_path):
+    from transformers import AutoModel
+
+    from qwen35_packed.integrations.tiny import build_tiny_folder
+
+    folder = build_tiny_folder(tmp_path / "moe", "moe")
+    loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded).__name__ == "Qwen3_5MoePackedTextModel"
+    assert loaded.layers[0].mlp.experts.gate_up_proj.abs().sum() > 0
+
+
+def test_decoder_layers_are_gradient_checkpointing_layers_with_the_callers_kwargs():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = packed_model("dense").train()
+    ids, positions = _packed_row()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    for layer in model.model.layers:
+        assert isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
+        assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+        layer.input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+    model(ids, position_ids=positions, labels=ids).loss.backward()
+    # every layer ran twice: once in the forward, once recomputed in the backward (which stops early, once the
+    # last tensor it needs is recomputed: the norm at the start of the layer runs again)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+
+
+# ------------------------------------------------------------------------------------------------ generation API
+
+
+def _generate(model, case, ids, mask):
+    import transformers
+
+    greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    if case == "beam_search":
+        return model.generate(ids, num_beams=3, **greedy)
+    if case == "sample_with_dict":
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0,
+                             return_dict_in_generate=True, output_scores=True)
+        return torch.cat([out.sequences.float().flatten(), torch.stack(out.scores).flatten()])
+    if case == "inputs_embeds":
+        return model.generate(inputs_embeds=model.get_input_embeddings()(ids), **greedy)
+    if case == "empty_dynamic_cache":
+        return model.generate(ids, past_key_values=transformers.DynamicCache(config=model.config), **greedy)
+    # continue_from_cache: a second generate() picks up the cache and the sequence the first one returned
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    grown = torch.cat([mask, mask.new_ones(mask.shape[0], first.sequences.shape[1] - ids.shape[1])], dim=1)
+    return model.generate(first.sequences, attention_mask=grown, past_key_values=first.past_key_values,
+                          max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("case", ["beam_search", "sample_with_dict", "inputs_embeds", "empty_dynamic_cache",
+                                  "continue_from_cache"])
+def test_generation_api_equals_the_builtin(case):
+    from conftest import builtin_pair
+
+    ref, ours = builtin_pair("dense")
+    for model in (ref, ours):
+        model.generation_config.pad_token_id = 0
+    ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        expected, got = _generate(ref, case, ids, mask), _generate(ours, case, ids, mask)
+    assert got.shape == expected.shape
+    if case == "sample_with_dict":
+        assert (got - expected).abs().max().item() <= 1e-4
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_a_filled_transformers_cache_is_refused():
+    from conftest import builtin_pair
+
+    ref, ours = builtin_pair("dense")
+    ids = torch.randint(3, 120, (1, 6))
+    with torch.no_grad():
+        filled = ref(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="cannot be continued by the packed Qwen3.5 model"):
+            ours(ids[:, -1:], past_key_values=filled)

@@ -1,0 +1,83 @@
+"""SFT with TRL 1.16's SFTTrainer on packed Qwen3.5: `padding_free=True` and `packing=True` (both send
+`position_ids`, `cu_seq_lens_q/k` and `seq_idx`, no attention mask) train with the padded run's losses, dense, MoE
+and LoRA; transformers' DataCollatorWithFlattening batches give the padded batch's loss."""
+
+import datasets
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+peft = pytest.importorskip("peft")
+
+from qwen35_packed.integrations.tiny import build_char_tokenizer, build_tiny_folder  # noqa: E402
+
+# Lengths from 1 to 33 tokens: 1-token documents, documents shorter than the conv kernel, and longer ones.
+TEXTS = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "a b c d e f g", "x" * 20,
+         "12345", "?"]
+LORA_TARGETS = ["in_proj_qkv", "out_proj", "q_proj", "o_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    return {kind: build_tiny_folder(root / kind, kind) for kind in ("dense", "moe")}
+
+
+def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **config):
+    """The loss of each of two SGD steps over the whole dataset (one batch per step, so every run sees the same
+    documents in each step, however the collator lays them out)."""
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=batch_size, max_steps=2, learning_rate=0.1,
+        optim="sgd", use_cpu=True, report_to=[], save_strategy="no", seed=0, dataloader_drop_last=False,
+        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32}, **config,
+    )
+    trainer = trl.SFTTrainer(model=str(folder), args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
+                             peft_config=peft_config)
+    losses, batches, compute_loss = [], [], trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        batches.append(sorted(inputs))
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        losses.append(loss.item())
+        return loss
+
+    trainer.compute_loss = recording
+    trainer.train()
+    return losses, batches[0]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "dense-lora"])
+def test_padding_free_and_packing_train_with_the_padded_losses(kind, folders, tmp_path):
+    folder = folders[kind.split("-")[0]]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS) if "lora" in kind else None
+    padded, padded_keys = _sft_losses(folder, tmp_path, lora)
+    padding_free, free_keys = _sft_losses(folder, tmp_path, lora, padding_free=True, max_length=None)
+    # max_length above the dataset's token count: best-fit-decreasing packs every document into one row
+    packing, packing_keys = _sft_losses(folder, tmp_path, lora, batch_size=1, packing=True, max_length=256)
+    assert "attention_mask" in padded_keys and "seq_idx" not in padded_keys
+    for keys in (free_keys, packing_keys):
+        assert {"position_ids", "seq_idx", "cu_seq_lens_q"} <= set(keys) and "attention_mask" not in keys
+    # The second step's loss follows the first step's gradients: equal losses there mean equal updates.
+    assert padded[1] < padded[0]
+    for losses in (padding_free, packing):
+        assert losses == pytest.approx(padded, rel=1e-5, abs=0)
+
+
+def test_flattening_collator_batch_gives_the_padded_loss(folders):
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+    model = AutoModelForCausalLM.from_pretrained(folders["dense"], trust_remote_code=True, dtype=torch.float32)
+    tokenizer = build_char_tokenizer()
+    features = [{"input_ids": tokenizer(text)["input_ids"]} for text in TEXTS]
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(features)
+    assert "seq_idx" in flat
+    padded = tokenizer.pad(features, return_tensors="pt")
+    labels = padded["input_ids"].masked_fill(padded["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        expected = model(**padded, labels=labels).loss
+        got = model(**flat).loss
+        # seq_idx that merges two documents contradicts the other boundaries
+        flat["seq_idx"][0, : flat["cu_seq_lens_q"][2]] = 0
+        with pytest.raises(ValueError, match="seq_idx contradicts"):
+            model(**flat)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
