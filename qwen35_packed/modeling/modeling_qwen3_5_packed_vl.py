@@ -103,15 +103,14 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        # Experts fused or per expert, every parameter accounted for: checkpoint_keys.py.
-        result = from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs, None)
     def _supports_default_dynamic_cache(cls) -> bool:
         # generate() must not build a transformers DynamicCache: the text decoder creates its own cache.
         return False
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # Experts fused or per expert, every parameter accounted for: checkpoint_keys.py.
+        result = from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs, None)
         # Loading replaces the parameters (requires_grad back to True): re-apply freeze_vision afterwards.
         model = result[0] if isinstance(result, tuple) else result
         if getattr(model.config, "freeze_vision", False):
