@@ -4,6 +4,12 @@
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/fsdp2_train_step.py --out fsdp2.json
     (add --lora to both for LoRA on the GDN, attention and MLP projections)
 
+The MoE model (Qwen3.5-35B-A3B's config, with --layers of its 40 layers), built on the meta device on every rank but
+rank 0, which holds the weights that Accelerate's cpu_ram_efficient_loading broadcasts after sharding:
+    accelerate launch --config_file examples/accelerate/fsdp2-moe.yaml examples/fsdp2_train_step.py \
+        --config examples/configs/Qwen3.5-35B-A3B.config.json --layers 4 --meta-init --out fsdp2-moe.json
+    (--lora adds the experts, through PEFT target_parameters, to the GDN and attention targets)
+
 The model is the Qwen3.5-0.8B text config (examples/configs/, 248,320 vocab) with random weights (seed 0); the
 batch is 16 documents of 256-2047 tokens (seed 1). FSDP2 rank r packs documents r, r + world, ... in one row and
 scales its token-sum loss so that FSDP2's gradient average equals the full-batch mean-loss gradient. Reported:
@@ -14,6 +20,7 @@ the max |logit difference| between the sharded model and a fresh model loaded fr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -21,30 +28,45 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, \
+    Qwen3_5PackedForCausalLM
 from qwen35_packed.integrations.fsdp2 import gated_deltanet_modules
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "Qwen3.5-0.8B.config.json"
 
 
-def build_model(config_path: Path, dtype: torch.dtype, lora: bool):
+def build_model(config_path: Path, dtype: torch.dtype, lora: bool, layers: int | None = None, meta: bool = False):
+    """The model of `config_path` with random weights (seed 0); `layers` keeps the first ones; `meta`: on the meta
+    device (no storage: the weights arrive from rank 0 after sharding)."""
     data = json.loads(config_path.read_text())
     text = dict(data.get("text_config", data))
+    text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", False))
     for key in ("model_type", "architectures", "dtype", "torch_dtype"):
         text.pop(key, None)
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
+    moe = text.get("num_experts") is not None
+    if moe:
+        text["router_aux_loss_coef"] = 0.0  # measure the language-model loss alone
+    config = Qwen3_5MoePackedConfig(**text) if moe else Qwen3_5PackedConfig(**text)
+    cls = Qwen3_5MoePackedForCausalLM if moe else Qwen3_5PackedForCausalLM
     torch.manual_seed(0)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**text)).to(dtype)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = cls(config).to(dtype)
     if lora:
         from peft import get_peft_model
 
         from qwen35_packed.integrations.lora import lora_config
 
-        config = lora_config(model, r=8, lora_dropout=0.0, targets=("gdn", "attention", "mlp"))
+        targets = ("gdn", "attention", "experts") if moe else ("gdn", "attention", "mlp")
+        config = lora_config(model, r=8, lora_dropout=0.0, targets=targets)
         model = get_peft_model(model, config)
         torch.manual_seed(1)
         with torch.no_grad():  # nonzero B so that LoRA changes the forward and A gets gradients
             for name, param in model.named_parameters():
-                if "lora_B" in name:
+                if "lora_B" in name and not meta:
                     param.normal_(0.0, 0.01)
     return model
 
@@ -84,7 +106,7 @@ def packed_row(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Te
 
 def run_single(args) -> dict:
     device = torch.device("cuda")
-    model = build_model(args.config, torch.bfloat16, args.lora).to(device).train()
+    model = build_model(args.config, torch.bfloat16, args.lora, args.layers).to(device).train()
     seen = record_forward_dtypes(model)
     docs = documents(model.config.vocab_size)
     ids, cu = packed_row(docs, device)
@@ -104,7 +126,8 @@ def run_fsdp2(args) -> dict:
 
     accelerator = Accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
-    model = build_model(args.config, torch.float32, args.lora)
+    # With --meta-init (and fsdp_cpu_ram_efficient_loading in the Accelerate config) only rank 0 holds weights.
+    model = build_model(args.config, torch.float32, args.lora, args.layers, meta=args.meta_init and rank != 0)
     n_decay_units = shard_gdn_decay_fp32(model, accelerator.state.fsdp_plugin.mixed_precision_policy)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -139,12 +162,12 @@ def run_fsdp2(args) -> dict:
         # Counted now: save_pretrained empties the dict it is given as it writes the shards.
         report["saved_state_dict_tensors"] = len(state)
         if args.lora:  # the PEFT model's full state dict (base + adapters) into a fresh PEFT model
-            reloaded = build_model(args.config, torch.float32, True)
+            reloaded = build_model(args.config, torch.float32, True, args.layers)
             reloaded.load_state_dict(state, strict=True)
         else:
             with tempfile.TemporaryDirectory() as folder:
                 accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
-                reloaded = Qwen3_5PackedForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                reloaded = type(accelerator.unwrap_model(model)).from_pretrained(folder, dtype=torch.float32)
         reloaded = reloaded.to(accelerator.device, torch.bfloat16).eval()
         with torch.no_grad():
             fresh_logits = reloaded(probe).logits.float()
@@ -160,6 +183,8 @@ def main():
     parser.add_argument("--single", action="store_true", help="one GPU, no FSDP (the reference)")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--layers", type=int, default=None, help="keep the config's first N layers")
+    parser.add_argument("--meta-init", action="store_true", help="ranks > 0 build on the meta device")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     report = run_single(args) if args.single else run_fsdp2(args)
