@@ -38,7 +38,7 @@ def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None
 
     mutate: "sometimes", "never" or "always" (one corruption, see MUTATIONS); min_docs: documents per row (rows
     for the one-document-per-row mask form); form: one of EXPLICIT_FORMS + ROW_FORMS, else drawn; long_doc: one
-    document of the first row, at a drawn place, spans more than one delta-rule chunk (65-130 tokens)."""
+    document of the first row, at a drawn place, spans more than one delta-rule chunk (65-96 tokens)."""
     form = form or draw(st.sampled_from(EXPLICIT_FORMS + ROW_FORMS))
     explicit = form in EXPLICIT_FORMS
     if explicit or form == "position_ids_1d":
@@ -49,7 +49,7 @@ def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None
         rows = draw(st.lists(st.lists(doc_length, min_size=min_docs, max_size=4), min_size=1, max_size=3))
     if long_doc:
         first = rows[0] if form != "mask" else [n for row in rows for n in row]
-        first[draw(st.integers(0, len(first) - 1))] = draw(st.integers(CHUNK + 1, 2 * CHUNK + 2))
+        first[draw(st.integers(0, len(first) - 1))] = draw(st.integers(CHUNK + 1, CHUNK + 32))
         if form == "mask":
             rows = [[n] for n in first]
     padded = "mask" in form
