@@ -83,8 +83,9 @@ def builtin_pair(kind: str, seed: int = 0):
     return ref.eval(), ours.eval()
 
 
-def packed_model(kind: str, seed: int = 0):
-    """This project's model alone with random weights (no built-in needed), eval mode, fp32."""
+def packed_model(kind: str, seed: int = 0, **overrides):
+    """This project's model alone with random weights (no built-in needed), eval mode, fp32; `overrides` change
+    the tiny config."""
     from qwen35_packed import (
         Qwen3_5MoePackedConfig,
         Qwen3_5MoePackedForCausalLM,
@@ -93,10 +94,11 @@ def packed_model(kind: str, seed: int = 0):
     )
 
     torch.manual_seed(seed)
+    kwargs = {**tiny_kwargs(kind), **overrides}
     if kind == "moe":
-        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs(kind)))
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
     else:
-        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs(kind)))
+        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
     _randomize_zero_init(model)
     return model.eval()
 

@@ -105,10 +105,11 @@ def measure(shard_size: str, *pairs: tuple[Path, Path]) -> list[dict]:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_per_expert"])
 def test_peak_memory_does_not_grow_with_the_number_of_shards(moe, tmp_path):
-    """The same layer shapes, 4 vs 32 layers (5 vs 33 input shards, 8x the bytes): the conversion's peak RSS above
-    its starting RSS stays within one input shard + one output shard + slack, for both."""
+    """The same layer shapes, 8 vs 32 layers (9 vs 33 input shards, 4x the bytes): the conversion's peak RSS above
+    its starting RSS stays within one input shard (+ its fused copy) + one output shard + slack, for both, and that
+    bound is below the smaller checkpoint's size (a conversion holding a whole checkpoint fails it)."""
     small, large = tmp_path / "small", tmp_path / "large"
-    size_small = write_checkpoint(small, 4, moe=moe)
+    size_small = write_checkpoint(small, 8, moe=moe)
     size_large = write_checkpoint(large, 32, moe=moe)
     shard = size_large / 33  # about one decoder layer
     b, a = measure("5MB", (large, tmp_path / "out_large"), (small, tmp_path / "out_small"))  # large in a fresh process
@@ -117,11 +118,11 @@ def test_peak_memory_does_not_grow_with_the_number_of_shards(moe, tmp_path):
     grow_small, grow_large = a["peak"] - a["before"], b["peak"] - b["before"]
     print(f"moe={moe}: {size_small / 1e6:.0f} MB -> peak +{grow_small / 1e6:.1f} MB; "
           f"{size_large / 1e6:.0f} MB -> peak +{grow_large / 1e6:.1f} MB")  # fmt: skip
-    bound = 2 * shard + 5e6 + 20e6  # input shard (+ its copy when fused) + output shard + allocator slack
+    bound = (2 if moe else 1) * shard + 5e6 + 10e6  # input shard (+ its fused copy) + output shard + allocator slack
+    assert bound < size_small / 1.5, (bound, size_small)
     # Both runs stay within the one-shard bound; comparing the two peaks directly was flaky on a loaded machine
     # (the small run's peak varies by a few MB with allocator timing), so the bound is the invariant.
     assert grow_small <= bound and grow_large <= bound, (grow_small, grow_large, bound)
-    assert size_large > 100e6 and grow_large < size_large / 4
 
 
 INTERRUPT = """

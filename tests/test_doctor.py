@@ -264,9 +264,38 @@ def test_doctor_vllm_logprobs(vllm_python, tmp_path, monkeypatch):
     assert checks["loading.vllm_engine"]["status"] == "PASS"
     assert "vllm.model_executor.models.qwen3_5.Qwen3_5ForCausalLM" in checks["loading.vllm_engine"]["detail"]
     assert checks["numerics.vllm_logprobs"]["status"] == "PASS"
+    assert "built-in fed the packed row (documents mixed)" in checks["numerics.vllm_logprobs"]["detail"]
     assert checks["versions.vllm"]["status"] == "PASS" and "(vLLM environment)" in checks["versions.vllm"]["detail"]
     numbers = {e["unit"]: e["value"] for e in report["parity"] if e["check"] == "numerics.vllm_logprobs"}
     assert 0 < numbers["mean KL"] <= 1e-3 and 0 < numbers["max |dlogp|"] < 0.5, numbers
+
+
+def _vllm_verdict(ours: tuple, builtin: tuple | None, leak: tuple | None) -> str:
+    from qwen35_packed.doctor.report import DoctorReport
+    from qwen35_packed.doctor.vllm_check import _logprobs
+
+    def row(numbers):
+        return {"mean_kl": numbers[0], "max_abs_dlogp": numbers[1], "tokens": 100}
+
+    probe = {"comparison": row(ours), "vllm_dtype": "bfloat16", "model_dtype": "float32", "device": "cpu",
+             "documents": [3, 17], "seconds": 1.0}  # fmt: skip
+    if builtin is not None:
+        probe |= {"builtin_unpacked": row(builtin), "control_builtin_packed": row(leak)}
+    report = DoctorReport("m", "cpu")
+    _logprobs(probe, report)
+    return report.status("numerics.vllm_logprobs")
+
+
+def test_vllm_verdict_is_calibrated_against_the_leaking_control():
+    """Numbers of tests/test_vllm.py's dense run (mean KL, max |dlogp|): ours == the built-in unpacked 2.2e-4 / 0.10,
+    the built-in fed the packed row 9.1e-4 / 0.52. A leak-sized error fails even below the fixed 1e-3 threshold."""
+    builtin, leak = (2.2e-4, 0.10), (9.1e-4, 0.52)
+    assert _vllm_verdict((2.2e-4, 0.10), builtin, leak) == "PASS"
+    assert _vllm_verdict((9.1e-4, 0.52), builtin, leak) == "FAIL"  # the leak itself
+    assert _vllm_verdict((5e-4, 0.10), builtin, leak) == "FAIL"  # over half the leak's KL
+    assert _vllm_verdict((3e-4, 0.10), builtin, leak) == "WARN"  # worse than the built-in, not leak-sized
+    assert _vllm_verdict((9.1e-4, 0.52), None, None) == "PASS"  # no control (vision-language): fixed thresholds
+    assert _vllm_verdict((2e-3, 0.52), None, None) == "WARN"
 
 
 def test_every_kernel_choice_has_a_description():

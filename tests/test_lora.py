@@ -89,6 +89,29 @@ def test_every_group_really_acts(group):
     assert (disabled - base).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_every_adapted_module_acts_alone(kind):
+    """Each LoRA module of the default config, freshly initialised (B = 0, where training starts), gets a gradient
+    from the logits: its adapter alone moves the output. One module that the forward bypasses (reading its weight
+    directly, as the GDN conv does) gets none and cannot hide behind the rest of its group."""
+    model = _model(kind)
+    with torch.no_grad():  # decays exp(g) away from 0: a saturated decay (A up to 16) would hide in_proj_a
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(-2.0, 0.0)
+    wrapped = peft.get_peft_model(model, lora_config(model, r=4))
+    wrapped.eval()
+    logits = wrapped(_ids(3), use_cache=False).logits
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    (logits * probe).sum().backward()
+    lora_b = {n.split(".lora_B")[0]: p for n, p in wrapped.named_parameters() if "lora_B" in n}
+    assert len(lora_b) == sum(1 for n, _ in wrapped.named_parameters() if "lora_A" in n)
+    silent = {m: 0.0 if p.grad is None else p.grad.abs().max().item() for m, p in lora_b.items()}
+    silent = {m: g for m, g in silent.items() if g <= 1e-3}
+    assert not silent, silent
+    assert any("experts" in m for m in lora_b) == (kind == "moe")
+
+
 def test_packed_forward_with_lora_equals_per_document():
     _, wrapped = _adapted("moe")
     ids = _ids(1)

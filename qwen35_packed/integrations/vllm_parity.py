@@ -13,7 +13,7 @@ has no prediction): the mean per-token KL(p_vLLM || p_model) over the full vocab
 - `builtin_unpacked_fp32` / `builtin_unpacked_bf16`: transformers' built-in class on the same folder, one document
   per forward (the reference the issue asks us to be no worse than);
 - `builtin_packed_fp32`: the built-in fed the same packed row (position_ids restarting per document), which mixes
-  documents.
+  documents: the leaking control, measured in the same run, that a parity gate must tell apart from ours.
 
 Then the "trainer" weights change (every floating parameter of our model moves by 2% of its own std, a stand-in
 for an optimizer step), the changed weights are pushed into the running engine under the names TRL's colocate sync
@@ -27,7 +27,8 @@ with 0 to 3 images of random sizes; vLLM gets text prompts with `multi_modal_dat
 the placeholders; the run checks that the token ids equal the folder's processor's), the models get the processor's
 outputs: `ours_packed_*` all documents in one row (cu_seqlens, all images in one vision call), `ours_unpacked_fp32`
 and `builtin_unpacked_*` (the built-in composite class) one document per forward, and the control
-`ours_packed_fp32_noise_images` (noise for pixels: far from vLLM, so the images matter). After the push, also
+`ours_packed_fp32_noise_images` (noise for pixels: far from vLLM, so the images matter) and the leaking control
+`builtin_packed_fp32` (the built-in composite class fed the same packed row, documents mixed). After the push, also
 `vllm_prefix_cache_reset_only_vs_ours_packed_fp32`: the engine with only its prefix cache reset, as TRL's sync
 leaves it, which still serves the old weights' image embeddings from its encoder cache.
 """
@@ -201,7 +202,10 @@ def run(model_dir: str, seed: int = 0) -> dict:
     after = results["after_push"] = {}
     after["ours_packed_fp32"] = compare(ref_after, model_logprobs(ours, docs, "packed"), docs)
     after["builtin_unpacked_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "unpacked"), docs)
+    after["builtin_packed_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "packed"), docs)
     after["ours_packed_bf16"] = compare(ref_after, model_logprobs(ours.to(torch.bfloat16), docs, "packed"), docs)
+    after["builtin_unpacked_bf16"] = compare(ref_after, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"),
+                                             docs)
     # the push really changed what vLLM computes: the old distributions are far from the new ones
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     results["trl_per_tensor_load_weights"] = probe_per_tensor_load_weights(llm, trained)
@@ -257,9 +261,9 @@ def vl_prompt(text: str, images: list) -> dict:
 @torch.no_grad()
 def vl_model_logprobs(model, inputs: list[dict], mode: str, pixel_noise_seed: int | None = None) -> list:
     """Per document, [len-1, vocab] fp64 log-probs. `inputs`: the processor's output per document. mode: 'packed'
-    (all documents in one row with cu_seqlens, all images in one vision call), 'unpacked' (one document per
-    forward, `mm_token_type_ids` as the built-in requires). `pixel_noise_seed`: replace every image by noise (the
-    control that shows the images matter)."""
+    (all documents in one row, with cu_seqlens for this project's class; all images in one vision call),
+    'unpacked' (one document per forward, `mm_token_type_ids` as the built-in requires). `pixel_noise_seed`:
+    replace every image by noise (the control that shows the images matter)."""
     if pixel_noise_seed is not None:
         g = torch.Generator().manual_seed(pixel_noise_seed)
         inputs = [{**x, "pixel_values": torch.randn(x["pixel_values"].shape, generator=g)} if "pixel_values" in x
@@ -276,9 +280,11 @@ def vl_model_logprobs(model, inputs: list[dict], mode: str, pixel_noise_seed: in
     with_images = [x for x in inputs if "pixel_values" in x]
     vision = {k: torch.cat([x[k] for x in with_images]) for k in ("pixel_values", "image_grid_thw")} if with_images \
         else {}
+    if "Packed" in type(model).__name__:
+        vision["cu_seqlens"] = torch.tensor([0] + [len(d) for d in docs]).cumsum(0)
+    # the built-in class takes no boundaries: it reads the row as one sequence (documents mixed, the control)
     logits = model(input_ids=torch.cat([x["input_ids"] for x in inputs], dim=1),
-                   mm_token_type_ids=torch.cat([x["mm_token_type_ids"] for x in inputs], dim=1),
-                   cu_seqlens=torch.tensor([0] + [len(d) for d in docs]).cumsum(0), **vision,
+                   mm_token_type_ids=torch.cat([x["mm_token_type_ids"] for x in inputs], dim=1), **vision,
                    use_cache=False).logits[0]
     return _doc_rows(logits, docs)
 
@@ -325,6 +331,7 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
     before["ours_packed_fp32"] = compare(ref, vl_model_logprobs(ours, inputs, "packed"), docs)
     before["ours_unpacked_fp32"] = compare(ref, vl_model_logprobs(ours, inputs, "unpacked"), docs)
     before["builtin_unpacked_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
+    before["builtin_packed_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "packed"), docs)
     before["ours_packed_fp32_noise_images"] = compare(ref, vl_model_logprobs(ours, inputs, "packed", seed + 7),
                                                       docs)
     before["ours_packed_bf16"] = compare(ref, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"), docs)
@@ -344,8 +351,11 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
     after["ours_packed_fp32"] = compare(ref_after, vl_model_logprobs(ours, inputs, "packed"), docs)
     after["ours_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(ours, inputs, "unpacked"), docs)
     after["builtin_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
+    after["builtin_packed_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "packed"), docs)
     after["ours_packed_bf16"] = compare(ref_after, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"),
                                         docs)
+    after["builtin_unpacked_bf16"] = compare(
+        ref_after, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs)
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     # the engine with only the prefix cache reset, against the trained model
     after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"] = compare(
