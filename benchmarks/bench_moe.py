@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_train_step import ROPE, batches, build_pair, config_fields, matmul_rate, only_on, peak_gib, sync, \
-    time_step
+from bench_train_step import ROPE, batches, build_pair, config_fields, matmul_rate, only_on, peak_gib, result_rows, \
+    sync, time_step
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
@@ -229,20 +229,15 @@ def run_vocab(vocab, args, device, rate, results, save):
 
 def print_table(results):
     print(f"\n{'model':<40}{'batch':<20}{'run':<30}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'GiB':>8}{'dloss':>10}")
-    for model_name, per_model in results.items():
-        if not isinstance(per_model, dict) or "params" not in per_model:
+    for model_name, batch_name, _, run_name, row in result_rows(results):
+        if "error" in row:
+            print(f"{model_name:<40}{batch_name:<20}{run_name:<30} {row['error'][:60]}")
             continue
-        for batch_name, entry in per_model.items():
-            if not isinstance(entry, dict) or "runs" not in entry:
-                continue
-            for run_name, row in entry["runs"].items():
-                if "error" in row:
-                    print(f"{model_name:<40}{batch_name:<20}{run_name:<30} {row['error'][:60]}")
-                    continue
-                print(f"{model_name:<40}{batch_name:<20}{run_name:<30}{row['real_tok_per_s']:>9}"
-                      f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu_active'] or float('nan'):>7}"
-                      f"{row['peak_GiB'] or float('nan'):>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}")
-        for name, row in per_model.get("experts_alone_rl_tokens", {}).items():
+        print(f"{model_name:<40}{batch_name:<20}{run_name:<30}{row['real_tok_per_s']:>9}"
+              f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu_active'] or float('nan'):>7}"
+              f"{row['peak_GiB'] or float('nan'):>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}")
+    for model_name, per_model in results.items():
+        for name, row in (per_model.get("experts_alone_rl_tokens", {}) if isinstance(per_model, dict) else {}).items():
             print(f"{model_name:<40}{'experts alone':<20}{name:<30}{row.get('ms', row.get('error'))} ms")
 
 

@@ -290,23 +290,28 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
         torch.cuda.empty_cache()
 
 
-def print_table(results):
-    print(f"\n{'model':<13}{'batch':<20}{'run':<31}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'MFU all':>8}{'GiB':>7}"
-          f"{'dloss':>10}")
+def result_rows(results):
+    """(model, batch, entry, run, row) of every run in a results dict (this script's or bench_moe.py's)."""
     for model_name, per_model in results.items():
         if not isinstance(per_model, dict) or "params" not in per_model:
             continue
         for batch_name, entry in per_model.items():
-            if not isinstance(entry, dict) or "runs" not in entry:
-                continue
-            for run_name, row in entry["runs"].items():
-                if "error" in row:
-                    print(f"{model_name:<13}{batch_name:<20}{run_name:<31} {row['error'][:70]}")
-                    continue
-                print(f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['real_tok_per_s']:>9}"
-                      f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu'] or float('nan'):>7}"
-                      f"{row['mfu_all_matmuls'] or float('nan'):>8}{row['peak_GiB'] or float('nan'):>7}"
-                      f"{row.get('loss_diff_to_baseline', float('nan')):>10.2e}")
+            if isinstance(entry, dict) and "runs" in entry:
+                for run_name, row in entry["runs"].items():
+                    yield model_name, batch_name, entry, run_name, row
+
+
+def print_table(results):
+    print(f"\n{'model':<13}{'batch':<20}{'run':<31}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'MFU all':>8}{'GiB':>7}"
+          f"{'dloss':>10}")
+    for model_name, batch_name, _, run_name, row in result_rows(results):
+        if "error" in row:
+            print(f"{model_name:<13}{batch_name:<20}{run_name:<31} {row['error'][:70]}")
+            continue
+        print(f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['real_tok_per_s']:>9}"
+              f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu'] or float('nan'):>7}"
+              f"{row['mfu_all_matmuls'] or float('nan'):>8}{row['peak_GiB'] or float('nan'):>7}"
+              f"{row.get('loss_diff_to_baseline', float('nan')):>10.2e}")
 
 
 def main():

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench_train_step import result_rows
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -58,19 +60,16 @@ def render_moe() -> str:
     data = json.loads(path.read_text())
     lines = ["| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
              "peak GiB |", "|---|---|---|---|---|---|---|---|"]
-    for model, per_model in data.items():
-        if not isinstance(per_model, dict) or "params" not in per_model:
+    for model, batch, entry, run, row in result_rows(data):
+        if "error" in row:
+            lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
             continue
-        for batch, entry in per_model.items():
-            if not isinstance(entry, dict) or "runs" not in entry:
-                continue
-            for run, row in entry["runs"].items():
-                if "error" in row:
-                    lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
-                    continue
-                lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
-                             f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
-                             f"{row['mfu_active']:.0%} | {row['peak_GiB']} |")
+        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
+                     f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
+                     f"{row['mfu_active']:.0%} | {row['peak_GiB']} |")
+    for model, per_model in data.items():
+        if not isinstance(per_model, dict):
+            continue
         for run, row in per_model.get("experts_alone_rl_tokens", {}).items():
             lines.append(f"| {model} | experts of one layer alone, RL tokens | {run} | {row.get('ms')} ms | | | | |")
     return "\n".join(lines) + f"\n\n({path.name})"

@@ -58,9 +58,9 @@ def tiny_kwargs(kind: str) -> dict:
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items() if v is not None}
 
 
-def builtin_pair(kind: str, seed: int = 0):
-    """(transformers' built-in model, ours) with identical random weights, eval mode, fp32; skips the test where
-    transformers has no built-in Qwen3.5."""
+def builtin_pair(kind: str, seed: int = 0, **overrides):
+    """(transformers' built-in model, ours) with identical random weights, eval mode, fp32; `overrides` replace
+    fields of the tiny config. Skips the test where transformers has no built-in Qwen3.5."""
     if not HAS_BUILTIN_QWEN35:
         pytest.skip(_NO_BUILTIN)
     from qwen35_packed import (
@@ -70,7 +70,7 @@ def builtin_pair(kind: str, seed: int = 0):
         Qwen3_5PackedForCausalLM,
     )
 
-    kwargs = tiny_kwargs(kind)
+    kwargs = {**tiny_kwargs(kind), **overrides}
     torch.manual_seed(seed)
     if kind == "moe":
         ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-from conftest import _randomize_zero_init, requires_builtin_qwen35, tiny_kwargs
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig
-from qwen35_packed import Qwen3_5PackedForCausalLM
+from conftest import builtin_pair, requires_builtin_qwen35, tiny_kwargs
+from qwen35_packed import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 # What `Qwen3_5TextConfig(head_dim=32)` saves: no mrope_section; the rotary half-dim is 4, not the 32 that the
@@ -30,17 +28,7 @@ SCALED = {
 
 
 def builtin_text_pair(kind: str, rope: dict, **overrides):
-    kwargs = dict(tiny_kwargs(kind), rope_parameters=dict(rope), **overrides)
-    torch.manual_seed(0)
-    if kind == "moe":
-        ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
-        ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
-    else:
-        ref = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kwargs))
-        ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
-    _randomize_zero_init(ref)
-    ours.load_state_dict(ref.state_dict())
-    return ref.eval(), ours.eval()
+    return builtin_pair(kind, rope_parameters=dict(rope), **overrides)
 
 
 def _logits(model, length: int, seed: int = 3) -> torch.Tensor:

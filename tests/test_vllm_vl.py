@@ -51,5 +51,7 @@ def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python
     assert after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"]["mean_kl"] > 30 * after["ours_packed_fp32"][
         "mean_kl"]
     probe = r["trl_per_tensor_load_weights"]
-    assert "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"]
+    # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
+    # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
+    assert probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok" or "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"], probe
     assert probe["model.language_model.layers.0.linear_attn.A_log"] == "ok"
