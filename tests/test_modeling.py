@@ -77,7 +77,9 @@ def _layer_forwards_in_backward(model, ids) -> list[int]:
                 calls[index] += 1
         return hook
 
-    handles = [layer.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
+    # Counted at the layer's first submodule: transformers 5.2x checkpoints a layer's `forward` (its own module
+    # hooks stay outside the recompute), 4.x its `__call__`; the submodules run again either way.
+    handles = [layer.input_layernorm.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
     try:
         loss = model(ids, labels=ids).loss
         in_backward = True
