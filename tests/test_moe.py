@@ -285,19 +285,17 @@ def test_compiled_grouped_experts_equal_eager():
         assert (a.float() - b.float()).abs().max() <= 2e-2 * a.float().abs().max(), name
 
 
-def test_gather_sum_is_exact_per_group_compiled_and_eager():
-    # The combine of the top-k outputs: a token's sum must not depend on how many tokens ran with it (a one-token
-    # document alone gets a specialised compiled kernel) nor on compiled vs eager, bitwise; otherwise a packed
+def test_gather_sum_of_a_group_does_not_depend_on_the_others():
+    # The combine of the top-k outputs: a token's sum must not depend on how many tokens ran with it, or a packed
     # document's next-layer routing can differ from the same document alone.
-    compiled = KernelChoice(gdn="torch", attention="sdpa", elementwise="compiled", moe="grouped_mm")
+    from qwen35_packed.modeling.moe import gather_sum
+
     g = torch.Generator().manual_seed(0)
     src = torch.randn(96, 40, generator=g).to(torch.bfloat16) * 10
     index = torch.randperm(96, generator=g)
-    for choice in (None, compiled):
-        full = kernels.gather_sum(src, index, 8, choice)
-        assert full.dtype == torch.bfloat16 and full.shape == (12, 40)
-        assert torch.equal(full, kernels.gather_sum(src, index, 8, None))
-        for start, stop in ((0, 1), (1, 4), (4, 12), (11, 12)):
-            assert torch.equal(kernels.gather_sum(src, index[start * 8:stop * 8], 8, choice), full[start:stop])
+    full = gather_sum(src, index, 8)
+    assert full.dtype == torch.bfloat16 and full.shape == (12, 40)
+    for start, stop in ((0, 1), (1, 4), (4, 12), (11, 12)):
+        assert torch.equal(gather_sum(src, index[start * 8:stop * 8], 8), full[start:stop])
     reference = torch.stack([sum(src[i].float() for i in index[t * 8:(t + 1) * 8].tolist()) for t in range(12)])
-    assert torch.equal(full, reference.to(torch.bfloat16))
+    assert (full.float() - reference).abs().max() <= 2 ** -7 * reference.abs().max()

@@ -221,17 +221,6 @@ def _weighted_swiglu(gate_up, weight):
     return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
 
 
-def _gather_sum(src, index, group: int):
-    # An explicit left-to-right sum, not .sum(dim=1): a reduction's order is the kernel's choice (eager and each
-    # compiled specialisation, e.g. for one token, may pair the terms differently), so a token's sum, and its route
-    # in the next layer, could depend on how many tokens ran with it. Compiled, this is one pointwise kernel.
-    index = index.view(-1, group)
-    total = src[index[:, 0]].float()
-    for slot in range(1, group):
-        total = total + src[index[:, slot]].float()
-    return total.to(src.dtype)
-
-
 @functools.cache
 def _compiled(fn):
     # dynamic=True: one graph for every token count (packed streams change length every batch).
@@ -267,13 +256,6 @@ def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
     """silu(gate) * up * weight in fp32, cast to gate_up's dtype: gate_up [M, 2I] (gate | up halves), weight [M]
     fp32 (the routing weight of each expert row)."""
     return _elementwise(_weighted_swiglu, choice)(gate_up, weight)
-
-
-def gather_sum(src, index, group: int, choice: KernelChoice | None = None):
-    """src[index] summed over consecutive groups of `group` rows: src [M, H], index long [G * group] -> [G, H] in
-    src's dtype, accumulated in fp32 in index order, so compiled and eager agree bitwise and a group's sum does not
-    depend on G. Compiled, the gathers and the sum are one kernel that never writes src[index]."""
-    return _elementwise(_gather_sum, choice)(src, index, group)
 
 
 # --------------------------------------------------------------------------------------------------------------

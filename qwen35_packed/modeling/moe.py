@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, gather_sum, grouped_linear, swiglu, weighted_swiglu
+from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
 
 
@@ -135,7 +135,7 @@ class FusedExperts(nn.Module):
         # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows_of = ExpertRows(order, slot_of, top_k, choice)
+        rows_of = ExpertRows(order, slot_of, top_k)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
@@ -162,12 +162,11 @@ class ExpertRows:
     * permute: a per-pair vector (the routing weights) into row order; backward: the inverse gather.
 
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
-    indices and accumulate in an order of their own); gather-and-sum is one fused kernel where the elementwise
-    chains are compiled, so the [N * k, H] gathered copy of the summed rows is never written."""
+    indices and accumulate in an order of their own)."""
 
-    def __init__(self, order, slot_of, top_k, choice):
+    def __init__(self, order, slot_of, top_k):
         self.token_of_row = order // top_k
-        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
+        self.order, self.slot_of, self.top_k = order, slot_of, top_k
 
     def expand(self, x):
         return _Gather.apply(x, self)
@@ -179,6 +178,14 @@ class ExpertRows:
         return _Permute.apply(values, self)
 
 
+def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+    """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
+    accumulation). Eager on purpose: compiled forms of this sum (a reduction, and an explicit fp32 left-to-right sum)
+    routed 120-127 of 8,868 token-layers differently for packed documents than for the same documents alone on the
+    H200 (tests/test_gpu.py::test_moe_packed_equals_per_document_bf16); this form kept all of them identical."""
+    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows_of):
@@ -188,14 +195,14 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows_of = ctx.rows_of
-        return gather_sum(grad, rows_of.slot_of, rows_of.top_k, rows_of.choice), None
+        return gather_sum(grad, rows_of.slot_of, rows_of.top_k), None
 
 
 class _GatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, rows_of):
         ctx.rows_of = rows_of
-        return gather_sum(rows, rows_of.slot_of, rows_of.top_k, rows_of.choice)
+        return gather_sum(rows, rows_of.slot_of, rows_of.top_k)
 
     @staticmethod
     def backward(ctx, grad):
