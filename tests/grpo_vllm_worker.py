@@ -56,7 +56,7 @@ def completion_logps(model, samples) -> torch.Tensor:
 
     docs = [ids for ids, _, _ in samples]
     rows = model_logprobs(model, docs, "packed")  # row t predicts token t + 1
-    return torch.cat([row[start - 1:].gather(-1, torch.tensor(ids[start:])[:, None]).squeeze(-1)
+    return torch.cat([row[start - 1:].gather(-1, torch.tensor(ids[start:], dtype=torch.long)[:, None]).squeeze(-1)
                       for row, (ids, start, _) in zip(rows, samples)])
 
 
