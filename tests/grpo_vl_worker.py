@@ -1,10 +1,13 @@
 """GRPO with a tiny packed vision-language model through PackedGRPOTrainer: the setup tests/test_grpo_vl.py uses
 (a processor with a chat template that places one vision placeholder per image, conversational prompts with one
-image each, a toy reward), and, run as a script in the vLLM environment, two GRPO steps with vLLM in colocate mode.
+image each, a toy reward), and, run as a script in the vLLM environment, two GRPO steps with vLLM in colocate mode,
+then the final weights pushed and vLLM's log-probs of image-prompt completions compared with the trained and the
+initial model's.
 
     python tests/grpo_vl_worker.py MODEL_DIR OUT_DIR REPORT.json
 
-The report: TRL's logged metrics per step and every completion the run sampled (token ids)."""
+The report: TRL's logged metrics per step, every completion the run sampled (token ids), and the push check
+(`push_report`)."""
 
 import json
 import os
@@ -79,11 +82,59 @@ def make_trainer(folder, output_dir, trust_remote_code: bool = True, **config):
                              processing_class=vl_processor(folder))
 
 
+def push_report(trainer, folder, n_prompts: int = 4, max_tokens: int = 8, seed: int = 0) -> dict:
+    """The final weights pushed through the trainer's sync, then completions of image prompts sampled by vLLM
+    (with their log-probs) and scored by the trained model and by the model as loaded from the folder: the mean
+    |delta log-prob| between each pair (as tests/grpo_vllm_worker.py does for text models)."""
+    import transformers
+    from grpo_vllm_worker import unmoved_parameters
+    from vllm import SamplingParams
+
+    from qwen35_packed.integrations.grpo import prompt_token_types
+
+    trainer.vllm_generation.sync_weights()
+    processor = trainer.processing_class
+    config = trainer.model.config
+    rows = trainer.train_dataset.select(range(n_prompts))
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+        "type": "text", "text": row["prompt"][0]["content"]}]}], tokenize=False) for row in rows]
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=0)
+    outputs = trainer.vllm_generation.llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": [row["image"]]}} for t, row in zip(texts, rows)], params,
+        use_tqdm=False)
+    initial = transformers.AutoModelForImageTextToText.from_pretrained(folder, trust_remote_code=True,
+                                                                       dtype=torch.float32).eval()
+    engine, scored = [], {"trained": [], "initial": []}
+    for text, row, out in zip(texts, rows, outputs):
+        inputs = dict(processor(text=[text], images=[row["image"]], return_tensors="pt"))
+        if list(out.prompt_token_ids) != inputs["input_ids"][0].tolist():
+            raise RuntimeError("vLLM expanded the image prompt into other token ids than the processor")
+        completion = list(out.outputs[0].token_ids)
+        engine += [entry[t].logprob for t, entry in zip(completion, out.outputs[0].logprobs)]
+        ids = torch.cat([inputs["input_ids"], torch.tensor([completion], dtype=torch.long)], dim=1)
+        types = prompt_token_types(ids, len(completion), config.image_token_id, config.video_token_id)
+        for name, model in (("trained", trainer.model.eval()), ("initial", initial)):
+            with torch.no_grad():
+                logits = model(input_ids=ids, mm_token_type_ids=types, pixel_values=inputs["pixel_values"],
+                               image_grid_thw=inputs["image_grid_thw"], use_cache=False).logits[0]
+            logps = torch.log_softmax(logits[-len(completion) - 1:-1].double(), -1)
+            scored[name].append(logps.gather(-1, torch.tensor(completion, dtype=torch.long)[:, None]).squeeze(-1))
+    engine = torch.tensor(engine, dtype=torch.float64)
+    trained, initial_logps = torch.cat(scored["trained"]), torch.cat(scored["initial"])
+    return {"completion_tokens": int(engine.numel()),
+            "vllm_vs_trained": (engine - trained).abs().mean().item(),
+            "vllm_vs_initial": (engine - initial_logps).abs().mean().item(),
+            "trained_vs_initial": (trained - initial_logps).abs().mean().item(),
+            "unmoved": unmoved_parameters(trainer.model, initial)}
+
+
 def main(folder, output_dir, report):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # 16 tokens per completion: enough samples that some are vision placeholders (ids 99..102 of 128)
-    trainer = make_trainer(folder, output_dir, use_vllm=True, vllm_mode="colocate", max_completion_length=16)
+    # 16 tokens per completion: enough samples that some are vision placeholders (ids 99..102 of 128); a learning
+    # rate that moves the weights (the whole model trains)
+    trainer = make_trainer(folder, output_dir, use_vllm=True, vllm_mode="colocate", max_completion_length=16,
+                           learning_rate=1e-4)
     completions = []
     trl_generate = trainer.vllm_generation.generate
 
@@ -94,10 +145,11 @@ def main(folder, output_dir, report):
 
     trainer.vllm_generation.generate = recording_generate
     trainer.train()
+    trainer.vllm_generation.generate = trl_generate
     steps = [entry for entry in trainer.state.log_history if "sampling/sampling_logp_difference/max" in entry]
     with open(report, "w") as f:
-        json.dump({"steps": steps, "completions": completions,
-                   "model_class": type(trainer.model).__name__}, f)
+        json.dump({"steps": steps, "completions": completions, "model_class": type(trainer.model).__name__,
+                   "push": push_report(trainer, folder)}, f)
 
 
 if __name__ == "__main__":

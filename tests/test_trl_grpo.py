@@ -1,4 +1,5 @@
-"""TRL GRPO with packed Qwen3.5: the `trl grpo` CLI (dense; MoE + LoRA on GDN and experts), the example script,
+"""TRL GRPO with packed Qwen3.5: the `trl grpo` CLI (dense; MoE + LoRA on GDN and experts) and the example script
+at learning rates that move the weights (reward spread, every trained tensor / LoRA B moved),
 PackedGRPOTrainer's log-prob step equal to TRL's padded one while projecting only the scored rows, the reference
 model being ours, and the MoE aux loss off unless asked."""
 
@@ -167,13 +168,38 @@ def _trl_cli():
     return str(cli)
 
 
+def _assert_rewards_spread(log, steps=2):
+    """Every logged step had a group whose rewards differ (else its advantages, and the update, are zero)."""
+    fractions = [float(x) for x in re.findall(r"'frac_reward_zero_std': '([^']+)'", log)]
+    assert len(fractions) == steps and max(fractions) < 1, (fractions, log[-3000:])
+
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _assert_every_lora_b_moved(adapter):
+    """Every LoRA B (zero at the start) moved: each adapted module took part in the updates, one by one."""
+    unmoved = [k for k, v in adapter.items() if "lora_B" in k and not v.any()]
+    assert not unmoved and any("lora_B" in k for k in adapter), unmoved
+
+
+# 1e-4 on the whole dense model: 1e-3 makes the tiny policy deterministic after one step (no reward spread left)
 def test_trl_grpo_cli_dense(folders, tmp_path):
     out = tmp_path / "run"
     log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["dense"]), "--trust_remote_code", "true",
                 "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), *SMALL_RUN], cwd=EXAMPLES)
+                "--output_dir", str(out), *SMALL_RUN, "--learning_rate", "1e-4"], cwd=EXAMPLES)
     assert log.count("'reward':") == 2 and "Training completed" in log
-    assert (out / "model.safetensors").exists()
+    _assert_rewards_spread(log)
+    # every tensor moved, one by one
+    initial, trained = _tensors(folders["dense"] / "model.safetensors"), _tensors(out / "model.safetensors")
+    assert set(trained) == set(initial)
+    unmoved = [k for k in sorted(initial) if torch.equal(initial[k].float(), trained[k].float())]
+    assert not unmoved, unmoved
 
 
 def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
@@ -186,17 +212,10 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
                 "--output_dir", str(out), *SMALL_RUN, "--learning_rate", "1e-3", *lora], cwd=EXAMPLES)
     assert log.count("'reward':") == 2 and "Training completed" in log
     assert log.count("'aux_loss':") == 2 and log.count("router logits returned with router_aux_loss_coef=0.001") == 1
-    # the rewards of a group differ (else GRPO's advantages, and every update, are zero)
-    assert max(float(x) for x in re.findall(r"'reward_std': '([^']+)'", log)) > 0, log[-3000:]
-    assert (out / "adapter_model.safetensors").exists()
-    from safetensors import safe_open
-
-    with safe_open(out / "adapter_model.safetensors", "pt") as f:
-        adapter = {k: f.get_tensor(k) for k in f.keys()}
+    _assert_rewards_spread(log)
+    adapter = _tensors(out / "adapter_model.safetensors")
     assert any("experts" in k for k in adapter) and any("linear_attn.in_proj_qkv" in k for k in adapter)
-    # every LoRA B (zero at the start) moved: each adapted module took part in the updates
-    unmoved = [k for k, v in adapter.items() if "lora_B" in k and not v.any()]
-    assert not unmoved and any("lora_B" in k for k in adapter), unmoved
+    _assert_every_lora_b_moved(adapter)
 
 
 def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
@@ -204,9 +223,11 @@ def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
     log = _run([sys.executable, "grpo.py", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code",
                 "true", "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), "--router_aux_loss_coef", "0.01", *SMALL_RUN, *lora], cwd=EXAMPLES)
+                "--output_dir", str(out), "--router_aux_loss_coef", "0.01", *SMALL_RUN, "--learning_rate", "1e-3",
+                *lora], cwd=EXAMPLES)
     assert log.count("'aux_loss':") == 2 and "router_aux_loss_coef=0.01" in log
-    assert (out / "adapter_model.safetensors").exists()
+    _assert_rewards_spread(log)
+    _assert_every_lora_b_moved(_tensors(out / "adapter_model.safetensors"))
 
 
 def build_config(folder):

