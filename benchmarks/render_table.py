@@ -1,4 +1,4 @@
-"""Render the performance tables of README.md and docs/ from the benchmark result files (benchmarks/results/).
+"""Render the performance tables of README.md and docs/ from the benchmark result files (results/benchmarks/).
 
     python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
     python benchmarks/render_table.py --all      # every train-step file (the history)
@@ -20,7 +20,7 @@ from pathlib import Path
 from bench_train_step import result_rows
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "results" / "benchmarks"
 MARKDOWN_FILES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 

@@ -119,9 +119,8 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     conv = getattr(config, "conv_kernel", "auto")
     if conv == "auto":
-        # Measured on an H200 ([26,354 x 8192] bf16, 16 documents, forward + backward): FLA 2.7 ms plus the copies
-        # of its q | k | v views, the compiled formula 11.6 ms, eager 24.1 ms; the Triton kernel see
-        # benchmarks/results/*-conv.json. Triton on CUDA, else FLA, else the compiled formula.
+        # Fastest first (forward + backward of the RL batch on an H200): Triton, then FLA with the copies of its
+        # q | k | v views (results/benchmarks/2026-11-30-conv.json times both), then the compiled formula.
         if on_cuda and TRITON_CONV_AVAILABLE:
             conv = "triton"
         elif gdn == "fla":
