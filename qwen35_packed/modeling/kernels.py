@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,6 @@ class KernelChoice:
     elementwise: str = "eager"  # "compiled" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
-
-
-_logged_choices: set = set()
 
 
 def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -148,8 +146,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe)
     key = (device.type, dtype, choice)
-    if key not in _logged_choices:
-        _logged_choices.add(key)
+    if first_time(key):
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""

@@ -34,7 +34,12 @@ from .checkpoint_keys import (
     TEXT_KEY_MAPPING,
     from_official_layout,
 )
-from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+from .configuration_qwen3_5_packed import (
+    TRANSFORMERS_MAJOR,
+    Qwen3_5MoePackedConfig,
+    Qwen3_5PackedConfig,
+    log_once,
+)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
@@ -51,7 +56,6 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # The name under which the installed `generate()` passes the cache around ("cache" from transformers 5.2x on).
 _CACHE_KWARG = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -61,13 +65,6 @@ _CACHE_KWARG = (
 _IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
 # Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
 _PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-_logged_once: set = set()
-
-
-def _log_once(key: str, message: str, *args) -> None:
-    if key not in _logged_once:
-        _logged_once.add(key)
-        logger.warning(message, *args)
 
 
 def _output_class(name: str, doc: str, field_names: list[str]):
@@ -277,7 +274,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
-            _log_once("aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add the "
+            log_once(logger, "aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add the "
                       "load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
                       "for RL", self.config.router_aux_loss_coef)
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
@@ -358,7 +355,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedConfig
     # transformers 5 declares tied weights as {target: source}; 4.x as a list of the tied keys.
     _tied_weights_keys = (
-        {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
+        {"lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
     )
 
     def __init__(self, config):
@@ -435,7 +432,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                                            text_config.num_experts_per_tok)
             coef = text_config.router_aux_loss_coef
             if loss is not None and coef > 0:
-                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                log_once(logger, "aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
                           "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
                 loss = loss + coef * aux_loss.to(loss.device)
         return loss, aux_loss, logits

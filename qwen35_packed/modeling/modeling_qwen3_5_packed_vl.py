@@ -31,6 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .cache import Qwen3_5PackedCache, as_packed_cache
+from .configuration_qwen3_5_packed import TRANSFORMERS_MAJOR
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
 from .modeling_qwen3_5_packed import (
@@ -62,8 +63,6 @@ from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
-
-_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 Qwen3_5PackedVLModelOutput = _output_class(
@@ -326,7 +325,7 @@ def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.
 class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
-        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
+        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
     # The same lm_head, fp32 (chunked) cross-entropy and MoE aux loss on the packed stream as the text model.
