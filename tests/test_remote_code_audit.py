@@ -160,7 +160,8 @@ def test_the_audit_finds_what_it_forbids(source, expected, tmp_path):
 RUNTIME_AUDIT = r"""
 import json, sys, tempfile
 import torch, transformers
-from qwen35_packed.integrations.tiny import build_tiny_folder
+sys.path.insert(0, "tests")  # run from the repository root: the tiny fixtures
+from tiny_folders import build_tiny_folder
 
 folder = build_tiny_folder(tempfile.mkdtemp() + "/model", "moe")
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
