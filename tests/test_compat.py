@@ -168,7 +168,7 @@ def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_
     """transformers 5.17's Qwen3_5TextConfig saves its class default `partial_rotary_factor` 0.25 at the top level
     next to the 0.5 of `rope_parameters` that its model uses. A file written by transformers 5 is read as
     transformers 5 reads it (with a warning); elsewhere a contradiction stays an error."""
-    from qwen35_packed.configuration import configuration_qwen3_5_packed
+    from qwen35_packed.modeling import configuration_qwen3_5_packed
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig
     from qwen35_packed.conversion.config import build_output_config
     from vl_tiny import composite_kwargs

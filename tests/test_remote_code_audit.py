@@ -227,3 +227,14 @@ def test_modules_named_by_auto_map_import_every_file_they_need_themselves():
                 needed.add(module)
                 todo.append(module)
         assert needed <= named(top), f"{top}.py must also name {sorted(needed - named(top))}"
+
+
+def test_the_bundle_is_one_folder_with_its_configuration_files():
+    """What `convert` copies is exactly the bundle folder qwen35_packed/modeling/ (configuration files included);
+    the import-path shims of qwen35_packed/configuration/ import `..modeling` and would break in a flat folder."""
+    from qwen35_packed.conversion.remote_code import BUNDLE
+
+    files = remote_code_files()
+    assert {path.parent for path in files} == {BUNDLE} and BUNDLE.name == "modeling"
+    assert {"configuration_qwen3_5_packed.py", "configuration_qwen3_5_packed_vl.py", "modeling_qwen3_5_packed.py",
+            "modeling_qwen3_5_packed_vl.py"} <= {path.name for path in files}  # fmt: skip

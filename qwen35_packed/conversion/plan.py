@@ -587,7 +587,7 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
     )
     lines.append(f"  config: {summarize(output_config)}")
     if plan.remote_code:
-        lines.append(f"  remote code: {len(plan.remote_code)} files of qwen35_packed/configuration and /modeling")
+        lines.append(f"  remote code: {len(plan.remote_code)} files of qwen35_packed/modeling")
         plan.verbose_only.add(len(lines))
         lines.append(f"    {', '.join(p.name for p in plan.remote_code)}")
     copied = [c.name if c.source.parent == plan.src else f"{c.name} (from {c.source.parent.name})" for c in plan.copied]
