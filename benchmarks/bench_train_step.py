@@ -61,13 +61,29 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             rope_parameters=dict(ROPE, mrope_section=[3, 3, 2], partial_rotary_factor=0.5))
 
 
-def model_kwargs(name: str) -> dict:
+def model_kwargs(name: str, layers: int | None = None) -> dict:
+    """The config fields of MODELS[name]; `layers` keeps only the first that many decoder layers (for a model whose
+    built-in run cannot fit otherwise; the result's model name says so)."""
     if isinstance(MODELS[name], dict):
-        return MODELS[name]
-    composite = json.loads((CONFIGS / MODELS[name]).read_text())
-    text = {k: v for k, v in composite["text_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
-    text.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
-    return text
+        kwargs = dict(MODELS[name])
+    else:
+        composite = json.loads((CONFIGS / MODELS[name]).read_text())
+        kwargs = {k: v for k, v in composite["text_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
+        kwargs.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
+    if layers is not None:
+        if kwargs.get("layer_types"):
+            kwargs["layer_types"] = kwargs["layer_types"][:layers]
+        kwargs["num_hidden_layers"] = layers
+    return kwargs
+
+
+def model_spec(spec: str) -> tuple[str, str, int | None]:
+    """'qwen35_9b' or 'qwen35_9b:16' (first 16 layers) -> (result name, MODELS key, layers)."""
+    key, _, layers = spec.partition(":")
+    if not layers:
+        return key, key, None
+    total = model_kwargs(key)["num_hidden_layers"]
+    return f"{key}_{layers}_of_{total}_layers", key, int(layers)
 
 
 def batches() -> dict[str, list[int]]:
@@ -316,7 +332,8 @@ def print_table(results):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="hybrid_1p4b,qwen35_0p8b")
+    parser.add_argument("--models", default="hybrid_1p4b,qwen35_0p8b",
+                        help="comma-separated MODELS keys, each optionally NAME:LAYERS (the first LAYERS layers)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all)")
@@ -333,8 +350,9 @@ def main():
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None}
     out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-train-step.json"
-    for name in args.models.split(","):
-        kwargs = TINY if args.tiny else model_kwargs(name)
+    for spec in args.models.split(","):
+        name, key, layers = model_spec(spec)
+        kwargs = TINY if args.tiny else model_kwargs(key, layers)
         run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))),
                   set(filter(None, args.batches.split(","))), lambda: out.write_text(json.dumps(results, indent=1)),
                   device, args.tiny)

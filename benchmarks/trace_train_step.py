@@ -1,13 +1,16 @@
-"""Where the GPU waits for the host in one training step: a profiler trace of the RL batch step, and the gaps between
-consecutive GPU kernels, attributed to the host operator that launched the kernel after each gap.
+"""Where one training step spends its GPU time and where the GPU waits for the host: a profiler trace of the RL batch
+step, the kernel time summed by kernel name, and the gaps between consecutive GPU kernels, attributed to the host
+operator that launched the kernel after each gap.
 
 When kernel time is below step time (v4: 468 ms of kernels in a 498 ms step), the difference is time the GPU sat idle
 because the host had not launched the next kernel yet: Python, dispatch, a synchronisation. The table sums the
 gaps by the outermost operator around the launch that ended them (e.g. an autograd Function's forward or a backward
 node) and lists the longest gaps with their launching operator chain.
 
-    python benchmarks/trace_train_step.py [--model hybrid_1p4b] [--batch rl_longtail_x16] [--out FILE]
-                                          [--trace FILE.json]
+    python benchmarks/trace_train_step.py [--model hybrid_1p4b | moe_35b_a3b_shapes] [--batch rl_longtail_x16]
+                                          [--out FILE] [--trace FILE.json]
+
+moe_35b_a3b_shapes is bench_moe.py's model (4 layers with the Qwen3.5-35B-A3B layer shapes, vocab 65,536).
 """
 
 from __future__ import annotations
@@ -25,9 +28,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv import cuda_ms  # noqa: E402
+from bench_moe import layer_shapes  # noqa: E402
 from bench_train_step import MODELS, batches, model_kwargs  # noqa: E402
 
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
+from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,  # noqa: E402
+                           Qwen3_5PackedForCausalLM)
+
+MOE_MODEL = "moe_35b_a3b_shapes"
+
+
+def kernel_time_by_name(events: list[dict], top: int = 30) -> dict[str, float]:
+    """GPU kernel milliseconds summed per kernel name (names cut to 100 characters), the largest `top`."""
+    total = collections.Counter()
+    for e in events:
+        if e.get("cat") == "kernel":
+            total[e["name"][:100]] += e["dur"] / 1e3
+    return {name: round(ms, 3) for name, ms in total.most_common(top)}
 
 
 def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
@@ -74,7 +90,7 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="hybrid_1p4b", choices=sorted(MODELS))
+    parser.add_argument("--model", default="hybrid_1p4b", choices=sorted(MODELS) + [MOE_MODEL])
     parser.add_argument("--batch", default="rl_longtail_x16")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", default=None, help="also keep the Chrome trace here")
@@ -82,8 +98,13 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    kwargs = model_kwargs(args.model)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).to("cuda", torch.bfloat16).train()
+    if args.model == MOE_MODEL:
+        kwargs = layer_shapes(4, 65536, tiny=False)
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs))
+    else:
+        kwargs = model_kwargs(args.model)
+        model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs))
+    model = model.to("cuda", torch.bfloat16).train()
     lengths = batches()[args.batch]
     gen = torch.Generator().manual_seed(2)
     ids = torch.cat([torch.randint(0, kwargs["vocab_size"], (n,), generator=gen) for n in lengths])[None].cuda()
@@ -99,11 +120,15 @@ def main():
         torch.cuda.synchronize()
     trace = Path(args.trace) if args.trace else Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "batch": args.batch, "tokens": sum(lengths),
-              "step_ms_unprofiled": step_ms, **idle_gaps(json.loads(trace.read_text())["traceEvents"])}
+              "step_ms_unprofiled": step_ms, "kernel_ms_by_name": kernel_time_by_name(events), **idle_gaps(events)}
     print(f"step {step_ms:.1f} ms unprofiled; profiled: kernels {result['kernel_ms']:.1f} ms in a "
           f"{result['span_ms']:.1f} ms span, {result['gaps']} gaps >= 20 us = {result['idle_in_gaps_ms']:.1f} ms idle")
+    print(f"\n{'GPU ms':>9}  kernel")
+    for name, ms in result["kernel_ms_by_name"].items():
+        print(f"{ms:>9.2f}  {name}")
     print(f"\n{'idle ms':>9}  outermost host operator before the next kernel")
     for name, ms in result["idle_by_outermost_op_ms"].items():
         print(f"{ms:>9.2f}  {name[:100]}")

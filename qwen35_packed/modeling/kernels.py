@@ -218,6 +218,10 @@ def _weighted_swiglu(gate_up, weight):
     return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
 
 
+def _gather_sum(src, index, group: int):
+    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
+
+
 @functools.cache
 def _compiled(fn):
     # dynamic=True: one graph for every token count (packed streams change length every batch).
@@ -253,6 +257,12 @@ def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
     """silu(gate) * up * weight in fp32, cast to gate_up's dtype: gate_up [M, 2I] (gate | up halves), weight [M]
     fp32 (the routing weight of each expert row)."""
     return _elementwise(_weighted_swiglu, choice)(gate_up, weight)
+
+
+def gather_sum(src, index, group: int, choice: KernelChoice | None = None):
+    """src[index] summed over consecutive groups of `group` rows: src [M, H], index long [G * group] -> [G, H] in
+    src's dtype (fp32 accumulation). Compiled, the gather and the sum are one kernel that never writes src[index]."""
+    return _elementwise(_gather_sum, choice)(src, index, group)
 
 
 # --------------------------------------------------------------------------------------------------------------

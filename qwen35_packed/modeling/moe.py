@@ -7,8 +7,9 @@ sigmoid(shared_expert_gate). The (token, expert) pairs are sorted by expert once
 * `grouped_mm` (the kernel choice on CUDA in bf16): one grouped GEMM per projection over all experts, with the
   permutation, counts and offsets computed on the device, so the block never waits for the host. The SwiGLU and
   the routing-weight product run as one fused chain, recomputed in the backward instead of kept, and the gathered
-  expert inputs are recomputed from the block input. Every gather is a permutation and the top-k outputs are
-  summed per token, so no two values are ever added in a data-dependent order: the gradients are deterministic.
+  expert inputs are recomputed from the block input. Tokens reach their expert rows and come back through a pair
+  of gathers that are each other's backward (`ExpertRows`): no scatter, no index_put, and every token's k rows are
+  summed in a fixed order, so the gradients are deterministic.
 * `loop` (the reference, the CPU default): one matmul per expert over its tokens, after reading the counts on the
   host.
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
+from .kernels import KernelChoice, gather_sum, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
 
 
@@ -53,7 +54,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
     def forward(self, x: torch.Tensor):
-        logits = batch_invariant_linear(x.float(), self.weight.float())
+        logits = RouterLogits.apply(x, self.weight)
         probs = logits.softmax(dim=-1)
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
@@ -73,6 +74,24 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     pad = (-n) % ROUTER_ROWS
     blocks = F.pad(x, (0, 0, 0, pad)).split(ROUTER_ROWS)
     return torch.cat([F.linear(block, weight) for block in blocks])[:n]
+
+
+class RouterLogits(torch.autograd.Function):
+    """fp32 router logits x @ weight^T through `batch_invariant_linear`. Only the forward picks experts, so only it
+    needs the fixed row blocks: the backward is two plain GEMMs (not two per block), and what it keeps is x in its
+    own dtype (the block input, kept anyway) instead of an fp32 copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return batch_invariant_linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
 
 
 class FusedExperts(nn.Module):
@@ -112,30 +131,86 @@ class FusedExperts(nn.Module):
     def grouped(self, x, top_index, top_weights, choice):
         n, top_k = top_index.shape
         flat_expert = top_index.reshape(-1)
-        # order: (token, slot) pairs sorted by expert; slot_of: where each pair went (the inverse permutation).
+        # order: the (token, slot) pairs sorted by expert = which pair each expert row holds; slot_of: the row each
+        # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        rows_of = ExpertRows(order, slot_of, top_k, choice)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
-        rows = remember(_rows_by_expert(x, order, top_k), _rows_by_expert, x, order, top_k)
+        rows = remember(rows_of.expand(x), rows_of.expand, x)
         gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
-        weight = top_weights.reshape(-1)[order].float()
+        weight = rows_of.permute(top_weights.reshape(-1).float())
         if self.is_swiglu:
             hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
         out = grouped_linear(hidden, self.down_proj, offsets)
-        return out[slot_of].view(n, top_k, -1).sum(dim=1).to(x.dtype)
+        return rows_of.combine(out).to(x.dtype)
 
 
-def _rows_by_expert(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """x's rows repeated top_k times, in expert order. Repeat then permute (not x[order // top_k]): both backward
-    passes are then a sum over a token's k copies and a permutation, never a scatter-add of repeated indices."""
-    return x.repeat_interleave(top_k, dim=0)[order]
+class ExpertRows:
+    """The map between tokens and expert rows: row r holds (token, slot) pair order[r], i.e. token order[r] // k;
+    pair p sits in row slot_of[p]. Three differentiable moves:
+
+    * expand: token rows -> expert rows, x[order // k]; backward: each token's k row gradients gathered and summed;
+    * combine: expert rows -> token rows, the same gather-and-sum; backward: the expand gather;
+    * permute: a per-pair vector (the routing weights) into row order; backward: the inverse gather.
+
+    Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
+    indices and accumulate in an order of their own); gather-and-sum is one fused kernel where the elementwise
+    chains are compiled, so the [N * k, H] gathered copy of the summed rows is never written."""
+
+    def __init__(self, order, slot_of, top_k, choice):
+        self.token_of_row = order // top_k
+        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
+
+    def expand(self, x):
+        return _Gather.apply(x, self)
+
+    def combine(self, rows):
+        return _GatherSum.apply(rows, self)
+
+    def permute(self, values):
+        return _Permute.apply(values, self)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows_of):
+        ctx.rows_of = rows_of
+        return x[rows_of.token_of_row]
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows_of = ctx.rows_of
+        return gather_sum(grad, rows_of.slot_of, rows_of.top_k, rows_of.choice), None
+
+
+class _GatherSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, rows_of):
+        ctx.rows_of = rows_of
+        return gather_sum(rows, rows_of.slot_of, rows_of.top_k, rows_of.choice)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rows_of.token_of_row], None
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, rows_of):
+        ctx.rows_of = rows_of
+        return values[rows_of.order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rows_of.slot_of], None
 
 
 class SparseMoeBlock(nn.Module):
