@@ -148,7 +148,7 @@ def main():
         print(f"{'FLA causal_conv1d':<40}{result['fla']['forward_ms']:>12.3f}{result['fla']['forward_backward_ms']:>12.3f}")
         print(f"{'FLA + split copies':<40}{'':>12}{result['fla']['forward_backward_with_split_copies_ms']:>12.3f}")
     print("fastest blocks:", best)
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / (
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "results" / "benchmarks" / (
         f"{result['date']}-conv.json")
     out.write_text(json.dumps(result, indent=1))
     if args.best:

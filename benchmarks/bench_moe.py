@@ -17,7 +17,7 @@ Rows: real tokens/s, ratio_to_builtin (against builtin_correct_packed), MFU over
 non-embedding parameters + lm_head, x tokens, against the bf16 rate measured in the same run), peak GiB, loss
 difference to the baseline. Then the experts of one layer alone (forward + backward on the RL batch's token count):
 ours grouped, the built-in's grouped_mm, and the bare grouped GEMMs (the floor). Writes
-benchmarks/results/<date>-moe-<tag>.json after every row.
+results/benchmarks/<date>-moe-<tag>.json after every row.
 
     python benchmarks/bench_moe.py [--layers 4] [--vocabs 65536,248320] [--batches B,..] [--runs R,..]
                                    [--tag TAG] [--device cuda] [--tiny]
@@ -264,7 +264,7 @@ def main():
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fla_available": kernels.FLA_AVAILABLE,
                "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None}
-    out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-moe-{args.tag}.json"
+    out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-moe-{args.tag}.json"
     save = lambda: out.write_text(json.dumps(results, indent=1))  # noqa: E731
     for vocab in vocabs:
         run_vocab(vocab, args, device, rate, results, save)

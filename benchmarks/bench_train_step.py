@@ -13,7 +13,7 @@ from examples/configs). Runs:
   * builtin_padded: the built-in on the padded batch (the baseline otherwise);
   * builtin_packed_leaky: position_ids + cu_seq_lens without seq_idx: fast but mixes documents (wrong; kept as a
     label of what that path costs).
-Prints a table and writes JSON under benchmarks/results/ (or --out) after every run.
+Prints a table and writes JSON under results/benchmarks/ (or --out) after every run.
 
 MFU: `mfu` = 6 x non-embedding parameters x real tokens / step time / bf16 matmul rate measured in the same run;
 `mfu_all_matmuls` adds the lm_head GEMM (6 x its parameters x tokens) and the causal attention of each document in
@@ -349,7 +349,7 @@ def main():
                "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None}
-    out = Path(args.out) if args.out else ROOT / "results" / f"{results['date']}-train-step.json"
+    out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-train-step.json"
     for spec in args.models.split(","):
         name, key, layers = model_spec(spec)
         kwargs = TINY if args.tiny else model_kwargs(key, layers)

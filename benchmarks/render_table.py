@@ -1,19 +1,28 @@
-"""Render the README's performance tables from the benchmark result files (benchmarks/results/).
+"""Render the performance tables of README.md and docs/ from the benchmark result files (results/benchmarks/).
 
     python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
     python benchmarks/render_table.py --all      # every train-step file (the history)
     python benchmarks/render_table.py --moe      # the newest *-moe-*.json file (bench_moe.py)
+    python benchmarks/render_table.py --write    # rewrite every marked section of the markdown files below
+    python benchmarks/render_table.py --check    # exit 1 when a marked section differs from what the files give
+
+A marked section is `<!-- table:NAME -->`, the generated lines, `<!-- /table -->`, with NAME a key of TABLES; the
+lines in between are owned by this script (tests/test_render_table.py fails when one is out of date).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 from bench_train_step import result_rows
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results" / "benchmarks"
+MARKDOWN_FILES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
 
 def rows(newest_only: bool = True):
@@ -55,9 +64,27 @@ def render(newest_only: bool = True) -> str:
     return "\n".join(lines)
 
 
-def render_moe() -> str:
+def render_dense_summary() -> str:
+    """Ours packed against the baseline run of each batch, newest train-step file of every model."""
+    lines = ["| model | batch (real tokens) | ours tokens/s | built-in tokens/s (run) | x built-in | peak GiB (ours / "
+             "built-in) | result file |", "|---|---|---|---|---|---|---|"]
+    for name, _, model, batch, entry, run, row in rows(newest_only=True):
+        if run != "ours_packed" or "error" in row:
+            continue
+        base = entry["runs"][entry["baseline"]]
+        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+                     f"{base['real_tok_per_s']:,} ({entry['baseline']}) | {row['ratio_to_builtin']} | "
+                     f"{row['peak_GiB']} / {base['peak_GiB']} | {name} |")
+    return "\n".join(lines)
+
+
+def newest_moe() -> tuple[str, dict]:
     path = sorted(RESULTS.glob("*-moe-*.json"))[-1]
-    data = json.loads(path.read_text())
+    return path.name, json.loads(path.read_text())
+
+
+def render_moe() -> str:
+    name, data = newest_moe()
     lines = ["| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
              "peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for model, batch, entry, run, row in result_rows(data):
@@ -72,11 +99,64 @@ def render_moe() -> str:
             continue
         for run, row in per_model.get("experts_alone_rl_tokens", {}).items():
             lines.append(f"| {model} | experts of one layer alone, RL tokens | {run} | {row.get('ms')} ms | | | | |")
-    return "\n".join(lines) + f"\n\n({path.name})"
+    return "\n".join(lines) + f"\n\n({name})"
+
+
+def render_moe_summary() -> str:
+    """Per model and batch of the newest MoE file: ours packed against the baseline, and LoRA against LoRA."""
+    name, data = newest_moe()
+    lines = ["| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
+             "built-in) | LoRA x built-in LoRA |", "|---|---|---|---|---|---|---|"]
+    for model, batch, entry, run, row in result_rows(data):
+        if run != "ours_packed" or "error" in row:
+            continue
+        base = entry["runs"][entry["baseline"]]
+        lora = entry["runs"].get("ours_lora", {}).get("ratio_to_builtin_lora", "")
+        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+                     f"{base['real_tok_per_s']:,} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
+                     f"{base['peak_GiB']} | {lora} |")
+    return "\n".join(lines) + f"\n\n({name})"
+
+
+TABLES = {
+    "dense": render,
+    "dense-history": lambda: render(newest_only=False),
+    "dense-summary": render_dense_summary,
+    "moe": render_moe,
+    "moe-summary": render_moe_summary,
+}
+
+
+def update(text: str) -> str:
+    """`text` with every marked section replaced by its table as the result files give it now."""
+
+    def replace(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in TABLES:
+            raise ValueError(f"unknown table {name!r} in a marked section (known: {', '.join(TABLES)})")
+        return f"{match.group(1)}{TABLES[name]()}\n{match.group(4)}"
+
+    return SECTION.sub(replace, text)
+
+
+def stale_files(paths=MARKDOWN_FILES) -> list[Path]:
+    return [path for path in paths if update(path.read_text()) != path.read_text()]
+
+
+def main(argv: list[str]) -> int:
+    if "--write" in argv:
+        for path in MARKDOWN_FILES:
+            path.write_text(update(path.read_text()))
+        return 0
+    if "--check" in argv:
+        stale = stale_files()
+        for path in stale:
+            print(f"{path.relative_to(ROOT)}: a generated table is out of date; run python benchmarks/render_table.py "
+                  "--write")
+        return 1 if stale else 0
+    print(render_moe() if "--moe" in argv else render(newest_only="--all" not in argv))
+    return 0
 
 
 if __name__ == "__main__":
-    if "--moe" in sys.argv[1:]:
-        print(render_moe())
-    else:
-        print(render(newest_only="--all" not in sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -135,7 +135,7 @@ def main():
     print(f"\n{'gap us':>9}  launched by (innermost last) -> next kernel")
     for gap in result["longest_gaps"][:15]:
         print(f"{gap['gap_us']:>9.0f}  {' > '.join(gap['launched_by'])[:90]} -> {gap['next_kernel'][:40]}")
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / (
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "results" / "benchmarks" / (
         f"{result['date']}-trace-{args.model}-{args.batch}.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")

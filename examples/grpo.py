@@ -49,7 +49,8 @@ def main(argv=None):
         del argv[i:i + 2]
     script_args, training_args, model_args, _ = make_parser().parse_args_and_config(argv)
     if tiny is not None:
-        from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_dataset
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # tiny fixtures
+        from tiny_folders import build_tiny_folder, write_prompt_dataset
 
         if not os.path.exists(model_args.model_name_or_path):
             build_tiny_folder(model_args.model_name_or_path, tiny)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj",
@@ -41,7 +42,8 @@ def main(argv=None):
     import trl
 
     if args.build_tiny:
-        from qwen35_packed.integrations.tiny import build_tiny_folder
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' tiny fixtures
+        from tiny_folders import build_tiny_folder
 
         if not Path(args.model).exists():
             build_tiny_folder(args.model, args.build_tiny)

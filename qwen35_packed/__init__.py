@@ -1,7 +1,10 @@
 """qwen35-packed: packed-varlen Qwen3.5 for transformers (remote code), with conversion and training tools."""
 
-from .configuration import Qwen3_5MoePackedConfig, Qwen3_5MoePackedVLConfig, Qwen3_5PackedConfig, Qwen3_5PackedVLConfig
 from .modeling import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedVLConfig,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedVLConfig,
     Qwen3_5MoePackedForCausalLM,
     Qwen3_5MoePackedForConditionalGeneration,
     Qwen3_5PackedForCausalLM,

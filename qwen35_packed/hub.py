@@ -28,10 +28,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion.convert import format_bytes
+from .conversion.sizes import format_bytes
+from .report_schema import REPORT_NAME, REPORT_SCHEMA, STATUSES
 
-REPORT_NAME = "qwen35_packed_report.json"
-REPORT_SCHEMA = "qwen35_packed_report/1"
 CARD_NAME = "README.md"
 
 CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
@@ -285,8 +284,6 @@ def load_report_file(path: Path) -> dict:
 
 
 def _check_doctor_section(doctor) -> None:
-    from .doctor.report import STATUSES
-
     if doctor is None:
         return
     if (not isinstance(doctor, dict) or doctor.get("status") not in STATUSES

@@ -136,7 +136,7 @@ def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
 
     from conftest import _randomize_zero_init
     from qwen35_packed.integrations.lora import lora_config
-    from qwen35_packed.integrations.tiny import build_char_tokenizer, write_prompt_dataset
+    from tiny_folders import build_char_tokenizer, write_prompt_dataset
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -168,12 +168,12 @@ def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_
     """transformers 5.17's Qwen3_5TextConfig saves its class default `partial_rotary_factor` 0.25 at the top level
     next to the 0.5 of `rope_parameters` that its model uses. A file written by transformers 5 is read as
     transformers 5 reads it (with a warning); elsewhere a contradiction stays an error."""
-    from qwen35_packed.configuration import configuration_qwen3_5_packed
+    from qwen35_packed.modeling import configuration_qwen3_5_packed
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig
     from qwen35_packed.conversion.config import build_output_config
     from vl_tiny import composite_kwargs
 
-    monkeypatch.setattr(configuration_qwen3_5_packed, "_warned", set())
+    monkeypatch.setattr(configuration_qwen3_5_packed, "_logged_once", set())
     text = {**tiny_kwargs("dense"), "model_type": "qwen3_5_text", "partial_rotary_factor": 0.25}
     (tmp_path / "config.json").write_text(json.dumps({**text, "transformers_version": "5.17.0"}))
     with caplog.at_level("WARNING"):

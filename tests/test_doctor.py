@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
-from qwen35_packed.integrations.tiny import build_tiny_folder
+from tiny_folders import build_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = [
@@ -222,7 +222,7 @@ def test_vision_language_folder(tmp_path):
     transformers' vision model for vision_config, the composite classes for every consumer."""
     from safetensors.torch import load_file, save_file
 
-    from qwen35_packed.integrations.tiny import build_tiny_vl_folder
+    from tiny_folders import build_tiny_vl_folder
 
     folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
     code, checks, _ = doctor(folder, tmp_path)

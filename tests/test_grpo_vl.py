@@ -22,7 +22,7 @@ from qwen35_packed.integrations.grpo import (  # noqa: E402
     prompt_token_types,
     send_unexpanded_images,
 )
-from qwen35_packed.integrations.tiny import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
+from tiny_folders import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
 
 START, END, IMAGE, VIDEO = build_vl_tokenizer().convert_tokens_to_ids(list(VISION_TOKENS))
 # The text model's bound in tests/test_vllm.py (bf16 engine vs fp32 trainer); TRL's expanded prompts sent as they

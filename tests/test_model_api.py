@@ -136,7 +136,7 @@ def test_moe_text_backbone_class():
 def test_automodel_on_a_converted_moe_folder_gives_the_moe_backbone(tmp_path):
     from transformers import AutoModel
 
-    from qwen35_packed.integrations.tiny import build_tiny_folder
+    from tiny_folders import build_tiny_folder
 
     folder = build_tiny_folder(tmp_path / "moe", "moe")
     loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)

@@ -160,7 +160,8 @@ def test_the_audit_finds_what_it_forbids(source, expected, tmp_path):
 RUNTIME_AUDIT = r"""
 import json, sys, tempfile
 import torch, transformers
-from qwen35_packed.integrations.tiny import build_tiny_folder
+sys.path.insert(0, "tests")  # run from the repository root: the tiny fixtures
+from tiny_folders import build_tiny_folder
 
 folder = build_tiny_folder(tempfile.mkdtemp() + "/model", "moe")
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -226,3 +227,14 @@ def test_modules_named_by_auto_map_import_every_file_they_need_themselves():
                 needed.add(module)
                 todo.append(module)
         assert needed <= named(top), f"{top}.py must also name {sorted(needed - named(top))}"
+
+
+def test_the_bundle_is_one_folder_with_its_configuration_files():
+    """What `convert` copies is exactly the bundle folder qwen35_packed/modeling/ (configuration files included);
+    the import-path shims of qwen35_packed/configuration/ import `..modeling` and would break in a flat folder."""
+    from qwen35_packed.conversion.remote_code import BUNDLE
+
+    files = remote_code_files()
+    assert {path.parent for path in files} == {BUNDLE} and BUNDLE.name == "modeling"
+    assert {"configuration_qwen3_5_packed.py", "configuration_qwen3_5_packed_vl.py", "modeling_qwen3_5_packed.py",
+            "modeling_qwen3_5_packed_vl.py"} <= {path.name for path in files}  # fmt: skip

@@ -18,7 +18,7 @@ pytest.importorskip("peft")
 
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
 from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
-from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_dataset  # noqa: E402
+from tiny_folders import build_tiny_folder, write_prompt_dataset  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMALL_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",

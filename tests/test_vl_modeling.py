@@ -406,3 +406,29 @@ def test_generate_with_images_equals_the_builtin():
             ours.generate(**inputs, max_new_tokens=2, num_beams=2)
     assert torch.equal(got.sequences, expected.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores)) <= 1e-4
+
+
+def test_one_packing_step_per_forward(monkeypatch):
+    """A vision-language forward resolves the packing once: the text decoder runs on the same PackedSequence (no
+    second validation of the boundaries, no second host copy of them), for the prefill of generate() too."""
+    from qwen35_packed.modeling import modeling_qwen3_5_packed, modeling_qwen3_5_packed_vl, packing
+
+    model = packed_vl_model("dense", seed=5)
+    docs, pixels = _documents(6, [1, 0, 2])
+    lengths = [len(d[0]) for d in docs]
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return packing.build_packed_sequence(*args, **kwargs)
+
+    for module in (modeling_qwen3_5_packed, modeling_qwen3_5_packed_vl):
+        monkeypatch.setattr(module, "build_packed_sequence", counting)
+    with torch.no_grad():
+        model(input_ids=torch.cat([d[0] for d in docs]).unsqueeze(0), cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
+              pixel_values=_cat(pixels), image_grid_thw=grid_tensor([g for d in docs for g in d[1]]))
+        assert len(calls) == 1, calls
+        ids, images, _ = docs[0]
+        model.generate(ids.unsqueeze(0), pixel_values=pixels[0], image_grid_thw=grid_tensor(images),
+                       mm_token_type_ids=token_types(ids.unsqueeze(0)), max_new_tokens=2, do_sample=False)
+    assert len(calls) == 2, calls  # the prefill packs once; the cached steps continue the cache's rows

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_packed.integrations.tiny import build_tiny_folder, write_prompt_dataset
+from tiny_folders import build_tiny_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 # Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed

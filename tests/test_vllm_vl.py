@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from qwen35_packed.integrations.tiny import build_tiny_vl_folder
+from tiny_folders import build_tiny_vl_folder
 from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
 
 CLASSES = {

@@ -7,7 +7,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from ..configuration.configuration_qwen3_5_packed import (
+from ..modeling.configuration_qwen3_5_packed import (
     KERNEL_FIELDS,
     Qwen3_5MoePackedConfig,
     Qwen3_5PackedConfig,
@@ -368,7 +368,7 @@ def _packed_composite(src_config: dict, router_aux_loss_coef: float | None) -> O
 def _check_project_vl_reads(data: dict, is_moe: bool) -> None:
     """This project's composite config class must accept the written config.json."""
     try:
-        from ..configuration import configuration_qwen3_5_packed_vl as vl
+        from ..modeling import configuration_qwen3_5_packed_vl as vl
     except ImportError as exc:  # transformers without Qwen3.5: the VL classes cannot exist
         raise ConversionError(f"converting a composite checkpoint needs the vision-language classes: {exc}") from exc
     config_class = getattr(vl, VL_CONFIG_CLASSES[is_moe])

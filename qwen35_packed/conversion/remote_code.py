@@ -1,9 +1,9 @@
-"""The list of remote-code files a model folder needs (one place; `convert` and later tools reuse it).
+"""The list of remote-code files a model folder needs (one place; `convert`, `hub.py` and the doctor reuse it).
 
 transformers loads `auto_map` classes from `.py` files that sit flat next to `config.json`. This project's
-remote code is every module of `qwen35_packed/configuration/` and `qwen35_packed/modeling/` except the
-package `__init__.py` files. They are copied flat, so they must import one another in a way that works both
-inside the package and side by side in a model folder.
+remote code is the bundle `qwen35_packed/modeling/`: every module there except the package `__init__.py`, the
+configuration files included. They are copied flat and import only each other (by relative, sibling names), so they
+work the same inside the package and side by side in a model folder.
 """
 
 from __future__ import annotations
@@ -11,40 +11,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# Sub-packages of qwen35_packed whose modules are remote code, in the order they are listed.
-REMOTE_CODE_PACKAGES = ("configuration", "modeling")
-
-
-def _package_root() -> Path:
-    # qwen35_packed/conversion/remote_code.py -> qwen35_packed/
-    return Path(__file__).resolve().parent.parent
+BUNDLE = Path(__file__).resolve().parent.parent / "modeling"
+# The files auto_map names for AutoConfig: a bundle without them is not a loadable model folder.
+CONFIGURATION_FILES = ("configuration_qwen3_5_packed.py", "configuration_qwen3_5_packed_vl.py")
 
 
 def remote_code_files() -> list[Path]:
-    """Paths of every remote-code module (`*.py` except `__init__.py`) of the configuration and modeling packages.
-
-    Sorted by package, then file name. Raises RuntimeError if two packages hold a module of the same name (they
-    are copied flat, so one would overwrite the other) or if no configuration module is found.
-    """
-    root = _package_root()
-    files: list[Path] = []
-    seen: dict[str, Path] = {}
-    for package in REMOTE_CODE_PACKAGES:
-        folder = root / package
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.glob("*.py")):
-            if path.name == "__init__.py":
-                continue
-            if path.name in seen:
-                raise RuntimeError(
-                    f"Two remote-code modules are both named {path.name!r} ({seen[path.name]} and {path}); they are "
-                    "copied flat into model folders, so the names must be unique."
-                )
-            seen[path.name] = path
-            files.append(path)
-    if not any(path.parent.name == "configuration" for path in files):
-        raise RuntimeError(f"No configuration module found under {root / 'configuration'}; is the package complete?")
+    """Paths of every remote-code module (`*.py` of the bundle except `__init__.py`), sorted by file name. Raises
+    RuntimeError when a configuration file is missing (an incomplete install)."""
+    files = sorted(path for path in BUNDLE.glob("*.py") if path.name != "__init__.py")
+    missing = [name for name in CONFIGURATION_FILES if not (BUNDLE / name).is_file()]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not found in {BUNDLE}; is the package complete?")
     return files
 
 
@@ -59,4 +37,4 @@ def copy_remote_code(dest: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["REMOTE_CODE_PACKAGES", "copy_remote_code", "remote_code_files"]
+__all__ = ["BUNDLE", "CONFIGURATION_FILES", "copy_remote_code", "remote_code_files"]

@@ -20,7 +20,8 @@ table can be printed for any config, and `normalized_rope_keys` gives the keys t
 from __future__ import annotations
 
 import copy
-import math
+
+from ..modeling.configuration_qwen3_5_packed import same_value
 
 ROPE_FIELDS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 READERS = ("transformers v5", "v4 getattr", "vLLM + transformers 5", "vLLM + transformers 4")
@@ -86,22 +87,12 @@ def rope_views(text: dict) -> dict[str, dict]:
     }
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def disagreements(views: dict[str, dict]) -> list[str]:
     """Fields on which the readers do not all see the same value."""
     fields = []
     for name in ROPE_FIELDS:
         values = [view[name] for view in views.values()]
-        if not all(_same(values[0], v) for v in values[1:]):
+        if not all(same_value(values[0], v) for v in values[1:]):
             fields.append(name)
     return fields
 
@@ -139,7 +130,7 @@ def _stated(text: dict, name: str) -> list:
 def contradicted_fields(text: dict, fields: list[str]) -> list[str]:
     """Those of `fields` that the config states more than once with different values (a disagreement among the
     readers is otherwise expected: the value is stated once, or not at all, and readers differ in their defaults)."""
-    return [name for name in fields if any(not _same(v, _stated(text, name)[0]) for v in _stated(text, name))]
+    return [name for name in fields if any(not same_value(v, _stated(text, name)[0]) for v in _stated(text, name))]
 
 
 def resolution_line(text: dict, views: dict[str, dict]) -> str:

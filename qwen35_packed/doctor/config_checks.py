@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from ..configuration.configuration_qwen3_5_packed import LAYER_TYPES
+from ..modeling.configuration_qwen3_5_packed import LAYER_TYPES
 from ..conversion.rope_readers import ROPE_FIELDS, contradicted_fields, disagreements, rope_views
 from ..conversion.schema import expected_text_tensors, expected_vision_tensors
 from .environment_checks import builtin_qwen35_available

@@ -9,7 +9,7 @@ import importlib.util
 
 import torch
 
-from ..configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
+from ..modeling.configuration_qwen3_5_packed import KERNEL_FIELDS
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 

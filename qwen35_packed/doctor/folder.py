@@ -74,7 +74,7 @@ def read_folder(path) -> ModelFolder:
 
 
 def _packed_config(text: dict, is_moe: bool):
-    from ..configuration import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+    from ..modeling import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 
     config_class = Qwen3_5MoePackedConfig if is_moe else Qwen3_5PackedConfig
     try:

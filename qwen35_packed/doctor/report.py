@@ -13,8 +13,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-STATUSES = (PASS, WARN, FAIL, SKIP)
+from ..hub import load_report_file
+from ..report_schema import FAIL, PASS, REPORT_SCHEMA, SKIP, STATUSES, WARN
+
 
 
 @dataclass
@@ -88,8 +89,6 @@ class DoctorReport:
     def write_json(self, path) -> Path:
         """Write this run into a model-card report at `path`: an existing report keeps its other sections; the
         doctor section and the parity entries of earlier doctor runs (checks named `numerics.*`) are replaced."""
-        from ..hub import REPORT_SCHEMA, load_report_file
-
         path = Path(path)
         report = load_report_file(path) if path.is_file() else {"schema": REPORT_SCHEMA}
         report["doctor"] = self.doctor_section()

@@ -8,10 +8,9 @@ multiplied by sigmoid(gate) before o_proj. Attention never crosses a document bo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelChoice, sigmoid_gate, varlen_causal_attention
+from .kernels import KernelChoice, sdpa_one_document, sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .recompute import remember
 from .rope import apply_rotary
@@ -59,18 +58,12 @@ class GatedAttention(nn.Module):
     def _attend_with_cache(self, q, k, v, packed, cache):
         """Generation: each document of the stream is one batch row continuing its cached keys/values."""
         keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
-        groups = self.num_heads // self.num_kv_heads
         outs = []
         bounds = packed.cu_seqlens_cpu().tolist()
         for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             k_row = torch.cat([keys[row], k[start:end]]) if keys[row] is not None else k[start:end]
             v_row = torch.cat([values[row], v[start:end]]) if values[row] is not None else v[start:end]
             keys[row], values[row] = k_row, v_row
-            q_len, kv_len = end - start, k_row.shape[0]
             # Causal with an offset: query i sees every cached key plus new keys up to itself.
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-            qd = q[start:end].transpose(0, 1)
-            kd = k_row.transpose(0, 1).repeat_interleave(groups, dim=0)
-            vd = v_row.transpose(0, 1).repeat_interleave(groups, dim=0)
-            outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scaling).transpose(0, 1))
+            outs.append(sdpa_one_document(q[start:end], k_row, v_row, self.scaling, causal=True))
         return torch.cat(outs)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ try:
 except Exception:
     TORCH_VARLEN_AVAILABLE = False
 
+# torch.compile needs Triton on CUDA (the compiled elementwise chains and conv formula).
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -79,9 +83,6 @@ class KernelChoice:
     elementwise: str = "eager"  # "compiled" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
-
-
-_logged_choices: set = set()
 
 
 def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -119,9 +120,8 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     conv = getattr(config, "conv_kernel", "auto")
     if conv == "auto":
-        # Measured on an H200 ([26,354 x 8192] bf16, 16 documents, forward + backward): FLA 2.7 ms plus the copies
-        # of its q | k | v views, the compiled formula 11.6 ms, eager 24.1 ms; the Triton kernel see
-        # benchmarks/results/*-conv.json. Triton on CUDA, else FLA, else the compiled formula.
+        # Fastest first (forward + backward of the RL batch on an H200): Triton, then FLA with the copies of its
+        # q | k | v views (results/benchmarks/2026-11-30-conv.json times both), then the compiled formula.
         if on_cuda and TRITON_CONV_AVAILABLE:
             conv = "triton"
         elif gdn == "fla":
@@ -149,8 +149,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe)
     key = (device.type, dtype, choice)
-    if key not in _logged_choices:
-        _logged_choices.add(key)
+    if first_time(key):
         slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
             on_cuda and gdn == "torch"
         ) else ""
@@ -199,8 +198,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 # --------------------------------------------------------------------------------------------------------------
 # Elementwise chains: eager formulas, compiled on CUDA
 # --------------------------------------------------------------------------------------------------------------
-
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def _zero_centred_rms_norm(x, weight, eps: float):
@@ -444,22 +441,42 @@ def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice) -> torch.Tensor:
-    """Causal attention within each document. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    if choice.attention == "flash_attn":
-        cu = packed.cu_seqlens
-        return _flash_attn_varlen_func(q, k, v, cu, cu, packed.max_seqlen, packed.max_seqlen,
-                                       softmax_scale=scale, causal=True)
-    if choice.attention == "torch_varlen":
-        cu = packed.cu_seqlens
-        # varlen_attn has no is_causal flag: window (-1, 0) = unlimited left context, no right context.
-        return _torch_varlen_attn(q, k, v, cu, cu, packed.max_seqlen, packed.max_seqlen, scale=scale,
-                                  window_size=(-1, 0))
+def sdpa_one_document(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    """SDPA over one document: q [Lq, H, D], k / v [Lk, Hkv, D] (kv heads repeated for grouped-query attention) ->
+    [Lq, H, D]. Causal with the queries as the last Lq of the Lk positions (Lk > Lq: cached keys come first)."""
     groups = q.shape[1] // k.shape[1]
-    outs = []
-    bounds = packed.cu_seqlens_cpu().tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qd, kd, vd = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        kd, vd = kd.repeat_interleave(groups, dim=0), vd.repeat_interleave(groups, dim=0)
-        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(0, 1))
-    return torch.cat(outs)
+    qd = q.transpose(0, 1)
+    kd, vd = (t.transpose(0, 1).repeat_interleave(groups, dim=0) for t in (k, v))
+    q_len, kv_len = q.shape[0], k.shape[0]
+    if causal and kv_len != q_len:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale).transpose(0, 1)
+    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale).transpose(0, 1)
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, kernel: str, causal: bool,
+                     host_cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention inside each document of cu_seqlens, causal or full; `kernel` is a KernelChoice.attention.
+    q [N, H, D], k / v [N, Hkv, D] -> [N, H, D]. The per-document SDPA loop reads the boundaries from
+    `host_cu_seqlens` when given (no device-to-host copy), else from cu_seqlens."""
+    if kernel == "flash_attn":
+        return _flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                       softmax_scale=scale, causal=causal)
+    if kernel == "torch_varlen":
+        # varlen_attn has no is_causal flag: window (-1, 0) = unlimited left context, no right context.
+        return _torch_varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                                  window_size=(-1, 0) if causal else (-1, -1))
+    bounds = (cu_seqlens if host_cu_seqlens is None else host_cu_seqlens).tolist()
+    return torch.cat([sdpa_one_document(q[start:end], k[start:end], v[start:end], scale, causal)
+                      for start, end in zip(bounds[:-1], bounds[1:])])
+
+
+def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice) -> torch.Tensor:
+    """Causal attention within each document of a PackedSequence (the text model's attention layers)."""
+    host = packed.cu_seqlens_cpu() if choice.attention == "sdpa" else None
+    return varlen_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, scale, choice.attention, True, host)
+
+
+def varlen_bidirectional_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, kernel: str):
+    """Full (non-causal) attention inside each segment of cu_seqlens (the vision tower's images)."""
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, kernel, causal=False)

@@ -34,7 +34,12 @@ from .checkpoint_keys import (
     TEXT_KEY_MAPPING,
     from_official_layout,
 )
-from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+from .configuration_qwen3_5_packed import (
+    TRANSFORMERS_MAJOR,
+    Qwen3_5MoePackedConfig,
+    Qwen3_5PackedConfig,
+    log_once,
+)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
@@ -51,7 +56,6 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # The name under which the installed `generate()` passes the cache around ("cache" from transformers 5.2x on).
 _CACHE_KWARG = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -61,13 +65,6 @@ _CACHE_KWARG = (
 _IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
 # Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
 _PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-_logged_once: set = set()
-
-
-def _log_once(key: str, message: str, *args) -> None:
-    if key not in _logged_once:
-        _logged_once.add(key)
-        logger.warning(message, *args)
 
 
 def _output_class(name: str, doc: str, field_names: list[str]):
@@ -191,29 +188,15 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def run_packed(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        cache: Qwen3_5PackedCache | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool = False,
-        output_router_logits: bool = False,
-        cu_seqlens=None,
-        cu_seq_lens_q=None,
-        cu_seq_lens_k=None,
-        max_length_q=None,
-        max_length_k=None,
-        seq_idx=None,
-    ):
-        """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
-        shape = input_shape(input_ids, inputs_embeds)
-        device = (input_ids if input_ids is not None else inputs_embeds).device
+    def resolve_packing(self, shape: tuple[int, int], device, *, attention_mask=None, position_ids=None,
+                        cache: Qwen3_5PackedCache | None = None, use_cache: bool | None = None, cu_seqlens=None,
+                        cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
+                        seq_idx=None) -> tuple[PackedSequence, Qwen3_5PackedCache | None]:
+        """The packing step of a forward over a (batch, seq) = `shape` batch: its PackedSequence and the cache to
+        use (None without one). A filled cache continues every row by its new tokens; otherwise the boundaries
+        come from the packing contract (packing.py) and a cache is made when `use_cache` asks for one."""
         cache = as_packed_cache(cache)
         explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
-
         if cache is not None and cache.has_state:
             if explicit_packing:
                 raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
@@ -224,29 +207,30 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             if position_ids is not None and position_ids.dim() == 2:
                 if not torch.equal(position_ids.reshape(-1).to(packed.position_ids), packed.position_ids):
                     raise ValueError("position_ids contradict the cache: generation positions continue per row")
-        else:
-            packed = build_packed_sequence(
-                shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k, seq_idx,
-            )
-            # A cache holds one document per row: the caller's rows, or those of a cache the caller built for a
-            # stream of packed rows (the vision-language prefill passes its whole batch as one packed stream).
-            one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
-            if use_cache is None:
-                use_cache = bool(self.config.use_cache) and not self.training and one_doc_per_row
-            if use_cache and not one_doc_per_row:
-                raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
-            if use_cache and cache is None:
-                cache = Qwen3_5PackedCache(self.config.num_hidden_layers, shape[0])
-            if not use_cache:
-                cache = None
+            return packed, cache
+        packed = build_packed_sequence(
+            shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
+            max_length_q, max_length_k, seq_idx,
+        )
+        # A cache holds one document per row: of the cache given, else of the batch.
+        one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
+        if use_cache is None:
+            use_cache = bool(self.config.use_cache) and not self.training and one_doc_per_row
+        if use_cache and not one_doc_per_row:
+            raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
+        if not use_cache:
+            return packed, None
+        return packed, cache if cache is not None else Qwen3_5PackedCache(self.config.num_hidden_layers, shape[0])
 
-        if inputs_embeds is None:
-            hidden = self.embed_tokens(packed.pack(input_ids.unsqueeze(-1)).squeeze(-1))
-        else:
-            hidden = packed.pack(inputs_embeds)
+    def run_layers(self, hidden: torch.Tensor, packed: PackedSequence, *, rope_positions=None,
+                   cache: Qwen3_5PackedCache | None = None, columns: int = 0, output_hidden_states: bool = False,
+                   output_router_logits: bool = False):
+        """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `packed`, with rope at
+        `rope_positions` (packed.position_ids by default; the vision-language model passes its [3, N] positions).
+        A cache advances by the stream and `columns` caller columns. Returns (hidden [N, H], all hidden states or
+        None, router logits or None)."""
         choice = select_kernels(self.config, hidden.device, hidden.dtype)
-        cos, sin = self.rotary_emb(packed.position_ids, hidden.dtype)
+        cos, sin = self.rotary_emb(packed.position_ids if rope_positions is None else rope_positions, hidden.dtype)
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
@@ -266,7 +250,24 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None:
-            cache.advance(packed, shape[1])
+            cache.advance(packed, columns)
+        return hidden, all_hidden, router_logits
+
+    def run_packed(self, input_ids=None, *, inputs_embeds=None, output_hidden_states: bool = False,
+                   output_router_logits: bool = False, **packing):
+        """Resolve the packing (`resolve_packing`: attention_mask, position_ids, cache, use_cache and the packing
+        kwargs), embed and run the layers. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
+        shape = input_shape(input_ids, inputs_embeds)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        packed, cache = self.resolve_packing(shape, device, **packing)
+        if inputs_embeds is None:
+            hidden = self.embed_tokens(packed.pack(input_ids.unsqueeze(-1)).squeeze(-1))
+        else:
+            hidden = packed.pack(inputs_embeds)
+        hidden, all_hidden, router_logits = self.run_layers(
+            hidden, packed, cache=cache, columns=shape[1], output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+        )
         return hidden, packed, cache, all_hidden, router_logits
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -277,13 +278,15 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
-            _log_once("aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add the "
-                      "load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
-                      "for RL", self.config.router_aux_loss_coef)
+            log_once(logger, "aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add "
+                     "the load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
+                     "for RL", self.config.router_aux_loss_coef)
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
-            input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values, use_cache=use_cache,
+            output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
+            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
         )
         output = Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
@@ -358,7 +361,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedConfig
     # transformers 5 declares tied weights as {target: source}; 4.x as a list of the tied keys.
     _tied_weights_keys = (
-        {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
+        {"lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
     )
 
     def __init__(self, config):
@@ -391,9 +394,11 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
-            input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
-            use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router, cu_seqlens,
-            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values, use_cache=use_cache,
+            output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
+            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
@@ -435,8 +440,8 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                                            text_config.num_experts_per_tok)
             coef = text_config.router_aux_loss_coef
             if loss is not None and coef > 0:
-                _log_once("aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
-                          "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
+                log_once(logger, "aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                         "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
                 loss = loss + coef * aux_loss.to(loss.device)
         return loss, aux_loss, logits
 

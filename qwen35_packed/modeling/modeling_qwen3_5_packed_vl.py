@@ -14,7 +14,7 @@ of packing.py, every entry form), then:
      are used as given instead;
   3. writes the image features onto the image placeholder tokens of the stream (the i-th image onto the i-th run
      of image tokens, so features land on their own documents);
-  4. runs the packed text decoder (`Qwen3_5PackedTextModel.run_packed`) on the embeddings with those positions
+  4. runs the packed text decoder (`Qwen3_5PackedTextModel.run_layers`) on the embeddings with those positions
      and boundaries, and computes logits / loss per document.
 Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py for `freeze_vision` and
 `vision_dummy_pass` (the FSDP-symmetric vision pass on ranks without images).
@@ -31,6 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .cache import Qwen3_5PackedCache, as_packed_cache
+from .configuration_qwen3_5_packed import TRANSFORMERS_MAJOR
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
 from .modeling_qwen3_5_packed import (
@@ -62,8 +63,6 @@ from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
-
-_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 Qwen3_5PackedVLModelOutput = _output_class(
@@ -174,6 +173,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
     def run_packed(
         self,
         input_ids=None,
+        *,
         attention_mask=None,
         position_ids=None,
         inputs_embeds=None,
@@ -253,22 +253,19 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             dummy = self.dummy_vision_output(embeds.device)
             embeds = embeds + (dummy.sum() * 0.0).to(embeds.dtype)
 
+        cache = None
         if use_cache:
             if packed.num_docs != shape[0]:
                 raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
             cache = Qwen3_5PackedCache(self.config.text_config.num_hidden_layers, shape[0])
-        hidden, _, cache, all_hidden, router_logits = self.language_model.run_packed(
-            inputs_embeds=embeds.unsqueeze(0),
-            position_ids=positions.unsqueeze(1),
-            cu_seqlens=packed.cu_seqlens,
-            cache=cache,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
+        # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
+        # at most once), with the 3D rope positions.
+        hidden, all_hidden, router_logits = self.language_model.run_layers(
+            embeds, packed, rope_positions=positions, cache=cache, columns=shape[1],
+            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
         )
         if cache is not None:
-            # The cache counts the caller's columns, and text after the prompt continues at its largest position + 1.
-            cache.consumed_columns = shape[1]
+            # Text after the prompt continues at its largest position + 1.
             last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
                 0, packed.doc_index(), positions.amax(dim=0), reduce="amax")
             cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
@@ -283,7 +280,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
                              "filled cache")
         hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
-            input_ids, attention_mask, None, inputs_embeds, cache, True, output_hidden_states, output_router_logits,
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache, use_cache=True,
+            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
         )
         positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
@@ -295,12 +293,14 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 use_cache=None, return_dict=None, past_key_values=None, cache=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         result = self.run_packed(
-            input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids,
-            _wants_hidden_states(self.config.text_config, output_hidden_states),
-            _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
-            cu_seq_lens_k, max_length_q, max_length_k, seq_idx, cache if cache is not None else past_key_values,
-            bool(use_cache),
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values, pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
+            output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
+            output_router_logits=_wants_router_logits(self.config.text_config, output_router_logits),
+            cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
         )
         packed = result.packed
         output = Qwen3_5PackedVLModelOutput(
@@ -326,7 +326,7 @@ def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.
 class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
-        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
+        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
     # The same lm_head, fp32 (chunked) cross-entropy and MoE aux loss on the packed stream as the text model.
@@ -374,11 +374,13 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
-            input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
-            image_grid_thw, video_grid_thw, mm_token_type_ids,
-            _wants_hidden_states(self.config.text_config, output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
-            cache if cache is not None else past_key_values, bool(use_cache),
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values, pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
+            output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
+            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
         )
         packed, hidden = result.packed, result.hidden
 

@@ -50,7 +50,7 @@ class ConvBlocks:
     a backward program backward_chunks chunks of backward_rows x backward_channels.
 
     The defaults are the fastest of the configurations benchmarks/bench_conv.py checked and timed on an H200 (RL
-    batch, [26,354 x 8192] bf16, q | k | v = 2048 | 2048 | 4096; benchmarks/results/2026-11-30-conv.json):
+    batch, [26,354 x 8192] bf16, q | k | v = 2048 | 2048 | 4096; results/benchmarks/2026-11-30-conv.json):
     forward 0.34 ms, forward + backward 2.42 ms, against FLA's 0.34 / 2.71 ms (3.41 ms with the copies of its
     q | k | v views and the concatenation of their gradients, which this kernel does not need)."""
 

@@ -21,8 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from . import kernels as _kernels
-from .kernels import select_kernels
+from .kernels import select_kernels, varlen_bidirectional_attention
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -83,22 +82,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
-
-
-def varlen_bidirectional_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, kernel: str):
-    """Full (non-causal) attention inside each segment of cu_seqlens. q/k/v [N, H, D] -> [N, H, D]."""
-    if kernel == "flash_attn":
-        return _kernels._flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                                softmax_scale=scale, causal=False)
-    if kernel == "torch_varlen":
-        return _kernels._torch_varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                                           window_size=(-1, -1))
-    bounds = cu_seqlens.tolist()
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1))
-    return torch.cat(outs)
 
 
 class VisionMLP(nn.Module):

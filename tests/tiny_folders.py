@@ -1,4 +1,5 @@
-"""Tiny local model folders, tokenizer and prompt dataset for smoke runs of the training stack without the Hub.
+"""Tiny local model folders, tokenizer and prompt dataset: the tests' fixtures, and smoke runs of the examples
+(`--build_tiny`, which put this folder on sys.path), without the Hub.
 
 `build_tiny_folder(out, kind)` follows the user path: transformers' built-in Qwen3.5 text model with random
 weights is saved in the official layout, then converted with `qwen35-packed convert` into OUT, with a character
@@ -81,7 +82,7 @@ def build_tiny_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: floa
     distributions, on which log-prob comparisons say little."""
     import transformers
 
-    from ..conversion import convert
+    from qwen35_packed.conversion import convert
 
     out = Path(out)
     kwargs = {**tiny_config_kwargs(kind), "tie_word_embeddings": False, **config_overrides}
@@ -141,7 +142,7 @@ def build_tiny_vl_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: f
     images would hardly move the logits and a wrong image placement would go unnoticed)."""
     import transformers
 
-    from ..conversion import convert
+    from qwen35_packed.conversion import convert
 
     out = Path(out)
     tokenizer = build_vl_tokenizer()

@@ -35,13 +35,26 @@ QWEN3_5_ROPE_DEFAULTS = {
     "mrope_interleaved": True,
 }
 _ROPE_KEYS = tuple(QWEN3_5_ROPE_DEFAULTS)
-_warned: set = set()
+
+# The installed transformers' major version: the remote-code files switch on it where 4.x and 5.x differ (this
+# bundle's one copy; tooling imports it from here too).
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+_logged_once: set = set()
 
 
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
+def first_time(key) -> bool:
+    """True the first time `key` is asked about in this process: for messages the remote code says once."""
+    if key in _logged_once:
+        return False
+    _logged_once.add(key)
+    return True
+
+
+def log_once(log: logging.Logger, key, message: str, *args) -> None:
+    """`log.warning(message, *args)` the first time `key` comes by."""
+    if first_time(key):
+        log.warning(message, *args)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # model_type of the official composite (vision-language) configs, whose `text_config` is a text config.
@@ -71,11 +84,16 @@ KERNEL_FIELDS = {
 }
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+def same_value(a, b) -> bool:
+    """Whether two readings of one config value agree: numbers within 1e-9 relative, lists element-wise; a boolean
+    on either side is compared as Python compares it (`True == 1`), never with the float tolerance, so that the
+    order of the two sides does not matter."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -105,8 +123,9 @@ def resolve_rope_parameters(
     """
     stated = rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
     if (_written_by_transformers_5(writer_version) and None not in (stated, partial_rotary_factor)
-            and not _same(stated, partial_rotary_factor)):
-        _warn_once(
+            and not same_value(stated, partial_rotary_factor)):
+        log_once(
+            logger,
             "ignored-partial-rotary-factor",
             "config.json written by transformers %s has top-level partial_rotary_factor=%r but rope_parameters says "
             "%r; transformers 5 reads rope_parameters, so %r is used.",
@@ -119,7 +138,7 @@ def resolve_rope_parameters(
     def put(key, value, source):
         if value is None:
             return
-        if key in merged and not _same(merged[key], value):
+        if key in merged and not same_value(merged[key], value):
             raise ValueError(
                 f"Contradicting rope values: {key}={merged[key]!r} from {origin[key]} but {key}={value!r} from "
                 f"{source}. Remove one of them or make them equal; this project never picks one silently."
@@ -146,7 +165,8 @@ def resolve_rope_parameters(
     put("partial_rotary_factor", partial_rotary_factor, "top-level partial_rotary_factor")
 
     if "rope_theta" not in merged and merged:
-        _warn_once(
+        log_once(
+            logger,
             "rope-default",
             "No rope_theta in the config (neither rope_parameters, rope_scaling nor top-level rope_theta); "
             "using the official Qwen3.5 value %s.",
