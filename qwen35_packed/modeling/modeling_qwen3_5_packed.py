@@ -44,6 +44,7 @@ from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 from .rope import MRotaryEmbedding
+from .routing_replay import routed_experts_stream
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
 # (tests/test_remote_code_audit.py checks that nothing is missing).
@@ -110,8 +111,9 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, packed, cos, sin, choice, cache=None):
-        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None)."""
+    def forward(self, hidden_states, packed, cos, sin, choice, cache=None, routed_experts=None):
+        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None); `routed_experts` [N, k]:
+        the experts to replay in this layer's MoE block (routing_replay.py)."""
         normed = self.input_layernorm(hidden_states, choice)
         if self.layer_type == "linear_attention":
             mixed = self.linear_attn(normed, packed, choice, cache)
@@ -120,7 +122,8 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
         # backward recomputes the normed input of the MLP exactly (recompute.py).
         residual = hidden_states + mixed
-        mlp_out = self.mlp(self.post_attention_layernorm(residual, choice), choice)
+        normed = self.post_attention_layernorm(residual, choice)
+        mlp_out = self.mlp(normed, choice, routed_experts) if routed_experts is not None else self.mlp(normed, choice)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -207,8 +210,10 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         max_length_q=None,
         max_length_k=None,
         seq_idx=None,
+        routed_experts=None,
     ):
-        """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
+        """Run the decoder on the packed stream. Returns (hidden [N, H], packed, cache, all hidden, router logits).
+        `routed_experts`: experts to replay per token and MoE layer, in the caller's layout (routing_replay.py)."""
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         cache = as_packed_cache(cache)
@@ -247,6 +252,10 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             hidden = packed.pack(inputs_embeds)
         choice = select_kernels(self.config, hidden.device, hidden.dtype)
         cos, sin = self.rotary_emb(packed.position_ids, hidden.dtype)
+        replay = None
+        if routed_experts is not None:
+            stream = routed_experts_stream(routed_experts, packed, self.config, hidden.device)
+            replay = iter(stream.unbind(dim=1))  # one [N, k] per MoE layer, in order
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
@@ -259,7 +268,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             for layer in self.layers:
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
+                routed = next(replay) if replay is not None and isinstance(layer.mlp, SparseMoeBlock) else None
+                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache,
+                                       routed_experts=routed)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, choice)
@@ -272,7 +283,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                seq_idx=None, cache=None, return_dict=None, **kwargs):
+                seq_idx=None, cache=None, return_dict=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
@@ -283,7 +294,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
             use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router,
-            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
+            cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx, routed_experts,
         )
         output = Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
@@ -387,13 +398,13 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                cache=None, shift_labels=None, return_dict=None, **kwargs):
+                cache=None, shift_labels=None, return_dict=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, cache if cache is not None else past_key_values,
             use_cache, _wants_hidden_states(self.config, output_hidden_states), want_router, cu_seqlens,
-            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
+            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx, routed_experts,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,

@@ -48,6 +48,7 @@ from .modeling_qwen3_5_packed import (
 from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
+from .routing_replay import routed_experts_stream
 from .vision import Qwen3_5PackedVisionModel
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
@@ -192,14 +193,15 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         seq_idx=None,
         cache=None,
         use_cache: bool = False,
+        routed_experts=None,
     ) -> PackedMultimodalResult:
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         cache = as_packed_cache(cache)
         if cache is not None and cache.has_state:
             return self._cached_step(input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                                     output_router_logits, pixel_values, pixel_values_videos, cu_seqlens,
-                                     cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+                                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
+                                     cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx)
         for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
                                    (pixel_values_videos, video_grid_thw, "video")):
             pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
@@ -257,6 +259,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             if packed.num_docs != shape[0]:
                 raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
             cache = Qwen3_5PackedCache(self.config.text_config.num_hidden_layers, shape[0])
+        if routed_experts is not None:  # the caller's layout -> this packed stream, the text decoder's one row
+            routed_experts = routed_experts_stream(routed_experts, packed, self.config.text_config, device)
         hidden, _, cache, all_hidden, router_logits = self.language_model.run_packed(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=positions.unsqueeze(1),
@@ -265,6 +269,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
+            routed_experts=routed_experts,
         )
         if cache is not None:
             # The cache counts the caller's columns, and text after the prompt continues at its largest position + 1.
@@ -275,7 +280,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
 
     def _cached_step(self, input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                     output_router_logits, pixel_values, pixel_values_videos, *packing) -> PackedMultimodalResult:
+                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
+                     *packing) -> PackedMultimodalResult:
         """A generation step after the prefill: new text tokens only, one document per row."""
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
@@ -284,6 +290,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                              "filled cache")
         hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
             input_ids, attention_mask, None, inputs_embeds, cache, True, output_hidden_states, output_router_logits,
+            routed_experts=routed_experts,
         )
         positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
@@ -292,7 +299,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                use_cache=None, return_dict=None, past_key_values=None, cache=None, **kwargs):
+                use_cache=None, return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         result = self.run_packed(
             input_ids, attention_mask, position_ids, inputs_embeds, pixel_values, pixel_values_videos,
@@ -300,7 +307,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             _wants_hidden_states(self.config.text_config, output_hidden_states),
             _wants_router_logits(self.config.text_config, output_router_logits), cu_seqlens, cu_seq_lens_q,
             cu_seq_lens_k, max_length_q, max_length_k, seq_idx, cache if cache is not None else past_key_values,
-            bool(use_cache),
+            bool(use_cache), routed_experts,
         )
         packed = result.packed
         output = Qwen3_5PackedVLModelOutput(
@@ -370,7 +377,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                 max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
-                return_dict=None, past_key_values=None, cache=None, **kwargs):
+                return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
@@ -378,7 +385,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
             image_grid_thw, video_grid_thw, mm_token_type_ids,
             _wants_hidden_states(self.config.text_config, output_hidden_states), want_router,
             cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx,
-            cache if cache is not None else past_key_values, bool(use_cache),
+            cache if cache is not None else past_key_values, bool(use_cache), routed_experts,
         )
         packed, hidden = result.packed, result.hidden
 
