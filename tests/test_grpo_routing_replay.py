@@ -56,8 +56,12 @@ def test_logprob_step_replays_the_kept_engine_routing(folders, tmp_path):  # noq
     # the step's log-probs are the model's own under the replayed routing (TRL's kernel vs log_softmax: fp32 noise)
     expected = direct[:, -completion_len - 1:-1].log_softmax(-1).gather(-1, ids[:, -completion_len:, None])[..., 0]
     torch.testing.assert_close(results["shifted"][scored], expected[scored], rtol=0, atol=1e-5)
+    # rows without routing (a training step whose inputs lost theirs) are refused, not given another batch's
+    trainer._rollout_routing, trainer._engine_routing = None, None
+    with pytest.raises(RuntimeError, match="rows that carry no routed experts"):
+        trainer._get_per_token_logps_and_entropies(model, ids, mask, completion_len)
     # a batch whose prompts are not the engine's is refused
-    trainer._rollout_routing = None
+    trainer._engine_routing = _engine_arrays(own, mask, completion_len, model.config.num_hidden_layers)
     trainer._engine_routing = trainer._engine_routing[:-1]
     with pytest.raises(RuntimeError, match="routed experts of 5 completions for a batch of 6 rows"):
         trainer._get_per_token_logps_and_entropies(model, ids, mask, completion_len)

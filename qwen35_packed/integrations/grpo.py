@@ -339,15 +339,20 @@ def _make_trainer_class():
                 output["routed_experts"] = self._rollout_routing_for(
                     torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
                     output["completion_ids"].shape[1])
-                self._engine_routing = None
+                # from here on, routing comes with the rows only (TRL shuffles and splits them)
+                self._engine_routing, self._rollout_routing = None, None
             return output
 
         def _rollout_routing_for(self, attention_mask, completion_width: int) -> torch.Tensor:
-            """The generation batch's routed experts in its padded layout (built once per generation)."""
+            """The generation batch's routed experts in its padded layout (built once per generation; only while
+            that batch is being scored)."""
             if self._rollout_routing is None:
                 from .vllm_routing import padded_routed_experts
 
-                if self._engine_routing is None or len(self._engine_routing) != attention_mask.shape[0]:
+                if self._engine_routing is None:
+                    raise RuntimeError("routing replay: a log-prob step on rows that carry no routed experts (outside "
+                                       "the scoring of a freshly generated batch, the rows must bring them)")
+                if len(self._engine_routing) != attention_mask.shape[0]:
                     raise RuntimeError(f"routing replay: vLLM's routed experts of "
                                        f"{len(self._engine_routing or ())} completions for a batch of "
                                        f"{attention_mask.shape[0]} rows")
