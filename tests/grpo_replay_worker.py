@@ -25,6 +25,18 @@ def recording_engine(llm_class, *args, **kwargs):
     return RouterRecorder(llm_class(*args, enable_prefix_caching=False, enforce_eager=True, **kwargs)).install().llm
 
 
+def reaching(arrays, own, prompt_lengths) -> int:
+    """(token, MoE layer) disagreements that can move a scored log-prob: an earlier layer of any token (later layers
+    attend to it), or the last layer of a token whose own logits are scored (the last prompt token on)."""
+    count = 0
+    for array, routes, prompt_len in zip(arrays, own, prompt_lengths):
+        engine = torch.from_numpy(array)
+        differ = (engine.sort(-1).values != routes[:engine.shape[0]].sort(-1).values).any(-1)
+        differ[:prompt_len - 1, -1] = False
+        count += int(differ.sum())
+    return count
+
+
 def main(model_dir, data_dir, out_dir, report_path):
     import datasets
     import trl
@@ -46,7 +58,11 @@ def main(model_dir, data_dir, out_dir, report_path):
             width = output["completion_ids"].shape[1]
             routed = output["routed_experts"]
             with torch.no_grad():
-                replayed = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
+                self._batch_routing = routed  # the rows' own routing, as in a training step
+                try:
+                    replayed = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
+                finally:
+                    self._batch_routing = None
                 self.routing_replay = False
                 try:
                     plain = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
@@ -57,8 +73,10 @@ def main(model_dir, data_dir, out_dir, report_path):
                 with self.accelerator.autocast():  # the trainer's own routing, as its forwards route
                     own = model_routing(self.model, docs)
             sampled, done = output["sampling_per_token_logps"], output["completion_mask"].bool()
+            prompt_lengths = output["prompt_mask"].sum(1).tolist()
             batches.append({
                 "routing": routing_disagreement(arrays, own, self.model.config),
+                "disagreements_that_reach_a_scored_logprob": reaching(arrays, own, prompt_lengths),
                 "mean_abs_dlogp_no_replay": (plain - sampled)[done].abs().mean().item(),
                 "mean_abs_dlogp_replay": (replayed - sampled)[done].abs().mean().item(),
                 "completion_tokens": int(done.sum()),

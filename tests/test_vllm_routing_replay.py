@@ -53,3 +53,8 @@ def test_grpo_two_steps_with_routing_replay(vllm_python, moe_folder, tmp_path): 
     print(json.dumps({k: result[k] for k in ("batches", "forwards_replayed")}, indent=1))
     assert len(result["steps"]) == 2 and len(result["batches"]) == 2  # the second generation follows a push
     assert all(result["forwards_replayed"]) and len(result["forwards_replayed"]) >= 4
+    for batch in result["batches"]:
+        # replay changes a sampled token's log-prob exactly when some disagreement reaches it (the replayed
+        # routing elsewhere equals the trainer's own, bit for bit)
+        same = batch["mean_abs_dlogp_replay"] == batch["mean_abs_dlogp_no_replay"]
+        assert same == (batch["disagreements_that_reach_a_scored_logprob"] == 0), batch
