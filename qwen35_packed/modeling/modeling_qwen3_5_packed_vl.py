@@ -62,6 +62,7 @@ from .moe import SparseMoeBlock  # noqa: F401
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
+from .routing_replay import routed_experts_stream  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 
 
@@ -192,14 +193,15 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         seq_idx=None,
         cache=None,
         use_cache: bool = False,
+        routed_experts=None,
     ) -> PackedMultimodalResult:
         shape = input_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         cache = as_packed_cache(cache)
         if cache is not None and cache.has_state:
             return self._cached_step(input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                                     output_router_logits, pixel_values, pixel_values_videos, cu_seqlens,
-                                     cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+                                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
+                                     cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx)
         for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
                                    (pixel_values_videos, video_grid_thw, "video")):
             pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
@@ -263,6 +265,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         hidden, all_hidden, router_logits = self.language_model.run_layers(
             embeds, packed, rope_positions=positions, cache=cache, columns=shape[1],
             output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+            routed_experts=routed_experts,
         )
         if cache is not None:
             # Text after the prompt continues at its largest position + 1.
@@ -272,7 +275,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
 
     def _cached_step(self, input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                     output_router_logits, pixel_values, pixel_values_videos, *packing) -> PackedMultimodalResult:
+                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
+                     *packing) -> PackedMultimodalResult:
         """A generation step after the prefill: new text tokens only, one document per row."""
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
@@ -282,6 +286,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
             input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache, use_cache=True,
             output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+            routed_experts=routed_experts,
         )
         positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
@@ -290,7 +295,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                use_cache=None, return_dict=None, past_key_values=None, cache=None, **kwargs):
+                use_cache=None, return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         result = self.run_packed(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -301,6 +306,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
             max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
             cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
+            routed_experts=routed_experts,
         )
         packed = result.packed
         output = Qwen3_5PackedVLModelOutput(
@@ -370,7 +376,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
                 mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
                 logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                 max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
-                return_dict=None, past_key_values=None, cache=None, **kwargs):
+                return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
@@ -381,6 +387,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
             output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
             cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
             cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
+            routed_experts=routed_experts,
         )
         packed, hidden = result.packed, result.hidden
 

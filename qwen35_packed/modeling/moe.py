@@ -25,6 +25,7 @@ from transformers.activations import ACT2FN
 
 from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
+from .routing_replay import replayed_top_k
 
 
 class SwiGLUMLP(nn.Module):
@@ -46,17 +47,20 @@ class SwiGLUMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Owns the router weight `mlp.gate.weight [E, H]`; returns fp32 logits, top-k weights and indices."""
+    """Owns the router weight `mlp.gate.weight [E, H]`; returns fp32 logits, top-k weights and indices.
+    `routed_experts` [N, k] (ids, -1 = none) replaces the top-k choice of the tokens it gives (routing_replay.py)."""
 
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, routed_experts: torch.Tensor | None = None):
         logits = RouterLogits.apply(x, self.weight)
         probs = logits.softmax(dim=-1)
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
+        if routed_experts is not None:
+            return (logits, *replayed_top_k(probs, top_index, routed_experts))
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return logits, top_weights, top_index
 
@@ -228,9 +232,10 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None):
-        """x [N, H] -> (out [N, H], router logits [N, E] fp32)."""
-        logits, top_weights, top_index = self.gate(x)
+    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None,
+                routed_experts: torch.Tensor | None = None):
+        """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
+        logits, top_weights, top_index = self.gate(x, routed_experts)
         routed = self.experts(x, top_index, top_weights, choice)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
         return routed + shared, logits
