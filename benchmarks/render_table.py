@@ -26,7 +26,7 @@ SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DO
 
 
 def rows(newest_only: bool = True):
-    paths = sorted(RESULTS.glob("*-train-step*.json"))  # names sort by date, then version
+    paths = sorted(RESULTS.glob("*-train-step*.json"), key=by_date_and_version)
     newest = {}
     for path in paths:
         for model, per_model in json.loads(path.read_text()).items():
@@ -48,19 +48,23 @@ def rows(newest_only: bool = True):
 
 def render(newest_only: bool = True) -> str:
     lines = [
-        "| model | batch (real / padded tokens) | run | real tokens/s | x built-in | MFU | peak GiB | result file |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | batch (real / padded tokens) | run | real tokens/s | x built-in | MFU (6 x non-embedding) | "
+        "MFU (every matmul) | peak GiB | result file |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, data, model, batch, entry, run, row in rows(newest_only):
         size = f"{batch} ({entry['real_tokens']:,} / {entry['padded_tokens']:,})"
         if "source" in row:  # a row this file copies from an earlier file (see its provenance)
             name = f"{name} ({row['source']})"
+        if "wrong" in row:  # e.g. the built-in's leaking path: listed, never a baseline
+            run = f"{run} (wrong: {row['wrong']})"
         if "error" in row:
-            lines.append(f"| {model} | {size} | {run} | {row['error']} | | | {row['peak_GiB']} | {name} |")
+            lines.append(f"| {model} | {size} | {run} | {row['error']} | | | | {row['peak_GiB']} | {name} |")
             continue
         ratio = row.get("ratio_to_builtin", "")
+        every = f"{row['mfu_all_matmuls']:.0%}" if row.get("mfu_all_matmuls") is not None else ""
         lines.append(f"| {model} | {size} | {run} | {row['real_tok_per_s']:,} | {ratio} | {row['mfu']:.0%} | "
-                     f"{row['peak_GiB']} | {name} |")
+                     f"{every} | {row['peak_GiB']} | {name} |")
     return "\n".join(lines)
 
 
@@ -78,8 +82,14 @@ def render_dense_summary() -> str:
     return "\n".join(lines)
 
 
+def by_date_and_version(path: Path):
+    """Sort key of a result file name: its date, then its -vN suffix (none counts as v1)."""
+    version = re.search(r"-v(\d+)$", path.stem)
+    return path.name[:10], int(version.group(1)) if version else 1
+
+
 def newest_moe() -> tuple[str, dict]:
-    path = sorted(RESULTS.glob("*-moe-*.json"))[-1]
+    path = sorted(RESULTS.glob("*-moe-*.json"), key=by_date_and_version)[-1]
     return path.name, json.loads(path.read_text())
 
 
@@ -91,6 +101,8 @@ def render_moe() -> str:
         if "error" in row:
             lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
             continue
+        if "source" in row:  # a row copied from an earlier run (see the file's provenance)
+            run = f"{run} ({row['source']})"
         lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
                      f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
                      f"{row['mfu_active']:.0%} | {row['peak_GiB']} |")
