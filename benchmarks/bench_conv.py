@@ -26,7 +26,7 @@ from bench_train_step import batches  # noqa: E402
 
 from qwen35_packed.modeling import kernels  # noqa: E402
 from qwen35_packed.modeling.packing import build_packed_sequence  # noqa: E402
-from qwen35_packed.modeling.triton_conv import ConvBlocks, DEFAULT_BLOCKS, causal_conv1d_silu_split  # noqa: E402
+from qwen35_packed.modeling.triton_conv import DEFAULT_BLOCKS, ConvBlocks, causal_conv1d_silu_split  # noqa: E402
 
 SPLIT = (2048, 2048, 4096)
 
@@ -49,8 +49,13 @@ def candidates():
     for f_rows, f_ch, f_warps in itertools.product((32, 64), (64, 128, 256), (4, 8)):
         yield dataclasses.replace(DEFAULT_BLOCKS, forward_rows=f_rows, forward_channels=f_ch, forward_warps=f_warps)
     for b_rows, b_ch, b_chunks, b_warps in itertools.product((8, 16, 32), (32, 64, 128), (16,), (4, 8)):
-        yield dataclasses.replace(DEFAULT_BLOCKS, backward_rows=b_rows, backward_channels=b_ch,
-                                  backward_chunks=b_chunks, backward_warps=b_warps)
+        yield dataclasses.replace(
+            DEFAULT_BLOCKS,
+            backward_rows=b_rows,
+            backward_channels=b_ch,
+            backward_chunks=b_chunks,
+            backward_warps=b_warps,
+        )
 
 
 def main():
@@ -79,9 +84,11 @@ def main():
         torch.autograd.backward(outs, grads)
         out = torch.cat(outs, dim=1).float()
         half_ulp = (ref_out.abs() * torch.finfo(x.dtype).eps / 2).clamp(min=1e-30)
-        err = {"out_in_half_ulps": ((out - ref_out).abs() / half_ulp).max().item(),
-               "dx_rel": ((x.grad.float() - ref_dx).norm() / ref_dx.norm()).item(),
-               "dw_rel": ((weight.grad.float() - ref_dw).norm() / ref_dw.norm()).item()}
+        err = {
+            "out_in_half_ulps": ((out - ref_out).abs() / half_ulp).max().item(),
+            "dx_rel": ((x.grad.float() - ref_dx).norm() / ref_dx.norm()).item(),
+            "dw_rel": ((weight.grad.float() - ref_dw).norm() / ref_dw.norm()).item(),
+        }
         x.grad = weight.grad = None
         return err
 
@@ -93,20 +100,36 @@ def main():
         try:
             err = check(blocks)
             fwd = cuda_ms(lambda: causal_conv1d_silu_split(x.detach(), weight.detach(), pos, SPLIT, blocks))
-            both = cuda_ms(lambda: torch.autograd.backward(causal_conv1d_silu_split(x, weight, pos, SPLIT, blocks),
-                                                           grads))
+            both = cuda_ms(
+                lambda: torch.autograd.backward(causal_conv1d_silu_split(x, weight, pos, SPLIT, blocks), grads)
+            )
         except Exception as exc:  # a tile configuration the compiler rejects (registers, shared memory)
             rows.append({"blocks": dataclasses.asdict(blocks), "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         x.grad = weight.grad = None
         # One rounding of an fp32 result (half an ulp, a little slack for summation order); bf16 gradients.
         ok = err["out_in_half_ulps"] <= 1.01 and err["dx_rel"] < 1e-2 and err["dw_rel"] < 1e-2
-        rows.append({"blocks": dataclasses.asdict(blocks), "forward_ms": fwd, "forward_backward_ms": both,
-                     "backward_ms": both - fwd, "errors": err, "ok": ok})
+        rows.append(
+            {
+                "blocks": dataclasses.asdict(blocks),
+                "forward_ms": fwd,
+                "forward_backward_ms": both,
+                "backward_ms": both - fwd,
+                "errors": err,
+                "ok": ok,
+            }
+        )
         print(rows[-1], flush=True)
 
-    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "tokens": n, "documents": len(lengths), "split": SPLIT, "rows": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tokens": n,
+        "documents": len(lengths),
+        "split": SPLIT,
+        "rows": rows,
+    }
     if kernels.FLA_AVAILABLE:
         # Own leaves: FLA's timed backwards must not accumulate into the gradients the final check reads.
         x_fla, w_fla = x.detach().unsqueeze(0).requires_grad_(), weight.detach().requires_grad_()
@@ -114,42 +137,63 @@ def main():
         dy = torch.cat(grads, dim=1).unsqueeze(0)
 
         def fla():
-            return kernels._fla_causal_conv1d(x_fla, weight=w_fla, activation="silu", cu_seqlens=cu64,
-                                              cu_seqlens_cpu=cu_cpu)[0]
+            return kernels._fla_causal_conv1d(
+                x_fla, weight=w_fla, activation="silu", cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu
+            )[0]
+
         with torch.no_grad():
             fla_fwd = cuda_ms(fla)
+
         # FLA's q, k, v are slices of one output: the consumers copy them to contiguous memory, and their
         # gradients are concatenated before its backward; those copies are timed with it.
         def fla_split_both():
             out = fla()
             parts = [p.contiguous() for p in out.split(SPLIT, dim=-1)]
             torch.autograd.backward(parts, [g.unsqueeze(0) for g in grads])
-        result["fla"] = {"forward_ms": fla_fwd, "forward_backward_ms": cuda_ms(lambda: fla().backward(dy)),
-                         "forward_backward_with_split_copies_ms": cuda_ms(fla_split_both)}
+
+        result["fla"] = {
+            "forward_ms": fla_fwd,
+            "forward_backward_ms": cuda_ms(lambda: fla().backward(dy)),
+            "forward_backward_with_split_copies_ms": cuda_ms(fla_split_both),
+        }
     good = [r for r in rows if r.get("ok")]
     best_fwd = min(good, key=lambda r: r["forward_ms"])["blocks"]
     best_bwd = min(good, key=lambda r: r["backward_ms"])["blocks"]
-    best = {**{k: v for k, v in best_fwd.items() if k.startswith("forward")},
-            **{k: v for k, v in best_bwd.items() if k.startswith("backward")}}
+    best = {
+        **{k: v for k, v in best_fwd.items() if k.startswith("forward")},
+        **{k: v for k, v in best_bwd.items() if k.startswith("backward")},
+    }
     best_blocks = ConvBlocks(**best)
     err = check(best_blocks)
-    result["best"] = {"blocks": best, "errors": err,
-                      "forward_ms": cuda_ms(lambda: causal_conv1d_silu_split(x.detach(), weight.detach(), pos,
-                                                                             SPLIT, best_blocks)),
-                      "forward_backward_ms": cuda_ms(lambda: torch.autograd.backward(
-                          causal_conv1d_silu_split(x, weight, pos, SPLIT, best_blocks), grads))}
+    result["best"] = {
+        "blocks": best,
+        "errors": err,
+        "forward_ms": cuda_ms(lambda: causal_conv1d_silu_split(x.detach(), weight.detach(), pos, SPLIT, best_blocks)),
+        "forward_backward_ms": cuda_ms(
+            lambda: torch.autograd.backward(causal_conv1d_silu_split(x, weight, pos, SPLIT, best_blocks), grads)
+        ),
+    }
     print(f"\n{'kernel':<40}{'forward ms':>12}{'fwd+bwd ms':>12}")
     default = next(r for r in rows if r["blocks"] == dataclasses.asdict(DEFAULT_BLOCKS))
-    print(f"{'triton, default blocks':<40}{default.get('forward_ms', float('nan')):>12.3f}"
-          f"{default.get('forward_backward_ms', float('nan')):>12.3f}")
-    print(f"{'triton, fastest checked blocks':<40}{result['best']['forward_ms']:>12.3f}"
-          f"{result['best']['forward_backward_ms']:>12.3f}")
+    print(
+        f"{'triton, default blocks':<40}{default.get('forward_ms', float('nan')):>12.3f}"
+        f"{default.get('forward_backward_ms', float('nan')):>12.3f}"
+    )
+    print(
+        f"{'triton, fastest checked blocks':<40}{result['best']['forward_ms']:>12.3f}"
+        f"{result['best']['forward_backward_ms']:>12.3f}"
+    )
     if "fla" in result:
-        print(f"{'FLA causal_conv1d':<40}{result['fla']['forward_ms']:>12.3f}{result['fla']['forward_backward_ms']:>12.3f}")
+        print(
+            f"{'FLA causal_conv1d':<40}{result['fla']['forward_ms']:>12.3f}{result['fla']['forward_backward_ms']:>12.3f}"
+        )
         print(f"{'FLA + split copies':<40}{'':>12}{result['fla']['forward_backward_with_split_copies_ms']:>12.3f}")
     print("fastest blocks:", best)
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "results" / "benchmarks" / (
-        f"{result['date']}-conv.json")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).resolve().parent.parent / "results" / "benchmarks" / (f"{result['date']}-conv.json")
+    )
     out.write_text(json.dumps(result, indent=1))
     if args.best:
         Path(args.best).write_text(json.dumps(best))

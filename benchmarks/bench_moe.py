@@ -36,8 +36,18 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_train_step import ROPE, batches, build_pair, config_fields, matmul_rate, only_on, peak_gib, result_rows, \
-    sync, time_step
+from bench_train_step import (
+    ROPE,
+    batches,
+    build_pair,
+    config_fields,
+    matmul_rate,
+    only_on,
+    peak_gib,
+    result_rows,
+    sync,
+    time_step,
+)
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
@@ -48,16 +58,43 @@ ROOT = Path(__file__).resolve().parent
 
 def layer_shapes(layers: int, vocab: int, tiny: bool) -> dict:
     if tiny:
-        return dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
-                    linear_num_key_heads=1, linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                    moe_intermediate_size=32, shared_expert_intermediate_size=32, router_aux_loss_coef=0.0,
-                    rope_parameters=dict(ROPE, mrope_section=[3, 3, 2], partial_rotary_factor=0.5))
-    return dict(vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16,
-                num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-                linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                moe_intermediate_size=512, shared_expert_intermediate_size=512, router_aux_loss_coef=0.0,
-                full_attention_interval=4, rope_parameters=ROPE)
+        return dict(
+            vocab_size=vocab,
+            hidden_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            router_aux_loss_coef=0.0,
+            rope_parameters=dict(ROPE, mrope_section=[3, 3, 2], partial_rotary_factor=0.5),
+        )
+    return dict(
+        vocab_size=vocab,
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        router_aux_loss_coef=0.0,
+        full_attention_interval=4,
+        rope_parameters=ROPE,
+    )
 
 
 def timed(device, fn, reps: int, warmup: int = 2) -> float:
@@ -99,8 +136,9 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
     x = torch.randn(n_tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     with torch.no_grad():
         _, weights, index = block.gate(x)
-    choice = kernels.KernelChoice(gdn="torch", attention="sdpa", elementwise="compiled" if device.type == "cuda"
-                                  else "eager", moe="grouped_mm")
+    choice = kernels.KernelChoice(
+        gdn="torch", attention="sdpa", elementwise="compiled" if device.type == "cuda" else "eager", moe="grouped_mm"
+    )
     rows = {}
 
     def ours():
@@ -121,8 +159,11 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
         down = kernels.grouped_linear(mid, block.experts.down_proj, offsets)
         torch.autograd.backward((up, down), (torch.ones_like(up), torch.ones_like(down)))
 
-    for name, fn in (("experts_ours_grouped", ours), ("experts_builtin_grouped_mm", builtin),
-                     ("grouped_gemms_alone", gemms)):
+    for name, fn in (
+        ("experts_ours_grouped", ours),
+        ("experts_builtin_grouped_mm", builtin),
+        ("grouped_gemms_alone", gemms),
+    ):
         try:
             rows[name] = {"ms": round(timed(device, fn, reps) * 1e3, 3)}
         except Exception as exc:  # a dispatch error is a result too
@@ -134,14 +175,26 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
 def run_vocab(vocab, args, device, rate, results, save):
     kwargs = layer_shapes(args.layers, vocab, args.tiny)
     name = f"moe_35b_a3b_shapes_{args.layers}l_vocab{vocab}"
-    builtin, ours = build_pair(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig,
-                               Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig, kwargs, device)
+    builtin, ours = build_pair(
+        transformers.Qwen3_5MoeForCausalLM,
+        transformers.Qwen3_5MoeTextConfig,
+        Qwen3_5MoePackedForCausalLM,
+        Qwen3_5MoePackedConfig,
+        kwargs,
+        device,
+    )
     models = (builtin, ours)
     n_active = active_parameters(ours.config)
     choice = kernels.select_kernels(ours.config, device, torch.bfloat16)
-    entry = results.setdefault(name, {"params": sum(p.numel() for p in ours.parameters()),
-                                      "active_params_with_lm_head": n_active, "layer_kwargs": kwargs,
-                                      "kernels": dataclasses.asdict(choice)})
+    entry = results.setdefault(
+        name,
+        {
+            "params": sum(p.numel() for p in ours.parameters()),
+            "active_params_with_lm_head": n_active,
+            "layer_kwargs": kwargs,
+            "kernels": dataclasses.asdict(choice),
+        },
+    )
     selected_runs = set(filter(None, args.runs.split(",")))
     selected_batches = set(filter(None, args.batches.split(",")))
     inputs = {}
@@ -157,7 +210,11 @@ def run_vocab(vocab, args, device, rate, results, save):
         builtin_packing = dict(
             position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
             seq_idx=torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(device),
-            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+        )
         inputs[batch_name] = (lengths, flat, cu, builtin_packing)
 
     def ours_step(model):
@@ -171,19 +228,26 @@ def run_vocab(vocab, args, device, rate, results, save):
                 model.set_experts_implementation(impl)
                 chosen.append(impl)
             return model(input_ids=flat, labels=flat, use_cache=False, **builtin_packing).loss
+
         return step
 
     def measure(batch_name, run_name, model, step, n_real):
-        rows = entry.setdefault(batch_name, {"real_tokens": n_real, "baseline": "builtin_correct_packed",
-                                             "runs": {}})["runs"]
+        rows = entry.setdefault(batch_name, {"real_tokens": n_real, "baseline": "builtin_correct_packed", "runs": {}})[
+            "runs"
+        ]
         if selected_runs and run_name not in selected_runs:
             return
         only_on(device, model, models)
         try:
             seconds, loss, kept = time_step(model, step, device, args.reps)
-            rows[run_name] = {"s_per_step": round(seconds, 4), "real_tok_per_s": round(n_real / seconds),
-                              "mfu_active": round(6 * n_active * n_real / seconds / rate, 3) if rate else None,
-                              "peak_GiB": peak_gib(device), "forward_kept_GiB": round(kept / 2**30, 2), "loss": loss}
+            rows[run_name] = {
+                "s_per_step": round(seconds, 4),
+                "real_tok_per_s": round(n_real / seconds),
+                "mfu_active": round(6 * n_active * n_real / seconds / rate, 3) if rate else None,
+                "peak_GiB": peak_gib(device),
+                "forward_kept_GiB": round(kept / 2**30, 2),
+                "loss": loss,
+            }
         except torch.OutOfMemoryError:
             rows[run_name] = {"error": "out of memory", "peak_GiB": peak_gib(device)}
         except Exception as exc:
@@ -211,8 +275,13 @@ def run_vocab(vocab, args, device, rate, results, save):
         only_on(device, ours, models)
         builtin.to(device)
         builtin.set_experts_implementation("grouped_mm")
-        entry["experts_alone_rl_tokens"] = experts_alone(ours.model.layers[0].mlp, builtin.model.layers[0].mlp,
-                                                         sum(inputs["rl_longtail_x16"][0]), device, args.reps * 3)
+        entry["experts_alone_rl_tokens"] = experts_alone(
+            ours.model.layers[0].mlp,
+            builtin.model.layers[0].mlp,
+            sum(inputs["rl_longtail_x16"][0]),
+            device,
+            args.reps * 3,
+        )
         save()
     if not args.skip_lora:
         builtin.to("cpu")
@@ -222,7 +291,7 @@ def run_vocab(vocab, args, device, rate, results, save):
         for batch_name, (lengths, flat, cu, builtin_packing) in inputs.items():
             measure(batch_name, "builtin_lora", builtin_lora, builtin_step(builtin_lora, "grouped_mm"), sum(lengths))
             measure(batch_name, "ours_lora", ours_lora, ours_step(ours_lora), sum(lengths))
-    del builtin, ours, models
+    builtin = ours = models = None  # release the GPU memory before the next model (the closures above are done)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -233,9 +302,11 @@ def print_table(results):
         if "error" in row:
             print(f"{model_name:<40}{batch_name:<20}{run_name:<30} {row['error'][:60]}")
             continue
-        print(f"{model_name:<40}{batch_name:<20}{run_name:<30}{row['real_tok_per_s']:>9}"
-              f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu_active'] or float('nan'):>7}"
-              f"{row['peak_GiB'] or float('nan'):>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}")
+        print(
+            f"{model_name:<40}{batch_name:<20}{run_name:<30}{row['real_tok_per_s']:>9}"
+            f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu_active'] or float('nan'):>7}"
+            f"{row['peak_GiB'] or float('nan'):>8}{row.get('loss_diff_to_builtin', float('nan')):>10.2e}"
+        )
     for model_name, per_model in results.items():
         for name, row in (per_model.get("experts_alone_rl_tokens", {}) if isinstance(per_model, dict) else {}).items():
             print(f"{model_name:<40}{'experts alone':<20}{name:<30}{row.get('ms', row.get('error'))} ms")
@@ -259,12 +330,19 @@ def main():
     vocabs = [int(v) for v in args.vocabs.split(",")]
     args.first_vocab = vocabs[0]
     rate = matmul_rate() if device.type == "cuda" else None
-    results = {"date": datetime.date.today().isoformat(),
-               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "transformers": transformers.__version__,
-               "fla_available": kernels.FLA_AVAILABLE,
-               "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None}
-    out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-moe-{args.tag}.json"
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fla_available": kernels.FLA_AVAILABLE,
+        "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None,
+    }
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-moe-{args.tag}.json"
+    )
     save = lambda: out.write_text(json.dumps(results, indent=1))  # noqa: E731
     for vocab in vocabs:
         run_vocab(vocab, args, device, rate, results, save)

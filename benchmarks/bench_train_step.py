@@ -43,22 +43,47 @@ from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 ROOT = Path(__file__).resolve().parent
 # Official Qwen/Qwen3.5-* config.json files, byte for byte (tests/test_configuration.py checks them).
 CONFIGS = ROOT.parent / "examples" / "configs"
-ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True}
+ROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
 MODELS = {
-    "hybrid_1p4b": dict(vocab_size=65536, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
-                        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-                        rope_parameters=ROPE),
+    "hybrid_1p4b": dict(
+        vocab_size=65536,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        rope_parameters=ROPE,
+    ),
     # the text_config of the official file (vocab 248,320)
     "qwen35_0p8b": "Qwen3.5-0.8B.config.json",
     "qwen35_4b": "Qwen3.5-4B.config.json",
     "qwen35_9b": "Qwen3.5-9B.config.json",
 }
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
-            linear_num_key_heads=1, linear_num_value_heads=2,
-            rope_parameters=dict(ROPE, mrope_section=[3, 3, 2], partial_rotary_factor=0.5))
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    rope_parameters=dict(ROPE, mrope_section=[3, 3, 2], partial_rotary_factor=0.5),
+)
 
 
 def model_kwargs(name: str, layers: int | None = None) -> dict:
@@ -90,8 +115,11 @@ def batches() -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(1)
     uniform = torch.randint(128, 2048, (8,), generator=g).tolist()
     prompt = torch.randint(128, 512, (16,), generator=g)
-    completion = torch.where(torch.rand(16, generator=g) < 0.6, torch.randint(64, 512, (16,), generator=g),
-                             torch.randint(1024, 3584, (16,), generator=g))
+    completion = torch.where(
+        torch.rand(16, generator=g) < 0.6,
+        torch.randint(64, 512, (16,), generator=g),
+        torch.randint(1024, 3584, (16,), generator=g),
+    )
     return {"uniform_128_2048_x8": uniform, "rl_longtail_x16": [int(p + c) for p, c in zip(prompt, completion)]}
 
 
@@ -194,12 +222,26 @@ def packed_inputs(lengths, vocab, device):
     for i, doc in enumerate(docs):
         ids[i, : len(doc)], mask[i, : len(doc)] = doc, 1
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    leaky = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device), cu_seq_lens_q=cu,
-                 cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    correct = dict(leaky, seq_idx=torch.cat([torch.full((n,), i, dtype=torch.int32)
-                                             for i, n in enumerate(lengths)])[None].to(device))
-    return dict(ids=ids.to(device), mask=mask.to(device), labels=ids.masked_fill(mask == 0, -100).to(device),
-                flat=torch.cat(docs)[None].to(device), cu=cu, builtin_correct=correct, builtin_leaky=leaky)
+    leaky = dict(
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+    )
+    correct = dict(
+        leaky,
+        seq_idx=torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(device),
+    )
+    return dict(
+        ids=ids.to(device),
+        mask=mask.to(device),
+        labels=ids.masked_fill(mask == 0, -100).to(device),
+        flat=torch.cat(docs)[None].to(device),
+        cu=cu,
+        builtin_correct=correct,
+        builtin_leaky=leaky,
+    )
 
 
 def attention_training_flops(config, lengths) -> float:
@@ -210,18 +252,29 @@ def attention_training_flops(config, lengths) -> float:
 
 
 def run_model(name, kwargs, rate, results, profile, selected, selected_batches, save, device, tiny):
-    builtin, ours = build_pair(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig,
-                               Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, kwargs, device)
+    builtin, ours = build_pair(
+        transformers.Qwen3_5ForCausalLM,
+        transformers.Qwen3_5TextConfig,
+        Qwen3_5PackedForCausalLM,
+        Qwen3_5PackedConfig,
+        kwargs,
+        device,
+    )
     n_all = sum(p.numel() for p in ours.parameters())
     n_embed = ours.model.embed_tokens.weight.numel() + (
-        0 if ours.config.tie_word_embeddings else ours.lm_head.weight.numel())
+        0 if ours.config.tie_word_embeddings else ours.lm_head.weight.numel()
+    )
     n_lm_head = ours.lm_head.weight.numel()
     from qwen35_packed.modeling import kernels, triton_conv
 
     choice = kernels.select_kernels(ours.config, device, torch.bfloat16)
-    results[name] = {"params": n_all, "non_embedding_params": n_all - n_embed, "lm_head_params": n_lm_head,
-                     "kernels": dataclasses.asdict(choice),
-                     "conv_blocks": dataclasses.asdict(triton_conv.DEFAULT_BLOCKS) if choice.conv == "triton" else None}
+    results[name] = {
+        "params": n_all,
+        "non_embedding_params": n_all - n_embed,
+        "lm_head_params": n_lm_head,
+        "kernels": dataclasses.asdict(choice),
+        "conv_blocks": dataclasses.asdict(triton_conv.DEFAULT_BLOCKS) if choice.conv == "triton" else None,
+    }
     vocab = kwargs["vocab_size"]
     models = (ours, builtin)
     for batch_name, lengths in batches().items():
@@ -240,24 +293,37 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             def step():
                 with config_fields(ours, **fields):
                     return ours_packed()
+
             return step
 
         runs = {
             "ours_packed": (ours, ours_packed),
             "ours_packed_no_logits": (ours, ours_with(return_logits_with_loss=False)),
             "ours_packed_eager_elementwise": (ours, ours_with(elementwise_kernel="eager")),
-            "ours_padded_input": (ours, lambda: ours(input_ids=x["ids"], attention_mask=x["mask"],
-                                                     labels=x["labels"], use_cache=False).loss),
-            "builtin_correct_packed": (builtin, lambda: builtin(input_ids=x["flat"], labels=x["flat"],
-                                                                use_cache=False, **x["builtin_correct"]).loss),
-            "builtin_padded": (builtin, lambda: builtin(input_ids=x["ids"], attention_mask=x["mask"],
-                                                        labels=x["labels"], use_cache=False).loss),
-            "builtin_packed_leaky": (builtin, lambda: builtin(input_ids=x["flat"], labels=x["flat"], use_cache=False,
-                                                              **x["builtin_leaky"]).loss),
+            "ours_padded_input": (
+                ours,
+                lambda: ours(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"], use_cache=False).loss,
+            ),
+            "builtin_correct_packed": (
+                builtin,
+                lambda: builtin(input_ids=x["flat"], labels=x["flat"], use_cache=False, **x["builtin_correct"]).loss,
+            ),
+            "builtin_padded": (
+                builtin,
+                lambda: builtin(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"], use_cache=False).loss,
+            ),
+            "builtin_packed_leaky": (
+                builtin,
+                lambda: builtin(input_ids=x["flat"], labels=x["flat"], use_cache=False, **x["builtin_leaky"]).loss,
+            ),
         }
         rows = {}
-        entry = results[name][batch_name] = {"real_tokens": n_real, "padded_tokens": len(lengths) * max(lengths),
-                                             "training_flops_all_matmuls": flops_all, "runs": rows}
+        entry = results[name][batch_name] = {
+            "real_tokens": n_real,
+            "padded_tokens": len(lengths) * max(lengths),
+            "training_flops_all_matmuls": flops_all,
+            "runs": rows,
+        }
         for run_name, (model, fn) in runs.items():
             if selected and run_name not in selected:
                 continue
@@ -265,10 +331,13 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             try:
                 seconds, loss, kept = time_step(model, fn, device)
                 rows[run_name] = {
-                    "s_per_step": round(seconds, 4), "real_tok_per_s": round(n_real / seconds),
+                    "s_per_step": round(seconds, 4),
+                    "real_tok_per_s": round(n_real / seconds),
                     "mfu": round(6 * (n_all - n_embed) * n_real / seconds / rate, 3) if rate else None,
                     "mfu_all_matmuls": round(flops_all / seconds / rate, 3) if rate else None,
-                    "peak_GiB": peak_gib(device), "forward_kept_GiB": round(kept / 2**30, 2), "loss": loss,
+                    "peak_GiB": peak_gib(device),
+                    "forward_kept_GiB": round(kept / 2**30, 2),
+                    "loss": loss,
                 }
             except torch.OutOfMemoryError:
                 rows[run_name] = {"error": "out of memory", "peak_GiB": peak_gib(device)}
@@ -278,8 +347,9 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             if run_name == "builtin_packed_leaky" and "error" not in rows[run_name]:
                 rows[run_name]["wrong"] = "mixes documents (no seq_idx): not a baseline"
             print(name, batch_name, run_name, rows[run_name], flush=True)
-            baseline = next((b for b in ("builtin_correct_packed", "builtin_padded")
-                             if "real_tok_per_s" in rows.get(b, {})), None)
+            baseline = next(
+                (b for b in ("builtin_correct_packed", "builtin_padded") if "real_tok_per_s" in rows.get(b, {})), None
+            )
             entry["baseline"] = baseline
             for row in rows.values():
                 if baseline and "real_tok_per_s" in row:
@@ -287,7 +357,8 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
                     row["loss_diff_to_baseline"] = abs(row["loss"] - rows[baseline]["loss"])
             save()  # after every run: a later failure or time limit keeps what was measured
         if profile and device.type == "cuda" and (not selected or "ours_packed" in selected):
-            from torch.profiler import ProfilerActivity, profile as torch_profile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
 
             only_on(device, ours, models)
             # Kernels by CUDA time, and the operators that launched them with their input shapes.
@@ -297,11 +368,12 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
             ops = prof.key_averages(group_by_input_shape=True).table(
-                sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60, max_shapes_column_width=80)
+                sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60, max_shapes_column_width=80
+            )
             print(name, batch_name, "ours_packed", "\n" + table, flush=True)
             entry["profile_top_cuda"] = {"ours_packed": table}
             entry["profile_ops_by_shape"] = {"ours_packed": ops}
-    del builtin, ours, models
+    builtin = ours = models = None  # release the GPU memory before the next model (the closures above are done)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -318,22 +390,29 @@ def result_rows(results):
 
 
 def print_table(results):
-    print(f"\n{'model':<13}{'batch':<20}{'run':<31}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'MFU all':>8}{'GiB':>7}"
-          f"{'dloss':>10}")
+    print(
+        f"\n{'model':<13}{'batch':<20}{'run':<31}{'tok/s':>9}{'x built-in':>11}{'MFU':>7}{'MFU all':>8}{'GiB':>7}"
+        f"{'dloss':>10}"
+    )
     for model_name, batch_name, _, run_name, row in result_rows(results):
         if "error" in row:
             print(f"{model_name:<13}{batch_name:<20}{run_name:<31} {row['error'][:70]}")
             continue
-        print(f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['real_tok_per_s']:>9}"
-              f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu'] or float('nan'):>7}"
-              f"{row['mfu_all_matmuls'] or float('nan'):>8}{row['peak_GiB'] or float('nan'):>7}"
-              f"{row.get('loss_diff_to_baseline', float('nan')):>10.2e}")
+        print(
+            f"{model_name:<13}{batch_name:<20}{run_name:<31}{row['real_tok_per_s']:>9}"
+            f"{row.get('ratio_to_builtin', float('nan')):>11}{row['mfu'] or float('nan'):>7}"
+            f"{row['mfu_all_matmuls'] or float('nan'):>8}{row['peak_GiB'] or float('nan'):>7}"
+            f"{row.get('loss_diff_to_baseline', float('nan')):>10.2e}"
+        )
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="hybrid_1p4b,qwen35_0p8b",
-                        help="comma-separated MODELS keys, each optionally NAME:LAYERS (the first LAYERS layers)")
+    parser.add_argument(
+        "--models",
+        default="hybrid_1p4b,qwen35_0p8b",
+        help="comma-separated MODELS keys, each optionally NAME:LAYERS (the first LAYERS layers)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="", help="comma-separated subset of runs (default: all)")
@@ -345,17 +424,30 @@ def main():
 
     device = torch.device(args.device)
     rate = matmul_rate() if device.type == "cuda" else None
-    results = {"date": datetime.date.today().isoformat(),
-               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "transformers": transformers.__version__,
-               "fla_available": kernels.FLA_AVAILABLE, "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None}
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fla_available": kernels.FLA_AVAILABLE,
+        "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None,
+    }
     out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-train-step.json"
     for spec in args.models.split(","):
         name, key, layers = model_spec(spec)
         kwargs = TINY if args.tiny else model_kwargs(key, layers)
-        run_model(name, kwargs, rate, results, args.profile, set(filter(None, args.runs.split(","))),
-                  set(filter(None, args.batches.split(","))), lambda: out.write_text(json.dumps(results, indent=1)),
-                  device, args.tiny)
+        run_model(
+            name,
+            kwargs,
+            rate,
+            results,
+            args.profile,
+            set(filter(None, args.runs.split(","))),
+            set(filter(None, args.batches.split(","))),
+            lambda: out.write_text(json.dumps(results, indent=1)),
+            device,
+            args.tiny,
+        )
         out.write_text(json.dumps(results, indent=1))
     print_table(results)
     print(f"\nwrote {out}")

@@ -40,10 +40,21 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     config = Qwen3_5MoePackedConfig(
-        vocab_size=1024, hidden_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=32, num_experts_per_tok=4,
-        moe_intermediate_size=256, shared_expert_intermediate_size=256, router_aux_loss_coef=0.0,
-        rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]})
+        vocab_size=1024,
+        hidden_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        router_aux_loss_coef=0.0,
+        rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
+    )
     block = SparseMoeBlock(config)
     with torch.no_grad():
         for p in block.parameters():

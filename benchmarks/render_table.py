@@ -63,22 +63,29 @@ def render(newest_only: bool = True) -> str:
             continue
         ratio = row.get("ratio_to_builtin", "")
         every = f"{row['mfu_all_matmuls']:.0%}" if row.get("mfu_all_matmuls") is not None else ""
-        lines.append(f"| {model} | {size} | {run} | {row['real_tok_per_s']:,} | {ratio} | {row['mfu']:.0%} | "
-                     f"{every} | {row['peak_GiB']} | {name} |")
+        lines.append(
+            f"| {model} | {size} | {run} | {row['real_tok_per_s']:,} | {ratio} | {row['mfu']:.0%} | "
+            f"{every} | {row['peak_GiB']} | {name} |"
+        )
     return "\n".join(lines)
 
 
 def render_dense_summary() -> str:
     """Ours packed against the baseline run of each batch, newest train-step file of every model."""
-    lines = ["| model | batch (real tokens) | ours tokens/s | built-in tokens/s (run) | x built-in | peak GiB (ours / "
-             "built-in) | result file |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | batch (real tokens) | ours tokens/s | built-in tokens/s (run) | x built-in | peak GiB (ours / "
+        "built-in) | result file |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, _, model, batch, entry, run, row in rows(newest_only=True):
         if run != "ours_packed" or "error" in row:
             continue
         base = entry["runs"][entry["baseline"]]
-        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
-                     f"{base['real_tok_per_s']:,} ({entry['baseline']}) | {row['ratio_to_builtin']} | "
-                     f"{row['peak_GiB']} / {base['peak_GiB']} | {name} |")
+        lines.append(
+            f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+            f"{base['real_tok_per_s']:,} ({entry['baseline']}) | {row['ratio_to_builtin']} | "
+            f"{row['peak_GiB']} / {base['peak_GiB']} | {name} |"
+        )
     return "\n".join(lines)
 
 
@@ -95,17 +102,22 @@ def newest_moe() -> tuple[str, dict]:
 
 def render_moe() -> str:
     name, data = newest_moe()
-    lines = ["| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
-             "peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
+        "peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model, batch, entry, run, row in result_rows(data):
         if "error" in row:
             lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
             continue
         if "source" in row:  # a row copied from an earlier run (see the file's provenance)
             run = f"{run} ({row['source']})"
-        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
-                     f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
-                     f"{row['mfu_active']:.0%} | {row['peak_GiB']} |")
+        lines.append(
+            f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['real_tok_per_s']:,} | "
+            f"{row.get('ratio_to_builtin', '')} | {row.get('ratio_to_builtin_lora', '')} | "
+            f"{row['mfu_active']:.0%} | {row['peak_GiB']} |"
+        )
     for model, per_model in data.items():
         if not isinstance(per_model, dict):
             continue
@@ -117,16 +129,21 @@ def render_moe() -> str:
 def render_moe_summary() -> str:
     """Per model and batch of the newest MoE file: ours packed against the baseline, and LoRA against LoRA."""
     name, data = newest_moe()
-    lines = ["| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
-             "built-in) | LoRA x built-in LoRA |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
+        "built-in) | LoRA x built-in LoRA |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for model, batch, entry, run, row in result_rows(data):
         if run != "ours_packed" or "error" in row:
             continue
         base = entry["runs"][entry["baseline"]]
         lora = entry["runs"].get("ours_lora", {}).get("ratio_to_builtin_lora", "")
-        lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
-                     f"{base['real_tok_per_s']:,} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
-                     f"{base['peak_GiB']} | {lora} |")
+        lines.append(
+            f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+            f"{base['real_tok_per_s']:,} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
+            f"{base['peak_GiB']} | {lora} |"
+        )
     return "\n".join(lines) + f"\n\n({name})"
 
 
@@ -163,8 +180,10 @@ def main(argv: list[str]) -> int:
     if "--check" in argv:
         stale = stale_files()
         for path in stale:
-            print(f"{path.relative_to(ROOT)}: a generated table is out of date; run python benchmarks/render_table.py "
-                  "--write")
+            print(
+                f"{path.relative_to(ROOT)}: a generated table is out of date; run python benchmarks/render_table.py "
+                "--write"
+            )
         return 1 if stale else 0
     print(render_moe() if "--moe" in argv else render(newest_only="--all" not in argv))
     return 0

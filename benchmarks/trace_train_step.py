@@ -31,8 +31,12 @@ from bench_conv import cuda_ms  # noqa: E402
 from bench_moe import layer_shapes  # noqa: E402
 from bench_train_step import MODELS, batches, model_kwargs  # noqa: E402
 
-from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,  # noqa: E402
-                           Qwen3_5PackedForCausalLM)
+from qwen35_packed import (  # noqa: E402
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 
 MOE_MODEL = "moe_35b_a3b_shapes"
 
@@ -51,8 +55,11 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
     Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     ops_by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op" and e.get("ph") == "X":
@@ -64,8 +71,11 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     def enclosing_ops(launch: dict) -> list[str]:
         """Names of the host operators around a kernel launch, outermost first."""
         ops, ts = ops_by_thread.get(launch["tid"], []), launch["ts"]
-        chain = [op for op in ops[: bisect.bisect_right(starts.get(launch["tid"], []), ts)]
-                 if op["ts"] <= ts <= op["ts"] + op["dur"]]
+        chain = [
+            op
+            for op in ops[: bisect.bisect_right(starts.get(launch["tid"], []), ts)]
+            if op["ts"] <= ts <= op["ts"] + op["dur"]
+        ]
         return [op["name"] for op in chain]
 
     gaps, busy_until, kernel_us = [], None, 0.0
@@ -74,18 +84,28 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
         if busy_until is not None and kernel["ts"] - busy_until >= min_gap_us:
             launch = launches.get(kernel["args"].get("correlation"))
             chain = enclosing_ops(launch) if launch else []
-            gaps.append({"gap_us": kernel["ts"] - busy_until, "next_kernel": kernel["name"][:80],
-                         "launched_by": chain[-3:], "outermost": chain[0] if chain else "(unknown)"})
+            gaps.append(
+                {
+                    "gap_us": kernel["ts"] - busy_until,
+                    "next_kernel": kernel["name"][:80],
+                    "launched_by": chain[-3:],
+                    "outermost": chain[0] if chain else "(unknown)",
+                }
+            )
         end = kernel["ts"] + kernel["dur"]
         busy_until = end if busy_until is None else max(busy_until, end)
     span = (busy_until - kernels[0]["ts"]) if kernels else 0.0
     by_outer = collections.Counter()
     for gap in gaps:
         by_outer[gap["outermost"]] += gap["gap_us"]
-    return {"kernel_ms": kernel_us / 1e3, "span_ms": span / 1e3, "gaps": len(gaps),
-            "idle_in_gaps_ms": sum(g["gap_us"] for g in gaps) / 1e3,
-            "idle_by_outermost_op_ms": {k: v / 1e3 for k, v in by_outer.most_common(25)},
-            "longest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:40]}
+    return {
+        "kernel_ms": kernel_us / 1e3,
+        "span_ms": span / 1e3,
+        "gaps": len(gaps),
+        "idle_in_gaps_ms": sum(g["gap_us"] for g in gaps) / 1e3,
+        "idle_by_outermost_op_ms": {k: v / 1e3 for k, v in by_outer.most_common(25)},
+        "longest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:40],
+    }
 
 
 def main():
@@ -121,11 +141,21 @@ def main():
     trace = Path(args.trace) if args.trace else Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
-    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "model": args.model, "batch": args.batch, "tokens": sum(lengths),
-              "step_ms_unprofiled": step_ms, "kernel_ms_by_name": kernel_time_by_name(events), **idle_gaps(events)}
-    print(f"step {step_ms:.1f} ms unprofiled; profiled: kernels {result['kernel_ms']:.1f} ms in a "
-          f"{result['span_ms']:.1f} ms span, {result['gaps']} gaps >= 20 us = {result['idle_in_gaps_ms']:.1f} ms idle")
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "batch": args.batch,
+        "tokens": sum(lengths),
+        "step_ms_unprofiled": step_ms,
+        "kernel_ms_by_name": kernel_time_by_name(events),
+        **idle_gaps(events),
+    }
+    print(
+        f"step {step_ms:.1f} ms unprofiled; profiled: kernels {result['kernel_ms']:.1f} ms in a "
+        f"{result['span_ms']:.1f} ms span, {result['gaps']} gaps >= 20 us = {result['idle_in_gaps_ms']:.1f} ms idle"
+    )
     print(f"\n{'GPU ms':>9}  kernel")
     for name, ms in result["kernel_ms_by_name"].items():
         print(f"{ms:>9.2f}  {name}")
@@ -135,8 +165,14 @@ def main():
     print(f"\n{'gap us':>9}  launched by (innermost last) -> next kernel")
     for gap in result["longest_gaps"][:15]:
         print(f"{gap['gap_us']:>9.0f}  {' > '.join(gap['launched_by'])[:90]} -> {gap['next_kernel'][:40]}")
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "results" / "benchmarks" / (
-        f"{result['date']}-trace-{args.model}-{args.batch}.json")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).resolve().parent.parent
+        / "results"
+        / "benchmarks"
+        / (f"{result['date']}-trace-{args.model}-{args.batch}.json")
+    )
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
 

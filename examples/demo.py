@@ -18,11 +18,24 @@ from qwen35_packed.cli import main as cli
 
 def build_official_checkpoint(path: Path) -> transformers.PreTrainedModel:
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
-        linear_key_head_dim=64, linear_value_head_dim=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
-                         "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
     )
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(config).eval()

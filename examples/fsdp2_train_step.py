@@ -28,8 +28,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, \
-    Qwen3_5PackedForCausalLM
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.integrations.fsdp2 import gated_deltanet_modules
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "Qwen3.5-0.8B.config.json"
@@ -99,8 +103,7 @@ def record_forward_dtypes(model) -> dict:
 
 def packed_row(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.cat(docs)[None].to(device)
-    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32,
-                      device=device)
+    cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return ids, cu
 
 
@@ -115,8 +118,15 @@ def run_single(args) -> dict:
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-    return {"mode": "single", "lora": args.lora, "loss": loss.item(), "grad_norm": grad_norm.item(),
-            "forward_dtypes": seen, "tokens": int(ids.shape[1]), "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "mode": "single",
+        "lora": args.lora,
+        "loss": loss.item(),
+        "grad_norm": grad_norm.item(),
+        "forward_dtypes": seen,
+        "tokens": int(ids.shape[1]),
+        "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def run_fsdp2(args) -> dict:
@@ -152,9 +162,16 @@ def run_fsdp2(args) -> dict:
     # torch's own full-state-dict gather (a collective: every rank calls it), as the CPU test does; a dict with
     # missing tensors must not pass for a saved model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    report = {"mode": "fsdp2", "world": world, "lora": args.lora, "loss": global_loss.item(),
-              "grad_norm": grad_norm.item(), "forward_dtypes": seen, "gdn_decay_units": n_decay_units,
-              "peak_GiB_rank0": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+    report = {
+        "mode": "fsdp2",
+        "world": world,
+        "lora": args.lora,
+        "loss": global_loss.item(),
+        "grad_norm": grad_norm.item(),
+        "forward_dtypes": seen,
+        "gdn_decay_units": n_decay_units,
+        "peak_GiB_rank0": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
     if accelerator.is_main_process:
         expected = len(accelerator.unwrap_model(model).state_dict())
         if len(state) != expected:
@@ -172,8 +189,7 @@ def run_fsdp2(args) -> dict:
         with torch.no_grad():
             fresh_logits = reloaded(probe).logits.float()
         report["reloaded_vs_sharded_max_abs_logit_diff"] = (fresh_logits - sharded_logits).abs().max().item()
-        report["reloaded_forward_A_log_dtype"] = str(next(
-            m for _, m in gated_deltanet_modules(reloaded)).A_log.dtype)
+        report["reloaded_forward_A_log_dtype"] = str(next(m for _, m in gated_deltanet_modules(reloaded)).A_log.dtype)
     accelerator.wait_for_everyone()
     return report
 

@@ -42,7 +42,7 @@ def pop_flag(argv: list, name: str) -> str | None:
         return None
     i = argv.index(name)
     value = argv[i + 1]
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     return value
 
 

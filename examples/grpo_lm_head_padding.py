@@ -27,7 +27,7 @@ def long_tail_batch(generator, prompt_lengths, completion_lengths, vocab_low=3, 
     ids = torch.randint(vocab_low, vocab_high, (batch, p + c), generator=generator)
     mask = torch.zeros(batch, p + c, dtype=torch.long)
     for i, (pl, cl) in enumerate(zip(prompt_lengths, completion_lengths)):
-        mask[i, p - pl:p + cl] = 1
+        mask[i, p - pl : p + cl] = 1
     return ids.masked_fill(mask == 0, 0), mask, c
 
 
@@ -38,8 +38,16 @@ def make_trainer(cls, path, data, out):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from grpo_rewards import distinct_characters
 
-    args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                      use_cpu=True, report_to=[], beta=0.0, trust_remote_code=True)
+    args = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        report_to=[],
+        beta=0.0,
+        trust_remote_code=True,
+    )
     dataset = datasets.load_dataset("json", data_files=str(Path(data) / "train.jsonl"))["train"]
     return cls(model=str(path), reward_funcs=distinct_characters, args=args, train_dataset=dataset)
 
@@ -67,17 +75,22 @@ def main(argv=None):
     from trl import GRPOTrainer
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
+
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' tiny fixtures
     from tiny_folders import build_tiny_folder, write_prompt_dataset
 
     torch.manual_seed(0)
     prompt_lengths = [64, 40, 23, 16, 57, 31, 48, 20]
     completion_lengths = [512, 37, 16, 64, 21, 96, 18, 45]
-    ids, mask, completion_len = long_tail_batch(torch.Generator().manual_seed(0), prompt_lengths,
-                                                completion_lengths)
+    ids, mask, completion_len = long_tail_batch(torch.Generator().manual_seed(0), prompt_lengths, completion_lengths)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_folder(Path(tmp) / "model", "dense", vocab_size=args.vocab, hidden_size=args.hidden,
-                                 intermediate_size=2 * args.hidden)
+        path = build_tiny_folder(
+            Path(tmp) / "model",
+            "dense",
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=2 * args.hidden,
+        )
         data = write_prompt_dataset(Path(tmp) / "data")
         stock = make_trainer(GRPOTrainer, path, data, Path(tmp) / "o1")
         ours = make_trainer(PackedGRPOTrainer, path, data, Path(tmp) / "o2")
@@ -100,9 +113,14 @@ def main(argv=None):
     our_rows = sum(completion_lengths)  # scored positions: one per real completion token
     flops_per_row = 2 * args.hidden * args.vocab
     result = {
-        "batch": {"rows": batch, "seq_len": seq, "real_tokens": int(mask.sum()),
-                  "completion_tokens": our_rows, "prompt_lengths": prompt_lengths,
-                  "completion_lengths": completion_lengths},
+        "batch": {
+            "rows": batch,
+            "seq_len": seq,
+            "real_tokens": int(mask.sum()),
+            "completion_tokens": our_rows,
+            "prompt_lengths": prompt_lengths,
+            "completion_lengths": completion_lengths,
+        },
         "model": {"hidden": args.hidden, "vocab": args.vocab, "layers": 4},
         "lm_head_rows": {"stock": stock_rows, "ours": our_rows},
         "lm_head_forward_gflop": {"stock": stock_rows * flops_per_row / 1e9, "ours": our_rows * flops_per_row / 1e9},

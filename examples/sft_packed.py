@@ -18,8 +18,20 @@ import json
 import sys
 from pathlib import Path
 
-LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj",
-                "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = [
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_a",
+    "in_proj_b",
+    "out_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 
 
 def main(argv=None):
@@ -50,11 +62,20 @@ def main(argv=None):
         texts = ["hello world", "count to ten: 1 2 3 4 5 6 7 8 9 10", "abc", "packing keeps documents apart"]
         Path(args.dataset).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 4))
 
-    mode = {"padded": {}, "padding_free": {"padding_free": True, "max_length": None},
-            "packing": {"packing": True, "max_length": args.max_length}}[args.mode]
+    mode = {
+        "padded": {},
+        "padding_free": {"padding_free": True, "max_length": None},
+        "packing": {"packing": True, "max_length": args.max_length},
+    }[args.mode]
     config = trl.SFTConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
-        learning_rate=args.learning_rate, logging_steps=1, save_strategy="no", report_to=[], use_cpu=args.use_cpu,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=args.use_cpu,
         model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32 if args.use_cpu else torch.bfloat16},
         **{"max_length": args.max_length, **mode},
     )

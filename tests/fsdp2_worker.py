@@ -74,7 +74,8 @@ def watch_dtypes(model):
     gdn.register_forward_pre_hook(lambda m, a: seen.setdefault("dt_bias", str(m.dt_bias.dtype)) and None)
     proj = gdn.in_proj_qkv
     proj.register_forward_pre_hook(
-        lambda m, a: seen.setdefault("in_proj_qkv", str(getattr(m, "base_layer", m).weight.dtype)) and None)
+        lambda m, a: seen.setdefault("in_proj_qkv", str(getattr(m, "base_layer", m).weight.dtype)) and None
+    )
     return seen
 
 
@@ -99,8 +100,11 @@ def main():
         loss.backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         torch.save(grads, f"{args.out}.grads.pt")
-        report = {"loss": loss.item(), "grad_norm": torch.stack([g.norm() for g in grads.values()]).norm().item(),
-                  "forward_dtypes": seen}
+        report = {
+            "loss": loss.item(),
+            "grad_norm": torch.stack([g.norm() for g in grads.values()]).norm().item(),
+            "forward_dtypes": seen,
+        }
         with torch.no_grad():
             report["probe_logits"] = model.eval()(probe).logits.float().flatten().tolist()
         args.out.write_text(json.dumps(report))
@@ -125,8 +129,11 @@ def main():
     meta_report = {}
     if args.meta:
         model.to_empty(device="cpu")
-        set_model_state_dict(model, source if rank == 0 else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(
+            model,
+            source if rank == 0 else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
         meta_report["meta_left"] = sum(p.device.type == "meta" for p in model.parameters())
     seen = watch_dtypes(model)
     ids, cu = row(docs[rank::world])
@@ -148,12 +155,18 @@ def main():
         with torch.no_grad():
             fresh_logits = fresh(probe).logits.float()
         gdn = next(m for _, m in gated_deltanet_modules(fresh))
-        report = {"loss": (total / world).item(), "grad_norm": norm_sq.sqrt().item(), "forward_dtypes": seen,
-                  "gdn_decay_units": units, "state_dict_dtypes": sorted({str(v.dtype) for v in state.values()}),
-                  "state_dict_A_log_dtype": str(next(v for k, v in state.items() if k.endswith("A_log")).dtype),
-                  "fresh_A_log_dtype_after_bf16_cast": str(gdn.A_log.dtype),
-                  "fresh_vs_sharded_max_abs_logit_diff": (fresh_logits - probe_logits).abs().max().item(),
-                  "probe_logits": probe_logits.flatten().tolist(), **meta_report}
+        report = {
+            "loss": (total / world).item(),
+            "grad_norm": norm_sq.sqrt().item(),
+            "forward_dtypes": seen,
+            "gdn_decay_units": units,
+            "state_dict_dtypes": sorted({str(v.dtype) for v in state.values()}),
+            "state_dict_A_log_dtype": str(next(v for k, v in state.items() if k.endswith("A_log")).dtype),
+            "fresh_A_log_dtype_after_bf16_cast": str(gdn.A_log.dtype),
+            "fresh_vs_sharded_max_abs_logit_diff": (fresh_logits - probe_logits).abs().max().item(),
+            "probe_logits": probe_logits.flatten().tolist(),
+            **meta_report,
+        }
         args.out.write_text(json.dumps(report))
     dist.destroy_process_group()
 

@@ -33,8 +33,8 @@ def reaching(arrays, own, prompt_lengths) -> int:
     count = 0
     for array, routes, prompt_len in zip(arrays, own, prompt_lengths):
         engine = torch.from_numpy(array)
-        differ = (engine.sort(-1).values != routes[:engine.shape[0]].sort(-1).values).any(-1)
-        differ[:prompt_len - 1, -1] = False
+        differ = (engine.sort(-1).values != routes[: engine.shape[0]].sort(-1).values).any(-1)
+        differ[: prompt_len - 1, -1] = False
         count += int(differ.sum())
     return count
 
@@ -76,21 +76,35 @@ def main(model_dir, data_dir, out_dir, report_path):
                     own = model_routing(self.model, docs)
             sampled, done = output["sampling_per_token_logps"], output["completion_mask"].bool()
             prompt_lengths = output["prompt_mask"].sum(1).tolist()
-            batches.append({
-                "routing": routing_disagreement(arrays, own, self.model.config),
-                "disagreements_that_reach_a_scored_logprob": reaching(arrays, own, prompt_lengths),
-                "mean_abs_dlogp_no_replay": (plain - sampled)[done].abs().mean().item(),
-                "mean_abs_dlogp_replay": (replayed - sampled)[done].abs().mean().item(),
-                "completion_tokens": int(done.sum()),
-            })
+            batches.append(
+                {
+                    "routing": routing_disagreement(arrays, own, self.model.config),
+                    "disagreements_that_reach_a_scored_logprob": reaching(arrays, own, prompt_lengths),
+                    "mean_abs_dlogp_no_replay": (plain - sampled)[done].abs().mean().item(),
+                    "mean_abs_dlogp_replay": (replayed - sampled)[done].abs().mean().item(),
+                    "completion_tokens": int(done.sum()),
+                }
+            )
             return output
 
-    args = trl.GRPOConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, use_cpu=True, report_to=[], logging_steps=1,
-                          save_strategy="no", seed=0, trust_remote_code=True, learning_rate=1e-3)
+    args = trl.GRPOConfig(
+        output_dir=out_dir,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        trust_remote_code=True,
+        learning_rate=1e-3,
+    )
     dataset = datasets.load_dataset("json", data_files=str(Path(data_dir) / "train.jsonl"))["train"]
-    trainer = Measured(model=model_dir, reward_funcs=letter_fraction, args=args, train_dataset=dataset,
-                       routing_replay=True)
+    trainer = Measured(
+        model=model_dir, reward_funcs=letter_fraction, args=args, train_dataset=dataset, routing_replay=True
+    )
     forwards = []  # per backbone forward of the trainer (the report's own no-replay forward aside): replayed?
 
     def count(module, args, kwargs):
@@ -100,8 +114,9 @@ def main(model_dir, data_dir, out_dir, report_path):
     trainer.model.model.register_forward_pre_hook(count, with_kwargs=True)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    Path(report_path).write_text(json.dumps({"steps": logs, "batches": batches, "forwards_replayed": forwards},
-                                            indent=2) + "\n")
+    Path(report_path).write_text(
+        json.dumps({"steps": logs, "batches": batches, "forwards_replayed": forwards}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

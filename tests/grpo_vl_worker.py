@@ -44,10 +44,14 @@ def vl_processor(folder):
                 return super().check_argument_for_proper_class(name, argument)
 
         config = json.loads((Path(folder) / "preprocessor_config.json").read_text())
-        image_processor = Qwen2VLImageProcessorPil(**{k: v for k, v in config.items()
-                                                      if k not in ("processor_class", "image_processor_type")})
-        processor = ImageOnlyQwen3VLProcessor(image_processor=image_processor, video_processor=None,
-                                              tokenizer=transformers.AutoTokenizer.from_pretrained(folder))
+        image_processor = Qwen2VLImageProcessorPil(
+            **{k: v for k, v in config.items() if k not in ("processor_class", "image_processor_type")}
+        )
+        processor = ImageOnlyQwen3VLProcessor(
+            image_processor=image_processor,
+            video_processor=None,
+            tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
+        )
     processor.chat_template = processor.tokenizer.chat_template = CHAT_TEMPLATE
     return processor
 
@@ -58,9 +62,15 @@ def image_dataset(n: int = 8, seed: int = 0):
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    rows = [{"prompt": [{"role": "user", "content": "describe:"}],
-             "image": Image.fromarray(rng.integers(0, 256, (int(rng.integers(8, 33)), int(rng.integers(8, 33)), 3),
-                                                   dtype=np.uint8))} for _ in range(n)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "describe:"}],
+            "image": Image.fromarray(
+                rng.integers(0, 256, (int(rng.integers(8, 33)), int(rng.integers(8, 33)), 3), dtype=np.uint8)
+            ),
+        }
+        for _ in range(n)
+    ]
     return Dataset.from_list(rows)
 
 
@@ -73,13 +83,28 @@ def make_trainer(folder, output_dir, trust_remote_code: bool = True, **config):
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
 
-    args = GRPOConfig(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                      use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0, bf16=False,
-                      trust_remote_code=trust_remote_code,
-                      model_init_kwargs={"trust_remote_code": trust_remote_code, "dtype": torch.float32},
-                      **{"max_completion_length": 8, **config})
-    return PackedGRPOTrainer(model=str(folder), reward_funcs=letter_count, args=args, train_dataset=image_dataset(),
-                             processing_class=vl_processor(folder))
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        bf16=False,
+        trust_remote_code=trust_remote_code,
+        model_init_kwargs={"trust_remote_code": trust_remote_code, "dtype": torch.float32},
+        **{"max_completion_length": 8, **config},
+    )
+    return PackedGRPOTrainer(
+        model=str(folder),
+        reward_funcs=letter_count,
+        args=args,
+        train_dataset=image_dataset(),
+        processing_class=vl_processor(folder),
+    )
 
 
 def push_report(trainer, folder, n_prompts: int = 4, max_tokens: int = 8, seed: int = 0) -> dict:
@@ -96,14 +121,22 @@ def push_report(trainer, folder, n_prompts: int = 4, max_tokens: int = 8, seed: 
     processor = trainer.processing_class
     config = trainer.model.config
     rows = trainer.train_dataset.select(range(n_prompts))
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
-        "type": "text", "text": row["prompt"][0]["content"]}]}], tokenize=False) for row in rows]
+    texts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": row["prompt"][0]["content"]}]}],
+            tokenize=False,
+        )
+        for row in rows
+    ]
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=0)
     outputs = trainer.vllm_generation.llm.generate(
-        [{"prompt": t, "multi_modal_data": {"image": [row["image"]]}} for t, row in zip(texts, rows)], params,
-        use_tqdm=False)
-    initial = transformers.AutoModelForImageTextToText.from_pretrained(folder, trust_remote_code=True,
-                                                                       dtype=torch.float32).eval()
+        [{"prompt": t, "multi_modal_data": {"image": [row["image"]]}} for t, row in zip(texts, rows)],
+        params,
+        use_tqdm=False,
+    )
+    initial = transformers.AutoModelForImageTextToText.from_pretrained(
+        folder, trust_remote_code=True, dtype=torch.float32
+    ).eval()
     engine, scored = [], {"trained": [], "initial": []}
     for text, row, out in zip(texts, rows, outputs):
         inputs = dict(processor(text=[text], images=[row["image"]], return_tensors="pt"))
@@ -115,17 +148,24 @@ def push_report(trainer, folder, n_prompts: int = 4, max_tokens: int = 8, seed: 
         types = prompt_token_types(ids, len(completion), config.image_token_id, config.video_token_id)
         for name, model in (("trained", trainer.model.eval()), ("initial", initial)):
             with torch.no_grad():
-                logits = model(input_ids=ids, mm_token_type_ids=types, pixel_values=inputs["pixel_values"],
-                               image_grid_thw=inputs["image_grid_thw"], use_cache=False).logits[0]
-            logps = torch.log_softmax(logits[-len(completion) - 1:-1].double(), -1)
+                logits = model(
+                    input_ids=ids,
+                    mm_token_type_ids=types,
+                    pixel_values=inputs["pixel_values"],
+                    image_grid_thw=inputs["image_grid_thw"],
+                    use_cache=False,
+                ).logits[0]
+            logps = torch.log_softmax(logits[-len(completion) - 1 : -1].double(), -1)
             scored[name].append(logps.gather(-1, torch.tensor(completion, dtype=torch.long)[:, None]).squeeze(-1))
     engine = torch.tensor(engine, dtype=torch.float64)
     trained, initial_logps = torch.cat(scored["trained"]), torch.cat(scored["initial"])
-    return {"completion_tokens": int(engine.numel()),
-            "vllm_vs_trained": (engine - trained).abs().mean().item(),
-            "vllm_vs_initial": (engine - initial_logps).abs().mean().item(),
-            "trained_vs_initial": (trained - initial_logps).abs().mean().item(),
-            "unmoved": unmoved_parameters(trainer.model, initial)}
+    return {
+        "completion_tokens": int(engine.numel()),
+        "vllm_vs_trained": (engine - trained).abs().mean().item(),
+        "vllm_vs_initial": (engine - initial_logps).abs().mean().item(),
+        "trained_vs_initial": (trained - initial_logps).abs().mean().item(),
+        "unmoved": unmoved_parameters(trainer.model, initial),
+    }
 
 
 def main(folder, output_dir, report):
@@ -133,8 +173,9 @@ def main(folder, output_dir, report):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # 16 tokens per completion: enough samples that some are vision placeholders (ids 99..102 of 128); a learning
     # rate that moves the weights (the whole model trains)
-    trainer = make_trainer(folder, output_dir, use_vllm=True, vllm_mode="colocate", max_completion_length=16,
-                           learning_rate=1e-4)
+    trainer = make_trainer(
+        folder, output_dir, use_vllm=True, vllm_mode="colocate", max_completion_length=16, learning_rate=1e-4
+    )
     completions = []
     trl_generate = trainer.vllm_generation.generate
 
@@ -148,8 +189,15 @@ def main(folder, output_dir, report):
     trainer.vllm_generation.generate = trl_generate
     steps = [entry for entry in trainer.state.log_history if "sampling/sampling_logp_difference/max" in entry]
     with open(report, "w") as f:
-        json.dump({"steps": steps, "completions": completions, "model_class": type(trainer.model).__name__,
-                   "push": push_report(trainer, folder)}, f)
+        json.dump(
+            {
+                "steps": steps,
+                "completions": completions,
+                "model_class": type(trainer.model).__name__,
+                "push": push_report(trainer, folder),
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

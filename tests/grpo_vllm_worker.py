@@ -41,8 +41,7 @@ def sample_completions(trainer, n_prompts: int = 8, max_tokens: int = 8, seed: i
     tokenizer = trainer.processing_class
     prompts = [tokenizer(row["prompt"])["input_ids"] for row in trainer.train_dataset.select(range(n_prompts))]
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=0)
-    outputs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                   use_tqdm=False)
+    outputs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     samples = []
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
@@ -57,8 +56,12 @@ def completion_logps(model, samples) -> torch.Tensor:
 
     docs = [ids for ids, _, _ in samples]
     rows = model_logprobs(model, docs, "packed")  # row t predicts token t + 1
-    return torch.cat([row[start - 1:].gather(-1, torch.tensor(ids[start:], dtype=torch.long)[:, None]).squeeze(-1)
-                      for row, (ids, start, _) in zip(rows, samples)])
+    return torch.cat(
+        [
+            row[start - 1 :].gather(-1, torch.tensor(ids[start:], dtype=torch.long)[:, None]).squeeze(-1)
+            for row, (ids, start, _) in zip(rows, samples)
+        ]
+    )
 
 
 def push_report(trainer, folder) -> dict:
@@ -72,18 +75,21 @@ def push_report(trainer, folder) -> dict:
     engine = torch.tensor([lp for _, _, logps in samples for lp in logps], dtype=torch.float64)
     # with the adapters active: the model the trainer computes with
     trained = (trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model).eval()
-    initial = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                                dtype=torch.float32).eval()
+    initial = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=torch.float32
+    ).eval()
     trained_logps, initial_logps = completion_logps(trained.float(), samples), completion_logps(initial, samples)
 
     def mean_abs(a, b):
         return (a - b).abs().mean().item()
 
-    return {"completion_tokens": int(engine.numel()),
-            "vllm_vs_trained": mean_abs(engine, trained_logps),
-            "vllm_vs_initial": mean_abs(engine, initial_logps),
-            "trained_vs_initial": mean_abs(trained_logps, initial_logps),
-            "unmoved": unmoved_parameters(trainer.model, initial)}
+    return {
+        "completion_tokens": int(engine.numel()),
+        "vllm_vs_trained": mean_abs(engine, trained_logps),
+        "vllm_vs_initial": mean_abs(engine, initial_logps),
+        "trained_vs_initial": mean_abs(trained_logps, initial_logps),
+        "unmoved": unmoved_parameters(trainer.model, initial),
+    }
 
 
 def main(report, *grpo_args):

@@ -38,7 +38,7 @@ def _gated_deltanet(h, w, p, config):
     kernel = w[f"{p}.conv1d.weight"][:, 0, :]  # [C, K]
     size = kernel.shape[1]
     history = torch.cat([torch.zeros(size - 1, mixed.shape[1], dtype=mixed.dtype), mixed])
-    conv = torch.stack([(history[t:t + size] * kernel.T).sum(0) for t in range(length)])
+    conv = torch.stack([(history[t : t + size] * kernel.T).sum(0) for t in range(length)])
     conv = F.silu(conv)
     q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
     ratio = nv // nk

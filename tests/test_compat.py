@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-
 from conftest import TINY_ROPE, packed_model, tiny_kwargs
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
-from qwen35_packed.conversion import convert
 from reference_model import reference_logits
 from vl_tiny import grid_tensor, make_document, packed_vl_model, pixels_for
+
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed.conversion import convert
 
 LENGTHS = [1, 3, 9, 70]  # a 1-token document, one shorter than the conv kernel, one longer than a 64-token chunk
 
@@ -42,8 +42,6 @@ def test_packed_and_unpacked_equal_pure_pytorch_reference_per_document(kind):
         nll += F.cross_entropy(expected[:-1], doc[1:], reduction="sum").item()
         targets += len(doc) - 1
     assert abs(packed_loss.item() - nll / targets) <= 1e-5  # token-weighted, no target across documents
-
-
 
 
 def _assert_rope_in_every_form(folder, composite=False):
@@ -133,28 +131,48 @@ def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
     trl = pytest.importorskip("trl")
     pytest.importorskip("peft")
     import datasets
-
     from conftest import _randomize_zero_init
-    from qwen35_packed.integrations.lora import lora_config
     from tiny_folders import build_char_tokenizer, write_prompt_dataset
+
+    from qwen35_packed.integrations.lora import lora_config
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(
-        **tiny_kwargs("dense"), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    model = Qwen3_5PackedForCausalLM(
+        Qwen3_5PackedConfig(
+            **tiny_kwargs("dense"), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+        )
+    )
     _randomize_zero_init(model)
     folder = _folder_without_builtin(model, tmp_path)
     tokenizer.save_pretrained(folder)
     data = datasets.load_dataset("json", data_files=str(write_prompt_dataset(tmp_path / "data") / "train.jsonl"))
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
-                          learning_rate=1e-3, beta=0.04, seed=0, trust_remote_code=True)
-    trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **_: [float(len(c)) for c in
-                              completions], args=args, train_dataset=data["train"],
-                              peft_config=lora_config(model.config, r=4))
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        beta=0.04,
+        seed=0,
+        trust_remote_code=True,
+    )
+    trainer = trl.GRPOTrainer(
+        model=str(folder),
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=data["train"],
+        peft_config=lora_config(model.config, r=4),
+    )
     base = trainer.model.get_base_model()
-    assert type(base).__name__ == "Qwen3_5PackedForCausalLM" and type(base).__module__.startswith("transformers_modules.")
+    assert type(base).__name__ == "Qwen3_5PackedForCausalLM" and type(base).__module__.startswith(
+        "transformers_modules."
+    )
     lora_b = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     assert lora_b and all(p.abs().max() == 0 for p in lora_b.values())  # PEFT starts B at zero
     result = trainer.train()
@@ -163,15 +181,15 @@ def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
     assert moved, "no LoRA weight changed in the GRPO step"
 
 
-def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_reads_it(tmp_path, monkeypatch,
-                                                                                         caplog):
+def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_reads_it(tmp_path, monkeypatch, caplog):
     """transformers 5.17's Qwen3_5TextConfig saves its class default `partial_rotary_factor` 0.25 at the top level
     next to the 0.5 of `rope_parameters` that its model uses. A file written by transformers 5 is read as
     transformers 5 reads it (with a warning); elsewhere a contradiction stays an error."""
-    from qwen35_packed.modeling import configuration_qwen3_5_packed
+    from vl_tiny import composite_kwargs
+
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig
     from qwen35_packed.conversion.config import build_output_config
-    from vl_tiny import composite_kwargs
+    from qwen35_packed.modeling import configuration_qwen3_5_packed
 
     monkeypatch.setattr(configuration_qwen3_5_packed, "_logged_once", set())
     text = {**tiny_kwargs("dense"), "model_type": "qwen3_5_text", "partial_rotary_factor": 0.25}
@@ -181,8 +199,12 @@ def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_
     assert config.rope_parameters["partial_rotary_factor"] == config.partial_rotary_factor == 0.5
     assert "transformers 5.17.0 has top-level partial_rotary_factor=0.25" in caplog.text
 
-    composite = {**composite_kwargs("dense"), "text_config": text, "model_type": "qwen3_5",
-                 "transformers_version": "5.17.0"}
+    composite = {
+        **composite_kwargs("dense"),
+        "text_config": text,
+        "model_type": "qwen3_5",
+        "transformers_version": "5.17.0",
+    }
     (tmp_path / "vl").mkdir()
     (tmp_path / "vl" / "config.json").write_text(json.dumps(composite))
     assert Qwen3_5PackedVLConfig.from_pretrained(tmp_path / "vl").text_config.rope_parameters == TINY_ROPE

@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from conftest import requires_builtin_qwen35
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed import Qwen3_5PackedForCausalLM
 
-REFERENCE = Path(os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5"))
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
+
+REFERENCE = Path(
+    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5")
+)
 
 
 def reference_configs():
@@ -50,7 +56,8 @@ def test_reference_config_builds_builtin_identical_model_on_meta(name):
 
 def test_v4_top_level_rope_keys_are_read():
     config = Qwen3_5PackedConfig(
-        rope_theta=5e6, partial_rotary_factor=0.25,
+        rope_theta=5e6,
+        partial_rotary_factor=0.25,
         rope_scaling={"type": "mrope", "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     )
     assert config.rope_parameters["rope_theta"] == 5e6 == config.rope_theta

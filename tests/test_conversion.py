@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_kwargs
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import tiny_kwargs
 from qwen35_packed.cli import main
 from qwen35_packed.conversion import (
     ConversionError,
@@ -279,7 +279,10 @@ def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
         for layer in range(4):
             p = f"model.layers.{layer}.mlp.experts"
             manual = torch.stack(
-                [torch.cat([source[f"{p}.{e}.gate_proj.weight"], source[f"{p}.{e}.up_proj.weight"]], 0) for e in range(4)]
+                [
+                    torch.cat([source[f"{p}.{e}.gate_proj.weight"], source[f"{p}.{e}.up_proj.weight"]], 0)
+                    for e in range(4)
+                ]
             )
             assert torch.equal(tensors[f"{p}.gate_up_proj"], manual)
             manual_down = torch.stack([source[f"{p}.{e}.down_proj.weight"] for e in range(4)])
@@ -390,7 +393,9 @@ def test_composite_saved_by_transformers_keeps_vision(kind, tmp_path, capsys):
     source, written = read_folder(src), read_folder(out)
     per_expert = [k for k in source if ".mlp.experts.0." in k]
     assert bool(per_expert) is (kind == "moe") and not any(".experts.0." in k for k in written)
-    assert ("48 -> 8 per-expert expert tensors fused" in printed) is (kind == "moe")  # 4 layers x 4 experts x 3 -> 4 layers x 2
+    assert ("48 -> 8 per-expert expert tensors fused" in printed) is (
+        kind == "moe"
+    )  # 4 layers x 4 experts x 3 -> 4 layers x 2
     assert written.keys() == vlm.state_dict().keys() - ({"lm_head.weight"} if kind == "dense" else set())
     assert all(torch.equal(v, source[k]) for k, v in written.items() if k in source)
     loaded, info = type(vlm).from_pretrained(out, output_loading_info=True)
@@ -501,7 +506,10 @@ def test_rope_table_says_a_disagreement_is_resolved(tmp_path, capsys):
     """A source whose readers disagree: the table says whether that is expected (a value stated once, other readers
     falling back to their defaults) or a contradiction, and that the written config resolves it."""
     model = build_builtin("dense", seed=3)
-    for name, top_level in (("absent", {}), ("stale", {"partial_rotary_factor": 0.25, "transformers_version": "5.17.0"})):
+    for name, top_level in (
+        ("absent", {}),
+        ("stale", {"partial_rotary_factor": 0.25, "transformers_version": "5.17.0"}),
+    ):
         src = tmp_path / name
         model.save_pretrained(src)
         config = json.loads((src / "config.json").read_text())
@@ -548,7 +556,9 @@ def test_remote_code_loads_converted_folder(layout, dense, moe_per_expert, tmp_p
     model, src = dense if layout == "dense" else moe_per_expert
     out = tmp_path / "out"
     convert(src, out, progress=False, log=lambda line: None)
-    ours, info = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
+    ours, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, output_loading_info=True
+    )
     assert type(ours).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     state = ours.state_dict()

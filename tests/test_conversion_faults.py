@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from test_conversion import add_side_files, build_builtin, folder_digest
 
 from qwen35_packed.cli import main
 from qwen35_packed.conversion import ConversionError, convert
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
-from test_conversion import add_side_files, build_builtin, folder_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(progress=False, log=lambda *_: None)
@@ -220,11 +220,11 @@ def _rewrite_header(path: Path, change) -> None:
     """Apply `change(header dict)` to a safetensors header; the data section stays as it is."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     change(header)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the 8-byte alignment safetensors writes
-    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
 
 
 def _first_tensor(header: dict) -> str:
@@ -237,9 +237,11 @@ DAMAGE = {
     "header_not_json": lambda p: p.write_bytes(p.read_bytes()[:8] + b"\xff" * 16 + p.read_bytes()[24:]),
     "cut_inside_the_header": lambda p: p.write_bytes(p.read_bytes()[:40]),
     "offsets_past_the_data": lambda p: _rewrite_header(
-        p, lambda h: h[_first_tensor(h)].update(data_offsets=[0, p.stat().st_size])),
+        p, lambda h: h[_first_tensor(h)].update(data_offsets=[0, p.stat().st_size])
+    ),
     "shape_larger_than_its_bytes": lambda p: _rewrite_header(
-        p, lambda h: h[_first_tensor(h)].update(shape=[s * 2 for s in h[_first_tensor(h)]["shape"]])),
+        p, lambda h: h[_first_tensor(h)].update(shape=[s * 2 for s in h[_first_tensor(h)]["shape"]])
+    ),
     "overlapping_tensors": lambda p: _rewrite_header(p, _overlap),
     "unknown_dtype": lambda p: _rewrite_header(p, lambda h: h[_first_tensor(h)].update(dtype="Q7")),
 }

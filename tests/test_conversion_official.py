@@ -11,7 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_kwargs
 from safetensors.torch import save_file
+from test_conversion import (
+    add_side_files,
+    build_builtin,
+    build_tiny_vlm,
+    builtin_class,
+    composite_config,
+    folder_digest,
+    logits,
+    read_folder,
+    write_shards,
+)
+from test_vl_remote_code import ARCH, AUTO_MAP
+from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 from qwen35_packed import hub
 from qwen35_packed.cli import main
@@ -29,20 +43,6 @@ from qwen35_packed.conversion.remote_code import remote_code_files
 from qwen35_packed.conversion.rope_readers import disagreements, rope_views
 from qwen35_packed.conversion.schema import expected_mtp_tensors, expected_text_tensors, expected_vision_tensors
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
-from conftest import tiny_kwargs
-from test_conversion import (
-    add_side_files,
-    build_builtin,
-    build_tiny_vlm,
-    builtin_class,
-    composite_config,
-    folder_digest,
-    logits,
-    read_folder,
-    write_shards,
-)
-from test_vl_remote_code import ARCH, AUTO_MAP
-from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5"
 PROCESSOR = {"preprocessor_config.json": '{"patch_size": 16}\n', "video_preprocessor_config.json": '{"fps": 2}\n'}
@@ -412,7 +412,7 @@ def test_reference_key_lists_map_both_ways(name):
 
     def shape(key: str):
         if key.startswith("model.language_model."):
-            return text_shapes["model." + key[len("model.language_model."):]]
+            return text_shapes["model." + key[len("model.language_model.") :]]
         if key.startswith("mtp."):
             m = re.match(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", key)
             if m:

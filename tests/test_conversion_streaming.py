@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_conversion import folder_digest
 
 from qwen35_packed.cli import main
 from qwen35_packed.conversion.config import CONFIG_CLASSES
 from qwen35_packed.conversion.schema import expected_text_tensors
-from test_conversion import folder_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5, "mrope_section": [8, 4, 4],

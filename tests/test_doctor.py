@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_folders import build_tiny_folder
 
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
-from tiny_folders import build_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = [
@@ -221,7 +221,6 @@ def test_vision_language_folder(tmp_path):
     """A composite folder: text checks on text_config and model.language_model.*, the vision tower against
     transformers' vision model for vision_config, the composite classes for every consumer."""
     from safetensors.torch import load_file, save_file
-
     from tiny_folders import build_tiny_vl_folder
 
     folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
@@ -304,8 +303,12 @@ def test_every_kernel_choice_has_a_description():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
     from qwen35_packed.doctor.environment_checks import ATTENTION, CONV, MOE, PATHS
 
-    for field, described in (("gdn_kernel", PATHS), ("conv_kernel", CONV), ("attention_kernel", ATTENTION),
-                             ("moe_kernel", MOE)):
+    for field, described in (
+        ("gdn_kernel", PATHS),
+        ("conv_kernel", CONV),
+        ("attention_kernel", ATTENTION),
+        ("moe_kernel", MOE),
+    ):
         assert set(KERNEL_FIELDS[field]) - {"auto"} <= set(described), field
 
 
@@ -356,9 +359,20 @@ def test_vllm_routing_verdict():
 
     def status(rate):
         report = DoctorReport("m", "cpu")
-        _routing({"routing": {"disagreement_rate": rate, "token_layer_sets": 100, "tokens_with_any_layer_disagreeing":
-                              rate}, "vllm_dtype": "bfloat16", "model_dtype": "float32", "device": "cpu",
-                  "documents": [3]}, report)
+        _routing(
+            {
+                "routing": {
+                    "disagreement_rate": rate,
+                    "token_layer_sets": 100,
+                    "tokens_with_any_layer_disagreeing": rate,
+                },
+                "vllm_dtype": "bfloat16",
+                "model_dtype": "float32",
+                "device": "cpu",
+                "documents": [3],
+            },
+            report,
+        )
         return report.status("numerics.vllm_routing"), report.measurements[0].value
 
     assert status(0.003) == ("PASS", 0.003)

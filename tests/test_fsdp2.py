@@ -19,8 +19,18 @@ WORKER = Path(__file__).resolve().parent / "fsdp2_worker.py"
 def _run(tmp_path, name, *flags, sharded=True):
     out = tmp_path / f"{name}.json"
     if sharded:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER), "--out", str(out), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            "--out",
+            str(out),
+            *flags,
+        ]
     else:
         cmd = [sys.executable, str(WORKER), "--single", "--out", str(out), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -35,8 +45,7 @@ def _worst_gradient_error(sharded, single):
     """Largest per-parameter relative error of the sharded step's full gradients against the single process's.
     Both run bf16 compute, the sharded one reduces in fp32 over two ranks, so each differs by bf16 rounding."""
     assert sharded["grads"].keys() == single["grads"].keys() and sharded["grads"]
-    return max(((sharded["grads"][n] - g).norm() / g.norm().clamp(min=1e-6)).item()
-               for n, g in single["grads"].items())
+    return max(((sharded["grads"][n] - g).norm() / g.norm().clamp(min=1e-6)).item() for n, g in single["grads"].items())
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -45,8 +54,11 @@ def test_fsdp2_step_matches_single_process_and_keeps_decay_fp32(tmp_path, lora):
     single = _run(tmp_path, "single", *flags, sharded=False)
     sharded = _run(tmp_path, "sharded", *flags)
     assert sharded["gdn_decay_units"] == 3
-    assert sharded["forward_dtypes"] == single["forward_dtypes"] == {
-        "A_log": "torch.float32", "dt_bias": "torch.float32", "in_proj_qkv": "torch.bfloat16"}
+    assert (
+        sharded["forward_dtypes"]
+        == single["forward_dtypes"]
+        == {"A_log": "torch.float32", "dt_bias": "torch.float32", "in_proj_qkv": "torch.bfloat16"}
+    )
     assert abs(sharded["loss"] - single["loss"]) <= 1e-3 * abs(single["loss"])
     assert abs(sharded["grad_norm"] - single["grad_norm"]) <= 1e-2 * single["grad_norm"]
     assert _worst_gradient_error(sharded, single) <= 1e-2  # measured 3.3e-3 (full)

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import random_doc_lengths
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +26,16 @@ from qwen35_packed.modeling import kernels  # noqa: E402
 
 RESULTS: dict = {}
 GPU_CONFIG = dict(
-    vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=128,
     linear_value_head_dim=128,
     rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
 )
@@ -46,8 +53,14 @@ def write_results():
             json.dump(RESULTS, f, indent=2)
 
 
-MOE_FIELDS = dict(intermediate_size=None, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
-                  shared_expert_intermediate_size=256, router_aux_loss_coef=0.0)
+MOE_FIELDS = dict(
+    intermediate_size=None,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    router_aux_loss_coef=0.0,
+)
 
 
 def _model(dtype, moe=False, **overrides):
@@ -87,8 +100,12 @@ def test_fla_packed_equals_per_document(dtype):
     diff_ref = (packed - reference).abs().max().item()
     RESULTS[f"packed_vs_per_document_{name}"] = diff_docs
     RESULTS[f"fla_packed_vs_torch_per_document_{name}"] = diff_ref
-    RESULTS[f"kernels_{name}"] = {"gdn": choice.gdn, "conv": choice.conv, "attention": choice.attention,
-                                  "elementwise": choice.elementwise}
+    RESULTS[f"kernels_{name}"] = {
+        "gdn": choice.gdn,
+        "conv": choice.conv,
+        "attention": choice.attention,
+        "elementwise": choice.elementwise,
+    }
     RESULTS[f"logit_abs_max_{name}"] = reference.abs().max().item()
     print(f"{name}: kernels {choice}, packed vs per-doc {diff_docs:.3g}, FLA vs torch {diff_ref:.3g}")
     assert choice.gdn == "fla" and choice.conv == "triton" and choice.elementwise == "compiled"
@@ -110,8 +127,10 @@ def test_fla_packed_gradients_equal_per_document_bf16():
     model.zero_grad()
     for d in docs:
         model(d[None], labels=d[None], num_items_in_batch=1).loss.backward()
-    worst = max(((packed[n] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)).item()
-                for n, p in model.named_parameters())
+    worst = max(
+        ((packed[n] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)).item()
+        for n, p in model.named_parameters()
+    )
     RESULTS["bf16_grad_relative_error_packed_vs_per_document"] = worst
     print(f"bf16 grad packed vs per-doc, worst relative norm error {worst:.3g}")
     assert worst <= 3e-2  # measured 5e-3 to 9e-3
@@ -144,22 +163,34 @@ def test_compiled_elementwise_matches_eager_bf16():
         torch.cuda.reset_peak_memory_stats()
         loss = model(ids, labels=ids, cu_seqlens=cu).loss
         loss.backward()
-        runs[mode] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters()},
-                      torch.cuda.max_memory_allocated() / 2**20)
+        runs[mode] = (
+            loss.item(),
+            {n: p.grad.float() for n, p in model.named_parameters()},
+            torch.cuda.max_memory_allocated() / 2**20,
+        )
     loss_diff = abs(runs["compiled"][0] - runs["eager"][0])
     # Per-parameter relative error, over gradients that are not bf16 noise: A_log / dt_bias of a deep layer can
     # have a gradient norm ~1e-7 (measured here), where any two bf16 roundings disagree entirely.
-    errors = sorted((((runs["compiled"][1][n] - g).norm() / g.norm()).item(), n, g.norm().item())
-                    for n, g in runs["eager"][1].items() if g.norm() > 1e-4)
+    errors = sorted(
+        (((runs["compiled"][1][n] - g).norm() / g.norm()).item(), n, g.norm().item())
+        for n, g in runs["eager"][1].items()
+        if g.norm() > 1e-4
+    )
     worst = errors[-1][0]
     # The small ones are compared absolutely: a difference no larger than a few times their own size.
     small = max(((runs["compiled"][1][n] - g).norm()).item() for n, g in runs["eager"][1].items() if g.norm() <= 1e-4)
-    RESULTS["compiled_vs_eager_bf16"] = {"loss_abs_diff": loss_diff, "worst_grad_relative_norm_error": worst,
-                                         "worst_small_grad_abs_error": small,
-                                         "worst_parameters": errors[-4:],
-                                         "peak_MiB_compiled": runs["compiled"][2], "peak_MiB_eager": runs["eager"][2]}
-    print(f"compiled vs eager bf16: loss diff {loss_diff:.3g}, worst grad rel err {worst:.3g}, "
-          f"peak MiB {runs['compiled'][2]:.0f} vs {runs['eager'][2]:.0f}")
+    RESULTS["compiled_vs_eager_bf16"] = {
+        "loss_abs_diff": loss_diff,
+        "worst_grad_relative_norm_error": worst,
+        "worst_small_grad_abs_error": small,
+        "worst_parameters": errors[-4:],
+        "peak_MiB_compiled": runs["compiled"][2],
+        "peak_MiB_eager": runs["eager"][2],
+    }
+    print(
+        f"compiled vs eager bf16: loss diff {loss_diff:.3g}, worst grad rel err {worst:.3g}, "
+        f"peak MiB {runs['compiled'][2]:.0f} vs {runs['eager'][2]:.0f}"
+    )
     assert loss_diff <= 5e-4 and worst <= 1e-1 and small <= 3e-4  # measured 1.4e-4, 2.2e-2 to 3.5e-2
 
 
@@ -184,10 +215,13 @@ def test_recomputed_activations_bitwise_and_smaller_bf16():
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             model(ids, labels=ids, cu_seqlens=cu).loss.backward()
-            runs[mode] = ({n: p.grad.clone() for n, p in model.named_parameters()},
-                          (torch.cuda.max_memory_allocated() - base) / 2**20)
+            runs[mode] = (
+                {n: p.grad.clone() for n, p in model.named_parameters()},
+                (torch.cuda.max_memory_allocated() - base) / 2**20,
+            )
         finally:
             modeling.RecomputedActivations = original
+
     def worst(a, b):
         return max(((a[n].float() - g.float()).norm() / g.float().norm().clamp(min=1e-12)).item() for n, g in b.items())
 
@@ -197,11 +231,15 @@ def test_recomputed_activations_bitwise_and_smaller_bf16():
         "worst_grad_relative_error_kept_vs_kept_again": worst(again, kept),
         "bitwise_equal_parameters": sum(torch.equal(g, recomputed[n]) for n, g in kept.items()),
         "bitwise_equal_parameters_kept_again": sum(torch.equal(g, again[n]) for n, g in kept.items()),
-        "parameters": len(kept), "peak_MiB_kept": runs["kept_again"][1], "peak_MiB_recomputed": runs["recomputed"][1]}
+        "parameters": len(kept),
+        "peak_MiB_kept": runs["kept_again"][1],
+        "peak_MiB_recomputed": runs["recomputed"][1],
+    }
     print(RESULTS["recompute_bf16"])
     result = RESULTS["recompute_bf16"]
     assert result["worst_grad_relative_error_recomputed_vs_kept"] <= max(
-        2 * result["worst_grad_relative_error_kept_vs_kept_again"], 1e-3)
+        2 * result["worst_grad_relative_error_kept_vs_kept_again"], 1e-3
+    )
     assert runs["recomputed"][1] < runs["kept_again"][1]
 
 
@@ -273,8 +311,9 @@ def test_triton_conv_matches_reference_and_fla(dtype):
         result[conv] = {
             "out_max_abs_error": (out - ref_out).abs().max().item(),
             # distance to the fp32 reference in units of the output dtype's rounding bound (half an ulp)
-            "out_in_half_ulps": ((out - ref_out).abs()
-                                 / (ref_out.abs() * torch.finfo(dtype).eps / 2).clamp(min=1e-30)).max().item(),
+            "out_in_half_ulps": ((out - ref_out).abs() / (ref_out.abs() * torch.finfo(dtype).eps / 2).clamp(min=1e-30))
+            .max()
+            .item(),
             "dx_relative_error": ((dx.float() - ref_dx).norm() / ref_dx.norm()).item(),
             "dweight_relative_error": ((dw.float() - ref_dw).norm() / ref_dw.norm()).item(),
         }
@@ -309,8 +348,9 @@ def test_chunked_loss_gradients_bf16_against_fp64():
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     targets[::9] = -100
     choice = kernels.select_kernels(Qwen3_5PackedConfig(), hidden.device, torch.bfloat16)
-    loss, _ = loss_module.chunked_linear_cross_entropy(hidden, weight, targets, chunk_tokens=2048, keep_logits=False,
-                                                       choice=choice)
+    loss, _ = loss_module.chunked_linear_cross_entropy(
+        hidden, weight, targets, chunk_tokens=2048, keep_logits=False, choice=choice
+    )
     loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     expected = F.cross_entropy(h64 @ w64.t(), targets, ignore_index=-100)
@@ -319,8 +359,11 @@ def test_chunked_loss_gradients_bf16_against_fp64():
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
-    errors = {"loss": abs(loss.item() - expected.item()) / expected.item(),
-              "grad_hidden": rel(hidden.grad, h64.grad), "grad_weight": rel(weight.grad, w64.grad)}
+    errors = {
+        "loss": abs(loss.item() - expected.item()) / expected.item(),
+        "grad_hidden": rel(hidden.grad, h64.grad),
+        "grad_weight": rel(weight.grad, w64.grad),
+    }
     RESULTS["chunked_loss_bf16_vs_fp64"] = errors
     print(errors)
     # bf16 logits (8 bits of mantissa) bound the loss; the gradients carry bf16 rounding of softmax - onehot.
@@ -372,8 +415,13 @@ def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
         wi = weights.clone().requires_grad_()
         out = experts(xi, index, wi, dataclasses.replace(choice, moe=moe))
         out.backward(cotangent.to(dtype))
-        result = [out.float(), xi.grad.float(), wi.grad.float(), experts.gate_up_proj.grad.float(),
-                  experts.down_proj.grad.float()]
+        result = [
+            out.float(),
+            xi.grad.float(),
+            wi.grad.float(),
+            experts.gate_up_proj.grad.float(),
+            experts.down_proj.grad.float(),
+        ]
         block.experts.to(torch.bfloat16)
         return result
 
@@ -404,8 +452,11 @@ def test_moe_packed_equals_per_document_bf16():
     same = sum((a == b).all(-1).sum().item() for a, b in zip(packed_routes, per_doc_routes))
     total = sum(a.shape[0] for a in packed_routes)
     diff = (packed - per_doc).abs().max().item()
-    RESULTS["moe_packed_vs_per_document_bf16"] = {"max_abs_logit_diff": diff, "same_routing": same,
-                                                  "token_layers": total}
+    RESULTS["moe_packed_vs_per_document_bf16"] = {
+        "max_abs_logit_diff": diff,
+        "same_routing": same,
+        "token_layers": total,
+    }
     print(RESULTS["moe_packed_vs_per_document_bf16"])
     assert same == total and diff <= 2e-3
 

@@ -23,18 +23,39 @@ RESULTS: dict = {}
 IMAGE, VIDEO, VISION_START, VISION_END = 1000, 1001, 1002, 1003
 MERGE = 2
 TEXT_CONFIG = dict(
-    vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=128,
     linear_value_head_dim=128,
     rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
 )
 VISION_CONFIG = dict(
-    depth=2, hidden_size=128, intermediate_size=256, num_heads=2, patch_size=16, temporal_patch_size=2,
-    spatial_merge_size=MERGE, out_hidden_size=512, num_position_embeddings=256,
+    depth=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=2,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=MERGE,
+    out_hidden_size=512,
+    num_position_embeddings=256,
 )
 PATCH_DIM = 3 * 2 * 16 * 16
-COMPOSITE = dict(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, image_token_id=IMAGE, video_token_id=VIDEO,
-                 vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+COMPOSITE = dict(
+    text_config=TEXT_CONFIG,
+    vision_config=VISION_CONFIG,
+    image_token_id=IMAGE,
+    video_token_id=VIDEO,
+    vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,8 +160,11 @@ def test_vl_matches_builtin_fp32_unpacked():
         for ids, grids, pixels in _documents(6, seed=1):
             types = torch.zeros_like(ids)[None]
             types[ids[None] == IMAGE] = 1
-            kwargs = dict(input_ids=ids[None], pixel_values=pixels.cuda() if pixels is not None else None,
-                          image_grid_thw=_grid(grids))
+            kwargs = dict(
+                input_ids=ids[None],
+                pixel_values=pixels.cuda() if pixels is not None else None,
+                image_grid_thw=_grid(grids),
+            )
             expected = ref(**kwargs, mm_token_type_ids=types, use_cache=False).logits.float()
             got = ours(**kwargs).logits.float()
             worst = max(worst, (got - expected).abs().max().item())
@@ -157,16 +181,24 @@ def test_packed_vl_gradients_equal_per_document_bf16():
     cu = torch.tensor([0] + [len(d[0]) for d in docs], device="cuda").cumsum(0).to(torch.int32)
     pixels = torch.cat([d[2] for d in docs if d[2] is not None]).to("cuda", torch.bfloat16)
     grids = _grid([g for d in docs for g in d[1]])
-    model(input_ids=ids, labels=ids, cu_seqlens=cu, pixel_values=pixels, image_grid_thw=grids,
-          num_items_in_batch=1).loss.backward()
+    model(
+        input_ids=ids, labels=ids, cu_seqlens=cu, pixel_values=pixels, image_grid_thw=grids, num_items_in_batch=1
+    ).loss.backward()
     packed = {n: p.grad.float().clone() for n, p in model.named_parameters()}
     model.zero_grad()
     for doc_ids, doc_grids, doc_pixels in docs:
         doc_pixels = doc_pixels.to("cuda", torch.bfloat16) if doc_pixels is not None else None
-        model(input_ids=doc_ids[None], labels=doc_ids[None], pixel_values=doc_pixels, image_grid_thw=_grid(doc_grids),
-              num_items_in_batch=1).loss.backward()
-    errors = {n: ((packed[n] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)).item()
-              for n, p in model.named_parameters()}
+        model(
+            input_ids=doc_ids[None],
+            labels=doc_ids[None],
+            pixel_values=doc_pixels,
+            image_grid_thw=_grid(doc_grids),
+            num_items_in_batch=1,
+        ).loss.backward()
+    errors = {
+        n: ((packed[n] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)).item()
+        for n, p in model.named_parameters()
+    }
     worst = max(errors.values())
     worst_visual = max(v for n, v in errors.items() if n.startswith("model.visual."))
     RESULTS["vl_bf16_grad_relative_error_packed_vs_per_document"] = worst
@@ -182,8 +214,10 @@ def test_vision_varlen_kernels_match_sdpa():
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     q, k, v = (torch.randn(int(cu[-1]), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = varlen_bidirectional_attention(q, k, v, cu, max(lengths), 0.125, "sdpa").float()
-    for kernel, available in (("flash_attn", kernels.FLASH_ATTN_AVAILABLE),
-                              ("torch_varlen", kernels.TORCH_VARLEN_AVAILABLE)):
+    for kernel, available in (
+        ("flash_attn", kernels.FLASH_ATTN_AVAILABLE),
+        ("torch_varlen", kernels.TORCH_VARLEN_AVAILABLE),
+    ):
         if not available:
             continue
         got = varlen_bidirectional_attention(q, k, v, cu, max(lengths), 0.125, kernel).float()

@@ -12,9 +12,10 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from test_trl_grpo import _long_tail_batch, _trainer, folders  # noqa: E402, F401
+
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, RoutingFeed  # noqa: E402
 from qwen35_packed.integrations.vllm_routing import padded_routed_experts  # noqa: E402
-from test_trl_grpo import _long_tail_batch, _trainer, folders  # noqa: E402, F401
 
 
 def _engine_arrays(routing, mask, completion_len, num_layers):
@@ -43,8 +44,9 @@ def test_logprob_step_replays_the_kept_engine_routing(folders, tmp_path):  # noq
         for name, routing in (("own", own), ("shifted", (own + 1) % experts)):
             trainer._rollout_routing = None
             trainer._engine_routing = _engine_arrays(routing, mask, completion_len, model.config.num_hidden_layers)
-            results[name] = trainer._get_per_token_logps_and_entropies(model, ids, mask, completion_len,
-                                                                       batch_size=2)[0]
+            results[name] = trainer._get_per_token_logps_and_entropies(model, ids, mask, completion_len, batch_size=2)[
+                0
+            ]
             kept = trainer._rollout_routing
             assert (kept[mask == 0] == -1).all()  # pads route normally
             last = mask.cumsum(1).argmax(1)  # the last real token of each row was never run by the engine
@@ -54,7 +56,7 @@ def test_logprob_step_replays_the_kept_engine_routing(folders, tmp_path):  # noq
     assert torch.equal(results["own"], plain)
     assert not torch.equal(results["shifted"][scored], plain[scored])
     # the step's log-probs are the model's own under the replayed routing (TRL's kernel vs log_softmax: fp32 noise)
-    expected = direct[:, -completion_len - 1:-1].log_softmax(-1).gather(-1, ids[:, -completion_len:, None])[..., 0]
+    expected = direct[:, -completion_len - 1 : -1].log_softmax(-1).gather(-1, ids[:, -completion_len:, None])[..., 0]
     torch.testing.assert_close(results["shifted"][scored], expected[scored], rtol=0, atol=1e-5)
     # rows without routing (a training step whose inputs lost theirs) are refused, not given another batch's
     trainer._rollout_routing, trainer._engine_routing = None, None
@@ -76,8 +78,10 @@ def test_padded_layout_of_engine_routing(folders):  # noqa: F811
     out = padded_routed_experts(arrays, [2, 1], [3, 1], prompt_width=3, completion_width=4, config=config)
     assert out.shape == (2, 7, layers, k)
     token_has_ids = (out[..., 0, 0] != -1).tolist()
-    assert token_has_ids == [[False, True, True, True, True, False, False],
-                             [False, False, True, True, False, False, False]]
+    assert token_has_ids == [
+        [False, True, True, True, True, False, False],
+        [False, False, True, True, False, False, False],
+    ]
     with pytest.raises(ValueError, match="expected \\[4 or 5 tokens"):
         padded_routed_experts([np.zeros((7, layers, k))], [2], [3], 3, 4, config)
     with pytest.raises(ValueError, match="routed experts have 3 layers; the model has 4 decoder layers"):

@@ -16,13 +16,13 @@ trl = pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vl_worker import make_trainer, vl_processor  # noqa: E402
 from test_vllm import PUSH_FRACTION, ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
+from tiny_folders import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
 
 from qwen35_packed.integrations.grpo import (  # noqa: E402
     collapse_placeholder_runs,
     prompt_token_types,
     send_unexpanded_images,
 )
-from tiny_folders import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
 
 START, END, IMAGE, VIDEO = build_vl_tokenizer().convert_tokens_to_ids(list(VISION_TOKENS))
 # The text model's bound in tests/test_vllm.py (bf16 engine vs fp32 trainer); TRL's expanded prompts sent as they
@@ -69,8 +69,10 @@ def test_vllm_gets_collapsed_prompts_and_must_expand_them_back():
 
 def test_prompt_token_types():
     ids = torch.tensor([[0, 5, IMAGE, IMAGE, VIDEO, 6, IMAGE, VIDEO, START], [5, IMAGE, 6, 7, 8, 9, 0, 0, 0]])
-    assert prompt_token_types(ids, 3, IMAGE, VIDEO).tolist() == [[0, 0, 1, 1, 2, 0, 0, 0, 0],
-                                                                [0, 1, 0, 0, 0, 0, 0, 0, 0]]
+    assert prompt_token_types(ids, 3, IMAGE, VIDEO).tolist() == [
+        [0, 0, 1, 1, 2, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0, 0, 0, 0],
+    ]
 
 
 def test_vl_class_accepted_builtin_refused(folder, tmp_path):
@@ -94,8 +96,10 @@ def test_trl_sync_then_engine_caches_reset_off_cpu(monkeypatch):
     calls = []
     model = types.SimpleNamespace(load_weights=lambda weights: calls.extend(("load", n) for n, _ in weights))
     runner = types.SimpleNamespace(model=model)
-    engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(
-        model_runner=runner)), reset_encoder_cache=lambda: calls.append("reset_encoder_cache"))
+    engine = types.SimpleNamespace(
+        model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=runner)),
+        reset_encoder_cache=lambda: calls.append("reset_encoder_cache"),
+    )
     llm = types.SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: calls.append("reset_prefix_cache"))
     generation = object.__new__(VLLMGeneration)
     generation.mode, generation.enable_sleep_mode, generation.accelerator, generation.llm = "colocate", False, None, llm
@@ -111,10 +115,12 @@ def _batch(processor, with_image: bool, completion: list[int]):
     from PIL import Image
 
     message = [{"type": "image"}] if with_image else []
-    text = processor.apply_chat_template([{"role": "user", "content": message + [{"type": "text", "text": "hi:"}]}],
-                                         tokenize=False)
-    image = Image.fromarray(torch.randint(0, 256, (20, 28, 3), generator=torch.Generator().manual_seed(0),
-                                          dtype=torch.uint8).numpy())
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": message + [{"type": "text", "text": "hi:"}]}], tokenize=False
+    )
+    image = Image.fromarray(
+        torch.randint(0, 256, (20, 28, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy()
+    )
     prompt = dict(processor(text=[text], images=[image] if with_image else None, return_tensors="pt"))
     ids = torch.cat([prompt.pop("input_ids"), torch.tensor([completion])], dim=1)
     prompt.pop("attention_mask")
@@ -140,22 +146,25 @@ def test_placeholders_in_completions_are_text(with_image, folder, tmp_path):
         for placeholder, stand_in in swap.items():
             embed[stand_in] = embed[placeholder]
         types_ = prompt_token_types(ids, n, IMAGE, VIDEO)
-        logits = model(input_ids=ids, mm_token_type_ids=types_, **{k: v for k, v in vision.items()
-                                                                   if k != "mm_token_type_ids"}).logits
-        reference = model(input_ids=swapped, mm_token_type_ids=types_, **{k: v for k, v in vision.items()
-                                                                          if k != "mm_token_type_ids"}).logits
+        logits = model(
+            input_ids=ids, mm_token_type_ids=types_, **{k: v for k, v in vision.items() if k != "mm_token_type_ids"}
+        ).logits
+        reference = model(
+            input_ids=swapped, mm_token_type_ids=types_, **{k: v for k, v in vision.items() if k != "mm_token_type_ids"}
+        ).logits
     torch.testing.assert_close(logits, reference, rtol=0, atol=0)
     # the ids alone say the completion's placeholders are image / video tokens, with no image for them
     with torch.no_grad(), pytest.raises(ValueError, match="has no grid|has .* tokens"):
         model(input_ids=ids, **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
     if with_image:
         # TRL's own token types for batches with images: the processor's, zeros over the completion
-        vision["mm_token_type_ids"] = torch.cat([vision["mm_token_type_ids"], torch.zeros(1, n, dtype=torch.long)],
-                                                dim=1)
+        vision["mm_token_type_ids"] = torch.cat(
+            [vision["mm_token_type_ids"], torch.zeros(1, n, dtype=torch.long)], dim=1
+        )
         vision["num_images"] = [1]
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), n, **vision)
-    expected = torch.log_softmax(logits[0, -n - 1:-1].double(), -1).gather(-1, ids[0, -n:, None]).squeeze(-1)
+    expected = torch.log_softmax(logits[0, -n - 1 : -1].double(), -1).gather(-1, ids[0, -n:, None]).squeeze(-1)
     torch.testing.assert_close(logps[0].double(), expected, rtol=1e-5, atol=1e-5)
 
 

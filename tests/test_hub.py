@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_builtin_qwen35
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
+from test_conversion import build_builtin, build_tiny_vlm
 
 from qwen35_packed import hub
 from qwen35_packed.conversion import convert, remote_code_files
-from conftest import requires_builtin_qwen35
-from test_conversion import build_builtin, build_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_NotARealTokenButSecret0123456789"
@@ -287,7 +287,9 @@ def test_card_peft_snippets_run(layout, packed, packed_moe, tmp_path):
     pytest.importorskip("peft")
     folder = packed if layout == "dense" else packed_moe
     scope = {}
-    exec(compile(hub.usage_snippets(str(folder), "packed", layout == "moe", None)["peft"], "<card:peft>", "exec"), scope)
+    exec(
+        compile(hub.usage_snippets(str(folder), "packed", layout == "moe", None)["peft"], "<card:peft>", "exec"), scope
+    )
     model = scope["model"]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -343,8 +345,7 @@ def test_vision_language_folders_and_their_adapters(kind, tmp_path):
             scope = {}
             exec(compile(snippets[name], f"<card:{name}>", "exec"), scope)
             assert type(scope["model"]).__name__.endswith("ForConditionalGeneration")
-            assert scope["logits"].shape == (1, 7, 128) if name == "transformers" else torch.isfinite(
-                scope["out"].loss)
+            assert scope["logits"].shape == (1, 7, 128) if name == "transformers" else torch.isfinite(scope["out"].loss)
     pytest.importorskip("peft")
     scope = {}
     exec(compile(hub.usage_snippets(str(out), "packed", moe, None, vision=True)["peft"], "<card:peft>", "exec"),

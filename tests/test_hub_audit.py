@@ -15,10 +15,10 @@ from unittest import mock
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from properties import property_settings
-from qwen35_packed import hub
 from test_hub import SECRET, RecordingApi, packed  # noqa: F401 (the module-scoped converted folder)
+
+from qwen35_packed import hub
 
 ALLOWED = sorted({*hub.CONFIG_FILES, *hub.TOKENIZER_FILES, *hub.PROCESSOR_FILES, "LICENSE", hub.REPORT_NAME})
 # config.json / adapter_config.json decide what the folder is and the report is validated: not replaced at random

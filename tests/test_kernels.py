@@ -54,8 +54,8 @@ def naive_conv(x, weight, history=None):
     kernel = weight.shape[1]
     hist = torch.zeros(x.shape[1], kernel - 1) if history is None else history
     full = torch.cat([hist.T, x])
-    out = torch.stack([(full[t:t + kernel] * weight.T).sum(0) for t in range(x.shape[0])])
-    return F.silu(out), full[-(kernel - 1):].T
+    out = torch.stack([(full[t : t + kernel] * weight.T).sum(0) for t in range(x.shape[0])])
+    return F.silu(out), full[-(kernel - 1) :].T
 
 
 def test_conv_varlen_never_crosses_documents_and_uses_history():
@@ -124,13 +124,18 @@ def test_compiled_elementwise_equals_eager_and_keeps_less_for_backward():
     gate, up = torch.randn(n, 96, generator=gen), torch.randn(n, 96, generator=gen)
 
     def run(choice, dtype):
-        leaves = [t.to(dtype).clone().requires_grad_() for t in (residual, update, weight, heads, head_weight, gate, up)]
+        leaves = [
+            t.to(dtype).clone().requires_grad_() for t in (residual, update, weight, heads, head_weight, gate, up)
+        ]
         r, u, w, x, hw, g, p = leaves
 
         def forward():
-            return (kernels.zero_centred_rms_norm(r + u, w, 1e-6, choice),
-                    kernels.zero_centred_rms_norm(x, hw, 1e-6, choice),
-                    kernels.swiglu(g, p, choice), kernels.sigmoid_gate(g, p, choice))
+            return (
+                kernels.zero_centred_rms_norm(r + u, w, 1e-6, choice),
+                kernels.zero_centred_rms_norm(x, hw, 1e-6, choice),
+                kernels.swiglu(g, p, choice),
+                kernels.sigmoid_gate(g, p, choice),
+            )
 
         outs, saved = _saved_bytes(forward)
         cotangents = torch.Generator().manual_seed(1)
@@ -194,10 +199,11 @@ def test_compiled_conv_equals_eager_conv_and_per_document():
     (packed_out,) = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), compiled, [channels])
     start = 0
     for length in lengths:
-        (alone,) = kernels.causal_conv1d_varlen(x[start:start + length], weight, _packed([length]), compiled,
-                                                [channels])
-        torch.testing.assert_close(packed_out[start:start + length], alone, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(alone, naive_conv(x[start:start + length], weight)[0], atol=1e-5, rtol=1e-5)
+        (alone,) = kernels.causal_conv1d_varlen(
+            x[start : start + length], weight, _packed([length]), compiled, [channels]
+        )
+        torch.testing.assert_close(packed_out[start : start + length], alone, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(alone, naive_conv(x[start : start + length], weight)[0], atol=1e-5, rtol=1e-5)
         start += length
 
 
@@ -234,11 +240,13 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
         position = torch.cat([torch.arange(int(e - s)) for s, e in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:])])
         return kernels.torch_causal_conv1d_varlen(x[0], weight, position).unsqueeze(0), None
 
-    def fake_gdn(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                 cu_seqlens_cpu):
+    def fake_gdn(
+        q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu
+    ):
         calls.append(("gdn", cu_seqlens, cu_seqlens_cpu))
-        o, final = kernels.torch_gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu_seqlens_cpu,
-                                                         initial_state, output_final_state)
+        o, final = kernels.torch_gated_delta_rule_varlen(
+            q[0], k[0], v[0], g[0], beta[0], cu_seqlens_cpu, initial_state, output_final_state
+        )
         return o.unsqueeze(0), final
 
     monkeypatch.setattr(kernels, "_fla_causal_conv1d", fake_conv, raising=False)
@@ -254,8 +262,9 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
     hidden = torch.randn(n, 3 * heads * d, generator=gen, requires_grad=True)
     mixed = hidden
     for _ in range(3):  # three GDN layers on one stream
-        q, k, v = (t.view(n, heads, d) for t in kernels.causal_conv1d_varlen(mixed, weight, packed, choice,
-                                                                             [heads * d] * 3))
+        q, k, v = (
+            t.view(n, heads, d) for t in kernels.causal_conv1d_varlen(mixed, weight, packed, choice, [heads * d] * 3)
+        )
         g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
         o, _ = kernels.gated_delta_rule_varlen(q, k, v, g, beta, packed, choice)
         mixed = mixed + o.repeat(1, 3, 1).reshape(n, -1)

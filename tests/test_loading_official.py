@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from conftest import requires_builtin_qwen35, tiny_kwargs
+from test_conversion import read_folder, write_shards
+from vl_tiny import _randomize_vl, composite_kwargs, packed_vl_model
+
 from qwen35_packed.conversion import FuseExperts, MappingEngine, SplitExperts
 from qwen35_packed.modeling import (
     Qwen3_5MoePackedForCausalLM,
@@ -20,8 +22,6 @@ from qwen35_packed.modeling import (
     Qwen3_5PackedForConditionalGeneration,
     Qwen3_5PackedTextModel,
 )
-from test_conversion import read_folder, write_shards
-from vl_tiny import _randomize_vl, composite_kwargs, packed_vl_model
 
 MAIN_LAYERS = r"^model\.(language_model\.)?layers\."
 IDS = torch.randint(0, 100, (2, 37), generator=torch.Generator().manual_seed(5))
@@ -34,9 +34,11 @@ def fake_mtp(config, *, moe: bool) -> dict[str, torch.Tensor]:
     out = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g), "mtp.norm.weight": torch.randn(hidden)}
     if moe:
         for e in range(config.num_experts):
-            for proj, shape in (("gate_proj", (config.moe_intermediate_size, hidden)),
-                                ("up_proj", (config.moe_intermediate_size, hidden)),
-                                ("down_proj", (hidden, config.moe_intermediate_size))):
+            for proj, shape in (
+                ("gate_proj", (config.moe_intermediate_size, hidden)),
+                ("up_proj", (config.moe_intermediate_size, hidden)),
+                ("down_proj", (hidden, config.moe_intermediate_size)),
+            ):
                 out[f"mtp.layers.0.mlp.experts.{e}.{proj}.weight"] = torch.randn(*shape, generator=g)
     return out
 
@@ -54,8 +56,11 @@ def official_folder(folder: Path, kind: str, layout: str, experts: str, mtp: boo
     torch.manual_seed(1)
     if layout == "composite":
         config_class = transformers.Qwen3_5MoeConfig if kind == "moe" else transformers.Qwen3_5Config
-        model_class = (transformers.Qwen3_5MoeForConditionalGeneration if kind == "moe"
-                       else transformers.Qwen3_5ForConditionalGeneration)
+        model_class = (
+            transformers.Qwen3_5MoeForConditionalGeneration
+            if kind == "moe"
+            else transformers.Qwen3_5ForConditionalGeneration
+        )
         ref = model_class(config_class(**composite_kwargs(kind, tie_word_embeddings=tie)))
     else:
         config_class = transformers.Qwen3_5MoeTextConfig if kind == "moe" else transformers.Qwen3_5TextConfig
@@ -83,8 +88,9 @@ def _classes(kind: str, layout: str) -> list:
     if kind == "dense":
         text.append(Qwen3_5PackedTextModel)
     if layout == "composite":
-        text.append(Qwen3_5MoePackedForConditionalGeneration if kind == "moe"
-                    else Qwen3_5PackedForConditionalGeneration)
+        text.append(
+            Qwen3_5MoePackedForConditionalGeneration if kind == "moe" else Qwen3_5PackedForConditionalGeneration
+        )
     return text
 
 
@@ -93,10 +99,13 @@ def _expected_state(ref, cls) -> dict[str, torch.Tensor]:
     state = ref.state_dict()
     if cls in (Qwen3_5PackedForConditionalGeneration, Qwen3_5MoePackedForConditionalGeneration):
         return state
-    text = {k.replace("model.language_model.", "model.", 1): v for k, v in state.items()
-            if not k.startswith("model.visual.")}
+    text = {
+        k.replace("model.language_model.", "model.", 1): v
+        for k, v in state.items()
+        if not k.startswith("model.visual.")
+    }
     if cls is Qwen3_5PackedTextModel:
-        return {k[len("model."):]: v for k, v in text.items() if k.startswith("model.")}
+        return {k[len("model.") :]: v for k, v in text.items() if k.startswith("model.")}
     return text
 
 
@@ -155,8 +164,11 @@ def test_per_expert_composite_loads_without_builtin(tmp_path):
         model = cls.from_pretrained(tmp_path).eval()
         with torch.no_grad():
             assert torch.equal(model(input_ids=IDS).logits, source(input_ids=IDS).logits), cls.__name__
-        experts = model.model.layers[0].mlp.experts if cls is Qwen3_5MoePackedForCausalLM else (
-            model.model.language_model.layers[0].mlp.experts)
+        experts = (
+            model.model.layers[0].mlp.experts
+            if cls is Qwen3_5MoePackedForCausalLM
+            else (model.model.language_model.layers[0].mlp.experts)
+        )
         assert torch.equal(experts.gate_up_proj, source.model.language_model.layers[0].mlp.experts.gate_up_proj)
 
 
@@ -164,8 +176,11 @@ def test_text_class_on_folder_without_text_weights_names_them(tmp_path):
     saved_composite(tmp_path, per_expert=False)
     tensors = {k: v for k, v in read_folder(tmp_path).items() if k.startswith("model.visual.")}
     rewrite_weights(tmp_path, tensors, n_shards=1)
-    with pytest.raises(ValueError, match=r"lacks \d+ tensors that Qwen3_5MoePackedForCausalLM needs: "
-                                         r".*model\.embed_tokens\.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"lacks \d+ tensors that Qwen3_5MoePackedForCausalLM needs: "
+        r".*model\.embed_tokens\.weight",
+    ):
         Qwen3_5MoePackedForCausalLM.from_pretrained(tmp_path)
 
 
@@ -174,8 +189,10 @@ def test_missing_tensor_is_named(tmp_path):
     tensors = read_folder(tmp_path)
     del tensors["model.language_model.layers.2.linear_attn.A_log"]
     rewrite_weights(tmp_path, tensors)
-    for cls, name in ((Qwen3_5PackedForCausalLM, "model.layers.2.linear_attn.A_log"),
-                      (Qwen3_5PackedForConditionalGeneration, "model.language_model.layers.2.linear_attn.A_log")):
+    for cls, name in (
+        (Qwen3_5PackedForCausalLM, "model.layers.2.linear_attn.A_log"),
+        (Qwen3_5PackedForConditionalGeneration, "model.language_model.layers.2.linear_attn.A_log"),
+    ):
         with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
             cls.from_pretrained(tmp_path)
 
@@ -211,6 +228,8 @@ def test_text_config_of_a_composite_folder(tmp_path):
     raw["text_config"]["tie_word_embeddings"] = False
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = Qwen3_5PackedForCausalLM.config_class.from_pretrained(tmp_path)
-    assert config.model_type == "qwen3_5_text" and config.vocab_size == composite_kwargs("dense")["text_config"][
-        "vocab_size"]
+    assert (
+        config.model_type == "qwen3_5_text"
+        and config.vocab_size == composite_kwargs("dense")["text_config"]["vocab_size"]
+    )
     assert config.tie_word_embeddings is True

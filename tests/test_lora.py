@@ -4,7 +4,6 @@ the TRL CLI flags, and the errors."""
 
 import pytest
 import torch
-
 from conftest import packed_model
 
 peft = pytest.importorskip("peft")
@@ -60,8 +59,20 @@ def test_config_dense_and_moe():
     wrapped = peft.get_peft_model(_model("dense"), dense)
     names = {n.split(".lora_A")[0] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     leaf = {n.split(".")[-1] for n in names}
-    assert leaf == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj",
-                    "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert leaf == {
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_a",
+        "in_proj_b",
+        "out_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert not any("conv1d" in n or "lm_head" in n or "embed" in n for n in names)
 
 
@@ -190,6 +201,7 @@ def test_targets_that_match_nothing():
     with pytest.raises(ValueError, match="'experts' matches nothing in this model \\(dense\\)"):
         lora_config(_model("dense"), targets=["gdn", "experts"])
     from conftest import tiny_kwargs
+
     from qwen35_packed import Qwen3_5PackedConfig
 
     no_attention = dict(layer_types=["linear_attention"] * 4)

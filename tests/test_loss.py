@@ -5,9 +5,10 @@ formulation (F.cross_entropy + softmax gradient), compiled equal to eager, kept 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import packed_model, tiny_kwargs
-from qwen35_packed.modeling import kernels, loss as loss_module
+
+from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import loss as loss_module
 from qwen35_packed.modeling.kernels import KernelChoice
 from qwen35_packed.modeling.loss import chunk_cross_entropy, chunked_linear_cross_entropy
 
@@ -33,10 +34,10 @@ def _previous_chunked_loss(hidden, weight, targets, chunk_tokens):
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32)
     total = torch.zeros(())
     for start in range(0, hidden.shape[0], chunk_tokens):
-        h = hidden[start:start + chunk_tokens]
-        chunk_total, grad_logits = _previous_chunk_math(h @ weight.t(), targets[start:start + chunk_tokens])
+        h = hidden[start : start + chunk_tokens]
+        chunk_total, grad_logits = _previous_chunk_math(h @ weight.t(), targets[start : start + chunk_tokens])
         total += chunk_total
-        grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+        grad_hidden[start : start + chunk_tokens] = grad_logits @ weight
         grad_weight += (grad_logits.t() @ h).float()
     denominator = (targets != -100).sum().clamp(min=1).float()
     scale = 1.0 / denominator  # as the backward scales them (d loss = 1)
@@ -252,8 +253,9 @@ def test_return_logits_with_loss_false(layout):
     dropped, dropped_grads = _model_loss_and_grads(model, **inputs)
     assert dropped.logits is None and kept.logits is not None
     assert torch.equal(kept.loss, dropped.loss)
-    assert kept_grads.keys() == dropped_grads.keys() and all(torch.equal(kept_grads[n], dropped_grads[n])
-                                                             for n in kept_grads)
+    assert kept_grads.keys() == dropped_grads.keys() and all(
+        torch.equal(kept_grads[n], dropped_grads[n]) for n in kept_grads
+    )
     with torch.no_grad():
         no_labels = {k: v for k, v in inputs.items() if k != "labels"}
         plain = model(**no_labels, use_cache=False).logits
@@ -306,8 +308,9 @@ def test_backward_allocates_nothing_of_logits_size():
     tokens, vocab, hidden_size = 64, 512, 8
     hidden = torch.randn(tokens, hidden_size, generator=gen, requires_grad=True)
     weight = torch.randn(vocab, hidden_size, generator=gen, requires_grad=True)
-    loss, logits = chunked_linear_cross_entropy(hidden, weight, torch.randint(0, vocab, (tokens,), generator=gen),
-                                                chunk_tokens=16)
+    loss, logits = chunked_linear_cross_entropy(
+        hidden, weight, torch.randint(0, vocab, (tokens,), generator=gen), chunk_tokens=16
+    )
     assert logits.numel() == tokens * vocab
     with LargestOutput():
         loss.backward()

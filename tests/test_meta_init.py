@@ -10,8 +10,12 @@ import torch
 from conftest import _randomize_zero_init, tiny_kwargs
 from vl_tiny import our_vl_model
 
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, \
-    Qwen3_5PackedForCausalLM
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.modeling import Qwen3_5PackedTextModel
 from qwen35_packed.modeling.gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 

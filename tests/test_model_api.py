@@ -5,7 +5,6 @@ backbone class, gradient checkpointing layers."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import packed_model, requires_builtin_qwen35
 
 DOCS = [7, 1, 12]  # a packed row of three documents, one of a single token
@@ -21,8 +20,9 @@ def _packed_row(seed=0):
 # ------------------------------------------------------------------------------------------------ labels
 
 
-@pytest.mark.parametrize("name, shape", [("labels", (2, 20)), ("labels", (1, 10)), ("shift_labels", (1, 19)),
-                                         ("labels", (20,))])
+@pytest.mark.parametrize(
+    "name, shape", [("labels", (2, 20)), ("labels", (1, 10)), ("shift_labels", (1, 19)), ("labels", (20,))]
+)
 def test_labels_of_another_shape_than_input_ids_raise(name, shape):
     model = packed_model("dense")
     ids, _ = _packed_row()
@@ -62,9 +62,12 @@ def test_generate_refuses_packed_boundaries(form):
     model = packed_model("dense")
     ids, positions = _packed_row()
     cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
-    kwargs = {"cu_seqlens": {"cu_seqlens": cu}, "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu},
-              "seq_idx": {"seq_idx": torch.repeat_interleave(torch.arange(3), torch.tensor(DOCS))[None]},
-              "position_ids": {"position_ids": positions}}[form]
+    kwargs = {
+        "cu_seqlens": {"cu_seqlens": cu},
+        "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu},
+        "seq_idx": {"seq_idx": torch.repeat_interleave(torch.arange(3), torch.tensor(DOCS))[None]},
+        "position_ids": {"position_ids": positions},
+    }[form]
     with pytest.raises(ValueError, match="generate\\(\\) got packed document boundaries .* one document per row"):
         model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
 
@@ -128,15 +131,16 @@ def test_moe_text_backbone_class():
     backbone.load_state_dict(model.model.state_dict())
     ids, positions = _packed_row()
     with torch.no_grad():
-        assert torch.equal(backbone(ids, position_ids=positions).last_hidden_state,
-                           model.model(ids, position_ids=positions).last_hidden_state)
+        assert torch.equal(
+            backbone(ids, position_ids=positions).last_hidden_state,
+            model.model(ids, position_ids=positions).last_hidden_state,
+        )
 
 
 @requires_builtin_qwen35  # the tiny folder is written by the built-in classes
 def test_automodel_on_a_converted_moe_folder_gives_the_moe_backbone(tmp_path):
-    from transformers import AutoModel
-
     from tiny_folders import build_tiny_folder
+    from transformers import AutoModel
 
     folder = build_tiny_folder(tmp_path / "moe", "moe")
     loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
@@ -172,8 +176,15 @@ def _generate(model, case, ids, mask):
         return model.generate(ids, num_beams=3, **greedy)
     if case == "sample_with_dict":
         torch.manual_seed(0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0,
-                             return_dict_in_generate=True, output_scores=True)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=True,
+            top_k=0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         return torch.cat([out.sequences.float().flatten(), torch.stack(out.scores).flatten()])
     if case == "inputs_embeds":
         return model.generate(inputs_embeds=model.get_input_embeddings()(ids), **greedy)
@@ -182,12 +193,14 @@ def _generate(model, case, ids, mask):
     # continue_from_cache: a second generate() picks up the cache and the sequence the first one returned
     first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     grown = torch.cat([mask, mask.new_ones(mask.shape[0], first.sequences.shape[1] - ids.shape[1])], dim=1)
-    return model.generate(first.sequences, attention_mask=grown, past_key_values=first.past_key_values,
-                          max_new_tokens=3, do_sample=False)
+    return model.generate(
+        first.sequences, attention_mask=grown, past_key_values=first.past_key_values, max_new_tokens=3, do_sample=False
+    )
 
 
-@pytest.mark.parametrize("case", ["beam_search", "sample_with_dict", "inputs_embeds", "empty_dynamic_cache",
-                                  "continue_from_cache"])
+@pytest.mark.parametrize(
+    "case", ["beam_search", "sample_with_dict", "inputs_embeds", "empty_dynamic_cache", "continue_from_cache"]
+)
 def test_generation_api_equals_the_builtin(case):
     from conftest import builtin_pair
 

@@ -4,8 +4,8 @@ import logging
 
 import pytest
 import torch
-
 from conftest import packed_model, requires_builtin_qwen35, tiny_kwargs
+
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 
 
@@ -56,6 +56,7 @@ def test_router_logits_and_aux_loss_only_when_asked(caplog):
     assert asked.router_logits[0].reshape(2, 16, 4)[0, :4].eq(0).all()
     assert asked.router_logits[0].reshape(2, 16, 4)[0, 4:].ne(0).any()
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+
     reference = load_balancing_loss_func(asked.router_logits, 4, model.config.num_experts_per_tok, mask)
     assert torch.allclose(asked.aux_loss, reference, atol=1e-6)
     assert torch.allclose(asked.loss, plain.loss + 0.01 * asked.aux_loss)
@@ -75,6 +76,7 @@ def _layer_forwards_in_backward(model, ids) -> list[int]:
         def hook(module, args):
             if in_backward:
                 calls[index] += 1
+
         return hook
 
     # Counted at the layer's first submodule: transformers 5.2x checkpoints a layer's `forward` (its own module

@@ -20,16 +20,18 @@ from qwen35_packed.modeling.kernels import KernelChoice, select_kernels
 from qwen35_packed.modeling.moe import FusedExperts
 from qwen35_packed.modeling.recompute import RecomputedActivations
 
-pytestmark = pytest.mark.skipif(not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32),
-                                reason="this torch has no grouped_mm on CPU")
+pytestmark = pytest.mark.skipif(
+    not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32), reason="this torch has no grouped_mm on CPU"
+)
 
 GROUPED = KernelChoice(gdn="torch", attention="sdpa", moe="grouped_mm")
 LOOP = KernelChoice(gdn="torch", attention="sdpa", moe="loop")
 
 
 def _experts(num_experts=8, hidden=16, intermediate=12, seed=0):
-    config = types.SimpleNamespace(num_experts=num_experts, moe_intermediate_size=intermediate, hidden_size=hidden,
-                                   hidden_act="silu")
+    config = types.SimpleNamespace(
+        num_experts=num_experts, moe_intermediate_size=intermediate, hidden_size=hidden, hidden_act="silu"
+    )
     torch.manual_seed(seed)
     experts = FusedExperts(config)
     with torch.no_grad():
@@ -60,8 +62,10 @@ def _run(experts, x, index, weights, choice):
     return out.detach(), x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
 
 
-@pytest.mark.parametrize("n, top_k, case", [(37, 2, "random"), (1, 2, "random"), (40, 3, "all_on_one"),
-                                            (25, 2, "few_experts"), (64, 8, "random")])
+@pytest.mark.parametrize(
+    "n, top_k, case",
+    [(37, 2, "random"), (1, 2, "random"), (40, 3, "all_on_one"), (25, 2, "few_experts"), (64, 8, "random")],
+)
 def test_grouped_experts_equal_the_loop_in_values_and_gradients(n, top_k, case):
     experts = _experts()
     x = torch.randn(n, 16, generator=torch.Generator().manual_seed(3))
@@ -139,8 +143,8 @@ def test_model_with_grouped_experts_equals_the_loop_and_stays_packed_exact():
     start = 0
     with torch.no_grad():
         for length in lengths:
-            alone = model(input_ids=ids[:, start:start + length]).logits
-            assert (alone - logits[:, start:start + length]).abs().max() <= 1e-5
+            alone = model(input_ids=ids[:, start : start + length]).logits
+            assert (alone - logits[:, start : start + length]).abs().max() <= 1e-5
             start += length
 
 
@@ -170,8 +174,13 @@ def test_lora_on_experts_through_peft_target_parameters(moe_kernel):
 
     reference = _model("loop")
     model = _model(moe_kernel)
-    config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[],
-                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = dict(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     reference, model = get_peft_model(reference, LoraConfig(**config)), get_peft_model(model, LoraConfig(**config))
     torch.manual_seed(5)
     with torch.no_grad():
@@ -218,9 +227,9 @@ def test_router_logits_of_a_document_do_not_depend_on_what_runs_with_it():
         logits, _, index = router(x)
         start = 0
         for length in lengths:
-            alone, _, alone_index = router(x[start:start + length])
-            assert torch.equal(alone, logits[start:start + length])
-            assert torch.equal(alone_index, index[start:start + length])
+            alone, _, alone_index = router(x[start : start + length])
+            assert torch.equal(alone, logits[start : start + length])
+            assert torch.equal(alone_index, index[start : start + length])
             start += length
 
 
@@ -256,7 +265,9 @@ def test_grouped_experts_move_rows_by_gathers_only():
             self.names = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append((func.__name__.split(".")[0], args[0].dtype if args and isinstance(args[0], torch.Tensor) else None))
+            self.names.append(
+                (func.__name__.split(".")[0], args[0].dtype if args and isinstance(args[0], torch.Tensor) else None)
+            )
             return func(*args, **(kwargs or {}))
 
     experts = _experts()
@@ -266,9 +277,21 @@ def test_grouped_experts_move_rows_by_gathers_only():
         with RecomputedActivations():
             out = experts(x, index, weights, GROUPED)
         out.backward(torch.randn_like(out))
-    accumulating = [(name, dtype) for name, dtype in ops.names
-                    if name in ("index_put", "index_put_", "_index_put_impl_", "index_add",
-                                              "index_add_", "scatter_add", "scatter_add_", "scatter_reduce")]
+    accumulating = [
+        (name, dtype)
+        for name, dtype in ops.names
+        if name
+        in (
+            "index_put",
+            "index_put_",
+            "_index_put_impl_",
+            "index_add",
+            "index_add_",
+            "scatter_add",
+            "scatter_add_",
+            "scatter_reduce",
+        )
+    ]
     assert accumulating == [("scatter_add_", torch.int32)], accumulating
 
 
@@ -296,6 +319,6 @@ def test_gather_sum_of_a_group_does_not_depend_on_the_others():
     full = gather_sum(src, index, 8)
     assert full.dtype == torch.bfloat16 and full.shape == (12, 40)
     for start, stop in ((0, 1), (1, 4), (4, 12), (11, 12)):
-        assert torch.equal(gather_sum(src, index[start * 8:stop * 8], 8), full[start:stop])
-    reference = torch.stack([sum(src[i].float() for i in index[t * 8:(t + 1) * 8].tolist()) for t in range(12)])
-    assert (full.float() - reference).abs().max() <= 2 ** -7 * reference.abs().max()
+        assert torch.equal(gather_sum(src, index[start * 8 : stop * 8], 8), full[start:stop])
+    reference = torch.stack([sum(src[i].float() for i in index[t * 8 : (t + 1) * 8].tolist()) for t in range(12)])
+    assert (full.float() - reference).abs().max() <= 2**-7 * reference.abs().max()

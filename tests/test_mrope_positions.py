@@ -6,10 +6,10 @@ import types
 import pytest
 import torch
 import transformers
-
 from conftest import requires_builtin_qwen35
-from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 from vl_tiny import IMAGE, MERGE, VIDEO, VISION_END, VISION_START, grid_tensor, make_document, token_types
+
+from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 
 N_DOCS = 150
 
@@ -27,8 +27,16 @@ def builtin_rope_index(ids: torch.Tensor, images, videos) -> torch.Tensor:
 
 
 def _positions(stream, cu, images, videos, **kwargs):
-    return packed_mrope_positions(stream, cu, grid_tensor(images), grid_tensor(videos), image_token_id=IMAGE,
-                                  video_token_id=VIDEO, spatial_merge_size=MERGE, **kwargs)
+    return packed_mrope_positions(
+        stream,
+        cu,
+        grid_tensor(images),
+        grid_tensor(videos),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        spatial_merge_size=MERGE,
+        **kwargs,
+    )
 
 
 def _cu(docs):

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import packed_model, random_doc_lengths
+
 from qwen35_packed.modeling import gated_deltanet, kernels
 from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence
 
@@ -63,8 +63,8 @@ def test_padded_batch_equals_per_document(kind):
     mask = torch.zeros_like(ids)
     for i, doc in enumerate(docs):
         start = (width - len(doc)) if i % 2 else (i % 3)  # left padding on odd rows, right (+ some left) on even
-        ids[i, start:start + len(doc)] = doc
-        mask[i, start:start + len(doc)] = 1
+        ids[i, start : start + len(doc)] = doc
+        mask[i, start : start + len(doc)] = 1
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, use_cache=False).logits
     expected = _per_doc_logits(model, docs)
@@ -193,12 +193,18 @@ def _build(**kwargs):
             "cannot be combined",
         ),
         # seq_idx must change exactly where another source starts a document
-        ({"cu_seqlens": torch.tensor([0, 4, 10]), "seq_idx": torch.tensor([[0] * 5 + [1] * 5])},
-         "seq_idx contradicts cu_seqlens: at real token 4 seq_idx does not start"),
-        ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "seq_idx": torch.zeros(1, 10, dtype=torch.long)},
-         "seq_idx contradicts cu_seq_lens_q/k"),
-        ({"position_ids": torch.arange(10)[None], "seq_idx": torch.tensor([[0] * 4 + [1] * 6])},
-         "seq_idx contradicts position_ids: at real token 4 seq_idx starts"),
+        (
+            {"cu_seqlens": torch.tensor([0, 4, 10]), "seq_idx": torch.tensor([[0] * 5 + [1] * 5])},
+            "seq_idx contradicts cu_seqlens: at real token 4 seq_idx does not start",
+        ),
+        (
+            {"cu_seq_lens_q": torch.tensor([0, 4, 10]), "seq_idx": torch.zeros(1, 10, dtype=torch.long)},
+            "seq_idx contradicts cu_seq_lens_q/k",
+        ),
+        (
+            {"position_ids": torch.arange(10)[None], "seq_idx": torch.tensor([[0] * 4 + [1] * 6])},
+            "seq_idx contradicts position_ids: at real token 4 seq_idx starts",
+        ),
         ({"seq_idx": torch.zeros(1, 9, dtype=torch.long)}, r"seq_idx must be \[batch, seq_len\]"),
         ({"seq_idx": torch.zeros(1, 10)}, "seq_idx must be an integer tensor"),
     ],
@@ -214,8 +220,12 @@ def test_seq_idx_alone_sets_boundaries_and_padding_starts_rows():
     packed = _build(seq_idx=torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2]]))
     assert packed.cu_seqlens.tolist() == [0, 3, 5, 10]
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    packed = _build(shape=(2, 5), attention_mask=mask, seq_idx=torch.tensor([[7, 7, 7, 7, 8], [0, 0, 1, 1, 1]]),
-                    position_ids=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 1, 2]]))
+    packed = _build(
+        shape=(2, 5),
+        attention_mask=mask,
+        seq_idx=torch.tensor([[7, 7, 7, 7, 8], [0, 0, 1, 1, 1]]),
+        position_ids=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 1, 2]]),
+    )
     assert packed.cu_seqlens.tolist() == [0, 2, 3, 5, 8]
 
 
@@ -239,8 +249,9 @@ def test_stream_boundaries_are_built_once_and_shared(form):
         "cu_seqlens list": {"cu_seqlens": cu.tolist()},
         "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone()},
         "position_ids": {"position_ids": torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 0]])},
-        "attention_mask": {"attention_mask": torch.tensor([[1] * 3 + [0] * 7, [1] * 1 + [0] * 9, [1] * 5 + [0] * 5,
-                                                           [0] * 9 + [1]])},
+        "attention_mask": {
+            "attention_mask": torch.tensor([[1] * 3 + [0] * 7, [1] * 1 + [0] * 9, [1] * 5 + [0] * 5, [0] * 9 + [1]])
+        },
     }[form]
     shape = (4, 10) if form == "attention_mask" else (1, 10)
     packed = build_packed_sequence(shape, torch.device("cpu"), **kwargs)

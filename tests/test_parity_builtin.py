@@ -1,7 +1,6 @@
 """Parity with transformers' built-in Qwen3.5 classes on unpacked input (fp32, max |logit diff| <= 1e-4)."""
 
 import torch
-
 from conftest import builtin_pair
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+from conftest import tiny_kwargs
 from hypothesis import given
 from hypothesis import strategies as st
-
-from conftest import tiny_kwargs
 from properties import property_settings
+
 from qwen35_packed import Qwen3_5PackedConfig
 from qwen35_packed.configuration.configuration_qwen3_5_packed import QWEN3_5_ROPE_DEFAULTS, resolve_rope_parameters
 from qwen35_packed.conversion import ConversionError
@@ -103,7 +103,8 @@ def test_config_and_convert_agree_on_every_reader(case):
         assert view == {k: expected[k] for k in view}
     again = build_output_config(copy.deepcopy(written), text_only=False).data
     assert {k: again[k] for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")} == {
-        k: written[k] for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")}
+        k: written[k] for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+    }
 
 
 CONTRADICTIONS = {"rope_theta": 123.0, "partial_rotary_factor": 0.75, "mrope_section": [1, 2, 3],

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
-
 from properties import property_settings
-from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 from test_mrope_positions import builtin_rope_index
 from vl_tiny import IMAGE, MERGE, VIDEO, VISION_END, VISION_START, grid_tensor, token_types
+
+from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 
 side = st.integers(1, 3).map(lambda n: n * MERGE)
 text_item = st.tuples(st.just("text"), st.integers(1, 6))
@@ -91,7 +91,7 @@ def test_corrupted_placements_raise(docs, corruption, data):
     which = "image" if images and (not videos or data.draw(st.booleans())) else "video"
     if corruption == "token_short":
         drop = data.draw(st.sampled_from(vision))
-        stream = torch.cat([stream[:drop], stream[drop + 1:]])
+        stream = torch.cat([stream[:drop], stream[drop + 1 :]])
         cu = torch.where(cu > drop, cu - 1, cu)
         assume(not bool((cu[1:] == cu[:-1]).any()))  # the dropped token was a whole document: not this case
     elif corruption == "extra_grid":

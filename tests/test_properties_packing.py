@@ -15,11 +15,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import packed_model
 from hypothesis import given
 from hypothesis import strategies as st
-
-from conftest import packed_model
 from properties import property_settings
+
 from qwen35_packed.modeling.packing import build_packed_sequence
 
 VOCAB = 128
@@ -64,8 +64,8 @@ def batches(draw, mutate: str = "sometimes", min_docs: int = 1, form: str | None
     for r, (lp, docs) in enumerate(zip(left, rows)):
         if not padded:  # without a mask every position is real: the last document fills the row
             docs[-1] += width - sum(docs)
-        mask[r, lp:lp + sum(docs)] = 1
-        positions[r, lp:lp + sum(docs)] = torch.cat([torch.arange(n) for n in docs])
+        mask[r, lp : lp + sum(docs)] = 1
+        positions[r, lp : lp + sum(docs)] = torch.cat([torch.arange(n) for n in docs])
     kwargs: dict = {}
     as_list = draw(st.booleans())
 

@@ -11,14 +11,25 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_kwargs
 
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, \
-    Qwen3_5PackedForCausalLM
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.modeling import modeling_qwen3_5_packed as modeling
 from qwen35_packed.modeling.recompute import RecomputedActivations, remember
 
 # Inputs of the linear layers whose input is a recomputable chain output, by module name suffix.
-CONSUMERS = ("linear_attn.in_proj_qkv", "linear_attn.out_proj", "self_attn.q_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.down_proj", "shared_expert.down_proj")
+CONSUMERS = (
+    "linear_attn.in_proj_qkv",
+    "linear_attn.out_proj",
+    "self_attn.q_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.down_proj",
+    "shared_expert.down_proj",
+)
 
 
 def _model(kind: str, **overrides):
@@ -46,8 +57,11 @@ def _step(model, recompute: bool, watch: list | None = None):
     if watch is not None:
         for name, module in model.named_modules():
             if name.endswith(CONSUMERS):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, args, name=name: watch.append((name, weakref.ref(args[0])))))
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, args, name=name: watch.append((name, weakref.ref(args[0])))
+                    )
+                )
     model.zero_grad(set_to_none=True)
     with contextlib.ExitStack() as stack:
         if not recompute:

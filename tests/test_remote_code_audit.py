@@ -116,7 +116,10 @@ def _check_module(module: str | None, node, report) -> None:
     if top in FORBIDDEN_STDLIB:
         report(node, f"import of {module}")
     elif top not in sys.stdlib_module_names:
-        report(node, f"import of {module} (neither torch, transformers, the standard library nor fla / flash_attn / triton)")
+        report(
+            node,
+            f"import of {module} (neither torch, transformers, the standard library nor fla / flash_attn / triton)",
+        )
 
 
 def test_remote_code_files_do_nothing_a_reviewer_would_not_expect():
@@ -217,8 +220,12 @@ def test_modules_named_by_auto_map_import_every_file_they_need_themselves():
     def named(module: str) -> set[str]:
         return set(relative_import.findall(sources[module]))
 
-    tops = {reference.split(".")[0] for is_moe in (False, True) for mapping in (auto_map(is_moe), vl_auto_map(is_moe))
-            for reference in mapping.values()}
+    tops = {
+        reference.split(".")[0]
+        for is_moe in (False, True)
+        for mapping in (auto_map(is_moe), vl_auto_map(is_moe))
+        for reference in mapping.values()
+    }
     assert {"modeling_qwen3_5_packed", "modeling_qwen3_5_packed_vl"} <= tops
     for top in sorted(tops):
         needed, todo = set(), [top]

@@ -24,7 +24,7 @@ def test_a_hand_edited_row_is_rewritten():
     text = render_table.MARKDOWN_FILES[0].read_text()
     start = text.index("<!-- table:moe-summary -->\n") + len("<!-- table:moe-summary -->\n")
     first_row = text.index("\n", text.index("|---", start)) + 1  # the line after the header's separator
-    edited = text[:first_row] + "| hand-edited |" + text[text.index("\n", first_row):]
+    edited = text[:first_row] + "| hand-edited |" + text[text.index("\n", first_row) :]
     assert render_table.update(edited) == text
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import builtin_pair, requires_builtin_qwen35, tiny_kwargs
-from qwen35_packed import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
+
+from qwen35_packed import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 
 # What `Qwen3_5TextConfig(head_dim=32)` saves: no mrope_section; the rotary half-dim is 4, not the 32 that the
 # official sections [11, 11, 10] (which the built-in then uses) sum to.
@@ -19,11 +19,19 @@ SCALED = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 12},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 24,
-                 "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.0, 1.0, 1.0],
-                 "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
+    "longrope": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 24,
+        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.0, 1.0, 1.0],
+        "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0],
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
 }
 
 
@@ -54,8 +62,12 @@ def test_vision_language_without_mrope_section_matches_builtin():
     gen = torch.Generator().manual_seed(1)
     ids, images, _ = make_document(gen, 2)
     ids = ids.unsqueeze(0)
-    inputs = dict(input_ids=ids, pixel_values=pixels_for(images, gen), image_grid_thw=grid_tensor(images),
-                  mm_token_type_ids=token_types(ids))
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=pixels_for(images, gen),
+        image_grid_thw=grid_tensor(images),
+        mm_token_type_ids=token_types(ids),
+    )
     with torch.no_grad():
         assert (ours(**inputs).logits - ref(**inputs, use_cache=False).logits).abs().max() <= 1e-4
 
@@ -74,8 +86,11 @@ def test_scaled_rope_matches_builtin(rope_type):
 
 def test_scaled_rope_packed_equals_per_document():
     """Static scaled types keep packed == per-document (dynamic / longrope follow the call's longest sequence)."""
-    config = Qwen3_5PackedConfig(**dict(tiny_kwargs("dense"), rope_parameters=dict(BASE, **SCALED["yarn"]),
-                                        max_position_embeddings=MAX_POSITIONS))
+    config = Qwen3_5PackedConfig(
+        **dict(
+            tiny_kwargs("dense"), rope_parameters=dict(BASE, **SCALED["yarn"]), max_position_embeddings=MAX_POSITIONS
+        )
+    )
     torch.manual_seed(0)
     model = Qwen3_5PackedForCausalLM(config).eval()
     docs = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 70)]

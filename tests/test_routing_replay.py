@@ -11,14 +11,26 @@ import pytest
 import torch
 from conftest import tiny_kwargs
 
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig
-from qwen35_packed import Qwen3_5PackedForCausalLM
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.modeling import kernels
 from qwen35_packed.modeling.moe import FusedExperts
 
 LENGTHS = [9, 1, 14, 6]
-KERNELS = ["loop", pytest.param("grouped_mm", marks=pytest.mark.skipif(
-    not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32), reason="this torch has no grouped_mm on CPU"))]
+KERNELS = [
+    "loop",
+    pytest.param(
+        "grouped_mm",
+        marks=pytest.mark.skipif(
+            not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32),
+            reason="this torch has no grouped_mm on CPU",
+        ),
+    ),
+]
 
 
 def _model(moe_kernel="loop", **overrides):
@@ -57,8 +69,11 @@ def _own_routing(model, batch):
 
 def _record_expert_calls(model):
     calls = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append(args[1].clone()))
-             for m in model.modules() if isinstance(m, FusedExperts)]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: calls.append(args[1].clone()))
+        for m in model.modules()
+        if isinstance(m, FusedExperts)
+    ]
     return calls, hooks
 
 
@@ -116,7 +131,7 @@ def test_replaying_other_experts_changes_exactly_those_tokens(moe_kernel):
     doc_start, doc_end = sum(LENGTHS[:2]), sum(LENGTHS[:3])
     # Causal: the token itself and later tokens of its document (through attention / the recurrence) change;
     # earlier tokens of the document and every other document are bitwise the same.
-    assert changed[token] and changed[token + 1:doc_end].all()
+    assert changed[token] and changed[token + 1 : doc_end].all()
     assert not changed[:token].any() and not changed[doc_end:].any(), torch.nonzero(changed).flatten().tolist()
     assert doc_start < token < doc_end
 
@@ -196,8 +211,12 @@ def test_vision_language_moe_model_replays_routing():
     ids = torch.cat([d[0] for d in docs]).unsqueeze(0)
     grids = [g for d in docs for g in d[1]]
     cu = torch.tensor([0, len(docs[0][0]), ids.shape[1]], dtype=torch.int32)
-    batch = {"input_ids": ids, "cu_seqlens": cu, "pixel_values": pixels_for(grids, gen),
-             "image_grid_thw": grid_tensor(grids)}
+    batch = {
+        "input_ids": ids,
+        "cu_seqlens": cu,
+        "pixel_values": pixels_for(grids, gen),
+        "image_grid_thw": grid_tensor(grids),
+    }
     own = _own_routing(model, batch)
     replay = torch.full_like(own, -1)
     replay[-1, 0] = (own[-1, 0] + 1) % model.config.text_config.num_experts  # the last token, other experts

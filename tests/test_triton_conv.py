@@ -19,7 +19,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from qwen35_packed.modeling import kernels  # noqa: E402
 from qwen35_packed.modeling import triton_conv  # noqa: E402
 from qwen35_packed.modeling.triton_conv import causal_conv1d_silu_split  # noqa: E402
 
@@ -135,8 +134,16 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-FP32_CASES = ["fp32_small_blocks_k4", "fp32_small_blocks_k3", "fp32_small_blocks_k2", "fp32_small_blocks_k1",
-              "fp32_default_blocks", "fp32_single_document", "fp32_none_gradient_for_k", "fp32_none_gradient_for_v"]
+FP32_CASES = [
+    "fp32_small_blocks_k4",
+    "fp32_small_blocks_k3",
+    "fp32_small_blocks_k2",
+    "fp32_small_blocks_k1",
+    "fp32_default_blocks",
+    "fp32_single_document",
+    "fp32_none_gradient_for_k",
+    "fp32_none_gradient_for_v",
+]
 
 
 @pytest.mark.parametrize("case", FP32_CASES)
@@ -191,7 +198,6 @@ def test_bad_inputs_raise(make, match):
     x, w, p = torch.randn(8, 12), torch.randn(12, 4), torch.arange(8)
     with pytest.raises(ValueError, match=match):
         causal_conv1d_silu_split(*make(x, w, p))
-
 
 
 @pytest.mark.skipif(triton_conv._INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")

@@ -16,21 +16,44 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
-from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
 from tiny_folders import build_tiny_folder, write_prompt_dataset  # noqa: E402
 
+from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
+from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SMALL_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
-             "--max_completion_length", "8", "--use_cpu", "true", "--report_to", "none", "--logging_steps", "1",
-             "--save_strategy", "no", "--beta", "0.04", "--seed", "0"]
+SMALL_RUN = [
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--use_cpu",
+    "true",
+    "--report_to",
+    "none",
+    "--logging_steps",
+    "1",
+    "--save_strategy",
+    "no",
+    "--beta",
+    "0.04",
+    "--seed",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
-    return {"dense": build_tiny_folder(root / "dense", "dense"), "moe": build_tiny_folder(root / "moe", "moe"),
-            "data": write_prompt_dataset(root / "data")}
+    return {
+        "dense": build_tiny_folder(root / "dense", "dense"),
+        "moe": build_tiny_folder(root / "moe", "moe"),
+        "data": write_prompt_dataset(root / "data"),
+    }
 
 
 def _trainer(cls, folders, kind, tmp_path, **config):
@@ -39,9 +62,15 @@ def _trainer(cls, folders, kind, tmp_path, **config):
     sys.path.insert(0, str(EXAMPLES))
     from grpo_rewards import letter_fraction
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, use_cpu=True, report_to=[],
-                          **{"beta": 0.04, "trust_remote_code": True, **config})
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / cls.__name__),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        report_to=[],
+        **{"beta": 0.04, "trust_remote_code": True, **config},
+    )
     dataset = datasets.load_dataset("json", data_files=str(folders["data"] / "train.jsonl"))["train"]
     return cls(model=str(folders[kind]), reward_funcs=letter_fraction, args=args, train_dataset=dataset)
 
@@ -53,7 +82,7 @@ def _long_tail_batch():
     ids = torch.randint(3, 90, (len(prompt_lengths), p + c), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros_like(ids)
     for i, (pl, cl) in enumerate(zip(prompt_lengths, completion_lengths)):
-        mask[i, p - pl:p + cl] = 1
+        mask[i, p - pl : p + cl] = 1
     return ids.masked_fill(mask == 0, 0), mask, c, sum(completion_lengths)
 
 
@@ -81,8 +110,9 @@ def test_logprob_step_equals_the_padded_path_without_padding_rows(kind, folders,
     results = {}
     for name, trainer in (("stock", stock), ("ours", ours)):
         trainer.model.zero_grad(set_to_none=True)
-        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, completion_len,
-                                                                         compute_entropy=True)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, completion_len, compute_entropy=True
+        )
         (logps * mask[:, -completion_len:]).sum().backward()
         grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
         results[name] = (logps.detach(), entropies.detach(), grads)
@@ -124,8 +154,9 @@ def test_moe_aux_loss_off_unless_asked(folders, tmp_path, caplog):
     # autocast: GRPOConfig defaults to bf16, which on CPU means bf16 autocast)
     ids, mask, completion_len, _ = _long_tail_batch()
     with torch.no_grad():
-        _, _, aux = asked._get_per_token_logps_and_entropies(asked.model, ids, mask, completion_len,
-                                                            compute_aux_loss=True)
+        _, _, aux = asked._get_per_token_logps_and_entropies(
+            asked.model, ids, mask, completion_len, compute_aux_loss=True
+        )
         with asked.accelerator.autocast():
             own = asked.model(ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
     torch.testing.assert_close(aux, own)
@@ -139,14 +170,16 @@ def test_stock_trl_aux_loss_equals_the_models_own(folders, tmp_path):
     ids, mask, completion_len, _ = _long_tail_batch()
     assert (mask == 0).any()
     with torch.no_grad(), stock.accelerator.autocast():
-        _, _, aux = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, completion_len,
-                                                            compute_aux_loss=True)
+        _, _, aux = stock._get_per_token_logps_and_entropies(
+            stock.model, ids, mask, completion_len, compute_aux_loss=True
+        )
         own = stock.model(ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
     torch.testing.assert_close(aux, own)
 
 
-@pytest.mark.parametrize("value, match", [("0.01", "must be a number"), (True, "must be a number"),
-                                          (-1.0, ">= 0"), (float("nan"), ">= 0")])
+@pytest.mark.parametrize(
+    "value, match", [("0.01", "must be a number"), (True, "must be a number"), (-1.0, ">= 0"), (float("nan"), ">= 0")]
+)
 def test_aux_loss_coefficient_errors(value, match, folders, tmp_path):
     with pytest.raises(ValueError, match=match):
         check_aux_loss_coef(value)
@@ -190,9 +223,26 @@ def _assert_every_lora_b_moved(adapter):
 # 1e-4 on the whole dense model: 1e-3 makes the tiny policy deterministic after one step (no reward spread left)
 def test_trl_grpo_cli_dense(folders, tmp_path):
     out = tmp_path / "run"
-    log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["dense"]), "--trust_remote_code", "true",
-                "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), *SMALL_RUN, "--learning_rate", "1e-4"], cwd=EXAMPLES)
+    log = _run(
+        [
+            _trl_cli(),
+            "grpo",
+            "--model_name_or_path",
+            str(folders["dense"]),
+            "--trust_remote_code",
+            "true",
+            "--reward_funcs",
+            "grpo_rewards.letter_fraction",
+            "--dataset_name",
+            str(folders["data"]),
+            "--output_dir",
+            str(out),
+            *SMALL_RUN,
+            "--learning_rate",
+            "1e-4",
+        ],
+        cwd=EXAMPLES,
+    )
     assert log.count("'reward':") == 2 and "Training completed" in log
     _assert_rewards_spread(log)
     # every tensor moved, one by one
@@ -207,9 +257,27 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
     assert "--lora_target_parameters" in lora and "in_proj_qkv" in lora
     # No --router_aux_loss_coef: stock TRL adds the config's load-balancing loss (0.001), and the model says so once
-    log = _run([_trl_cli(), "grpo", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code", "true",
-                "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), *SMALL_RUN, "--learning_rate", "1e-3", *lora], cwd=EXAMPLES)
+    log = _run(
+        [
+            _trl_cli(),
+            "grpo",
+            "--model_name_or_path",
+            str(folders["moe"]),
+            "--trust_remote_code",
+            "true",
+            "--reward_funcs",
+            "grpo_rewards.letter_fraction",
+            "--dataset_name",
+            str(folders["data"]),
+            "--output_dir",
+            str(out),
+            *SMALL_RUN,
+            "--learning_rate",
+            "1e-3",
+            *lora,
+        ],
+        cwd=EXAMPLES,
+    )
     assert log.count("'reward':") == 2 and "Training completed" in log
     assert log.count("'aux_loss':") == 2 and log.count("router logits returned with router_aux_loss_coef=0.001") == 1
     _assert_rewards_spread(log)
@@ -221,10 +289,29 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
 def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
     out = tmp_path / "run"
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
-    log = _run([sys.executable, "grpo.py", "--model_name_or_path", str(folders["moe"]), "--trust_remote_code",
-                "true", "--reward_funcs", "grpo_rewards.letter_fraction", "--dataset_name", str(folders["data"]),
-                "--output_dir", str(out), "--router_aux_loss_coef", "0.01", *SMALL_RUN, "--learning_rate", "1e-3",
-                *lora], cwd=EXAMPLES)
+    log = _run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--model_name_or_path",
+            str(folders["moe"]),
+            "--trust_remote_code",
+            "true",
+            "--reward_funcs",
+            "grpo_rewards.letter_fraction",
+            "--dataset_name",
+            str(folders["data"]),
+            "--output_dir",
+            str(out),
+            "--router_aux_loss_coef",
+            "0.01",
+            *SMALL_RUN,
+            "--learning_rate",
+            "1e-3",
+            *lora,
+        ],
+        cwd=EXAMPLES,
+    )
     assert log.count("'aux_loss':") == 2 and "router_aux_loss_coef=0.01" in log
     _assert_rewards_spread(log)
     _assert_every_lora_b_moved(_tensors(out / "adapter_model.safetensors"))

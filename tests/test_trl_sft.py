@@ -14,8 +14,15 @@ peft = pytest.importorskip("peft")
 from tiny_folders import build_char_tokenizer, build_tiny_folder  # noqa: E402
 
 # Lengths from 1 to 33 tokens: 1-token documents, documents shorter than the conv kernel, and longer ones.
-TEXTS = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "a b c d e f g", "x" * 20,
-         "12345", "?"]
+TEXTS = [
+    "hello world, count to ten: 1 2 3",
+    "abc",
+    "say something nice about packing",
+    "a b c d e f g",
+    "x" * 20,
+    "12345",
+    "?",
+]
 LORA_TARGETS = ["in_proj_qkv", "out_proj", "q_proj", "o_proj", "down_proj"]
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 STEPS = 3
@@ -32,12 +39,22 @@ def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **con
     documents in each step, however the collator lays them out), the first batch's keys, and the LoRA B tensors
     still all zeros (as they start) after training."""
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=batch_size, max_steps=STEPS, learning_rate=0.1,
-        optim="sgd", use_cpu=True, report_to=[], save_strategy="no", seed=0, dataloader_drop_last=False,
-        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32}, **config,
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=batch_size,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        optim="sgd",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        dataloader_drop_last=False,
+        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32},
+        **config,
     )
-    trainer = trl.SFTTrainer(model=str(folder), args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
-                             peft_config=peft_config)
+    trainer = trl.SFTTrainer(
+        model=str(folder), args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}), peft_config=peft_config
+    )
     losses, batches, compute_loss = [], [], trainer.compute_loss
 
     def recording(model, inputs, *args, **kwargs):
@@ -58,13 +75,19 @@ def test_padding_free_and_packing_train_with_the_padded_losses(kind, folders, tm
     folder = folders[kind.split("-")[0]]
     lora = None
     if "lora" in kind:
-        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                               target_parameters=EXPERT_TARGETS if kind == "moe-lora" else None)
+        lora = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=LORA_TARGETS,
+            target_parameters=EXPERT_TARGETS if kind == "moe-lora" else None,
+        )
     padded, padded_keys, padded_unmoved = _sft_losses(folder, tmp_path, lora)
     padding_free, free_keys, free_unmoved = _sft_losses(folder, tmp_path, lora, padding_free=True, max_length=None)
     # max_length above the dataset's token count: best-fit-decreasing packs every document into one row
-    packing, packing_keys, packing_unmoved = _sft_losses(folder, tmp_path, lora, batch_size=1, packing=True,
-                                                         max_length=256)
+    packing, packing_keys, packing_unmoved = _sft_losses(
+        folder, tmp_path, lora, batch_size=1, packing=True, max_length=256
+    )
     assert "attention_mask" in padded_keys and "seq_idx" not in padded_keys
     for keys in (free_keys, packing_keys):
         assert {"position_ids", "seq_idx", "cu_seq_lens_q"} <= set(keys) and "attention_mask" not in keys

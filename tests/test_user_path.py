@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 import transformers
-
 from conftest import builtin_pair
 
 
@@ -16,8 +15,11 @@ def test_convert_then_load_with_and_without_remote_code(kind, tmp_path):
     builtin, _ = builtin_pair(kind, seed=3)
     src, out = tmp_path / "official", tmp_path / "packed"
     builtin.save_pretrained(src)
-    subprocess.run([sys.executable, "-m", "qwen35_packed.cli", "convert", str(src), str(out), "--no-progress"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "qwen35_packed.cli", "convert", str(src), str(out), "--no-progress"],
+        check=True,
+        capture_output=True,
+    )
 
     ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

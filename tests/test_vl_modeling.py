@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from conftest import packed_model, requires_builtin_qwen35
 from vl_tiny import (
     IMAGE,
-    PATCH_DIM,
     PAD,
+    PATCH_DIM,
     VIDEO,
     VISION_END,
     VISION_START,
@@ -29,8 +28,9 @@ from vl_tiny import (
     video_tokens,
 )
 
-REFERENCE_DIR = Path(os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared" / "reference"
-                                    / "qwen3.5"))
+REFERENCE_DIR = Path(
+    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5")
+)
 
 
 def _padded_batch(rows, left: bool):
@@ -39,8 +39,8 @@ def _padded_batch(rows, left: bool):
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         start = width - len(row) if left else 0
-        ids[i, start:start + len(row)] = row
-        mask[i, start:start + len(row)] = 1
+        ids[i, start : start + len(row)] = row
+        mask[i, start : start + len(row)] = 1
     return ids, mask
 
 
@@ -53,8 +53,9 @@ def test_logits_match_builtin_with_images(kind, left):
     images = [g for d in docs for g in d[1]]
     ids, mask = _padded_batch(rows, left)
     pixels, grid = pixels_for(images, gen), grid_tensor(images)
-    inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                  mm_token_type_ids=token_types(ids))
+    inputs = dict(
+        input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=token_types(ids)
+    )
     with torch.no_grad():
         expected = ref(**inputs, use_cache=False).logits
         got = ours(**inputs).logits
@@ -72,11 +73,17 @@ def test_logits_match_builtin_with_videos():
     gen = torch.Generator().manual_seed(2)
     videos = [[2, 4, 2], [1, 2, 4]]
     image = [1, 4, 4]
-    ids = torch.tensor([3, 4] + video_tokens(videos[0], gen) + [5] + image_tokens(image) + [6]
-                       + video_tokens(videos[1], gen) + [7, 8]).unsqueeze(0)
-    inputs = dict(input_ids=ids, pixel_values=pixels_for([image], gen), image_grid_thw=grid_tensor([image]),
-                  pixel_values_videos=pixels_for(videos, gen), video_grid_thw=grid_tensor(videos),
-                  mm_token_type_ids=token_types(ids))
+    ids = torch.tensor(
+        [3, 4] + video_tokens(videos[0], gen) + [5] + image_tokens(image) + [6] + video_tokens(videos[1], gen) + [7, 8]
+    ).unsqueeze(0)
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=pixels_for([image], gen),
+        image_grid_thw=grid_tensor([image]),
+        pixel_values_videos=pixels_for(videos, gen),
+        video_grid_thw=grid_tensor(videos),
+        mm_token_type_ids=token_types(ids),
+    )
     with torch.no_grad():
         expected = ref(**inputs, use_cache=False).logits
         got = ours(**inputs).logits
@@ -92,12 +99,21 @@ def _processor():
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     vocab = {f"w{i}": i for i in range(100)}
-    vocab.update({"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VISION_START,
-                  "<|vision_end|>": VISION_END, "<|endoftext|>": PAD, "[UNK]": 125})
+    vocab.update(
+        {
+            "<|image_pad|>": IMAGE,
+            "<|video_pad|>": VIDEO,
+            "<|vision_start|>": VISION_START,
+            "<|vision_end|>": VISION_END,
+            "<|endoftext|>": PAD,
+            "[UNK]": 125,
+        }
+    )
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|endoftext|>",
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
         additional_special_tokens=["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
     )
     reference = json.loads((REFERENCE_DIR / "Qwen3.5-0.8B" / "preprocessor_config.json").read_text())
@@ -131,8 +147,9 @@ def test_processor_batch_matches_builtin(kind):
     batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="left")
     assert batch["image_grid_thw"].shape == (3, 3) and batch["pixel_values"].shape[1] == PATCH_DIM
     ref, ours = builtin_vl_pair(kind, seed=5)
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
-                                    "mm_token_type_ids")}
+    inputs = {
+        k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    }
     with torch.no_grad():
         expected = ref(**inputs, use_cache=False).logits
         got = ours(**inputs).logits
@@ -152,8 +169,9 @@ def _cat(values):
     return torch.cat(values) if values else None
 
 
-@pytest.mark.parametrize("kind, form", [("dense", "cu_seqlens"), ("dense", "position_ids"), ("dense", "padded-rows"),
-                                        ("moe", "cu_seqlens")])
+@pytest.mark.parametrize(
+    "kind, form", [("dense", "cu_seqlens"), ("dense", "position_ids"), ("dense", "padded-rows"), ("moe", "cu_seqlens")]
+)
 def test_packed_equals_per_document_with_images(kind, form):
     model = packed_vl_model(kind, seed=2)
     counts = [0, 2, 1, 0, 2, 0, 3, 1]
@@ -161,8 +179,14 @@ def test_packed_equals_per_document_with_images(kind, form):
     per_doc = []
     with torch.no_grad():
         for (ids, images, _), pix in zip(docs, pixels):
-            per_doc.append(model(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
-                                 labels=ids.unsqueeze(0)))
+            per_doc.append(
+                model(
+                    input_ids=ids.unsqueeze(0),
+                    pixel_values=pix,
+                    image_grid_thw=grid_tensor(images),
+                    labels=ids.unsqueeze(0),
+                )
+            )
     all_pixels = _cat(pixels)
     all_grids = grid_tensor([g for d in docs for g in d[1]])
     lengths = [len(d[0]) for d in docs]
@@ -195,14 +219,24 @@ def test_packed_gradients_equal_sum_of_per_document_gradients():
     lengths = [len(d[0]) for d in docs]
     targets = sum(n - 1 for n in lengths)
     for (ids, images, _), pix in zip(docs, pixels):
-        out = model(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
-                    labels=ids.unsqueeze(0), num_items_in_batch=targets)
+        out = model(
+            input_ids=ids.unsqueeze(0),
+            pixel_values=pix,
+            image_grid_thw=grid_tensor(images),
+            labels=ids.unsqueeze(0),
+            num_items_in_batch=targets,
+        )
         out.loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     ids = torch.cat([d[0] for d in docs]).unsqueeze(0)
-    out = model(input_ids=ids, cu_seqlens=torch.tensor([0] + lengths).cumsum(0), pixel_values=_cat(pixels),
-                image_grid_thw=grid_tensor([g for d in docs for g in d[1]]), labels=ids)
+    out = model(
+        input_ids=ids,
+        cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
+        pixel_values=_cat(pixels),
+        image_grid_thw=grid_tensor([g for d in docs for g in d[1]]),
+        labels=ids,
+    )
     out.loss.backward()
     visual_grads = 0
     for name, param in model.named_parameters():
@@ -217,8 +251,10 @@ def test_text_only_batch_equals_text_model(kind):
     # (router_aux_loss_coef stays 0: adding coef * aux_loss is the shared lm_head_outputs code, tested on the text
     # model, whose test reads the once-per-process warning that a coefficient > 0 would use up here.)
     vl = our_vl_model(kind)
-    state = {f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k: v
-             for k, v in text_model.state_dict().items()}
+    state = {
+        f"model.language_model.{k[len('model.') :]}" if k.startswith("model.") else k: v
+        for k, v in text_model.state_dict().items()
+    }
     missing, unexpected = vl.load_state_dict(state, strict=False)
     assert not unexpected and all(k.startswith("model.visual.") for k in missing)
     vl.eval()
@@ -265,8 +301,9 @@ def test_freeze_vision():
     assert all(p.requires_grad for p in frozen.model.language_model.parameters())
     docs, pixels = _documents(9, [2])
     (ids, images, _), pix = docs[0], pixels[0]
-    inputs = dict(input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images),
-                  labels=ids.unsqueeze(0))
+    inputs = dict(
+        input_ids=ids.unsqueeze(0), pixel_values=pix, image_grid_thw=grid_tensor(images), labels=ids.unsqueeze(0)
+    )
     frozen.train()
     out = frozen(**inputs)
     out.loss.backward()
@@ -315,8 +352,9 @@ def test_bad_input(case, message):
         extra = grids + [[1, 2, 2]]
         kwargs.update(pixel_values=pixels_for(extra, gen), image_grid_thw=grid_tensor(extra))
     elif case == "count_mismatch":
-        kwargs.update(pixel_values=pixels_for([[1, 4, 4], [1, 4, 4]], gen),
-                      image_grid_thw=grid_tensor([[1, 4, 4], [1, 4, 4]]))
+        kwargs.update(
+            pixel_values=pixels_for([[1, 4, 4], [1, 4, 4]], gen), image_grid_thw=grid_tensor([[1, 4, 4], [1, 4, 4]])
+        )
     elif case == "pixels_without_grid":
         kwargs.update(image_grid_thw=None)
     elif case == "grid_without_pixels":
@@ -338,11 +376,11 @@ def test_bad_input(case, message):
 
 @requires_builtin_qwen35
 def test_config_classes_and_round_trip(tmp_path):
+    from qwen35_packed.configuration import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
         Qwen3_5MoePackedVLConfig,
         Qwen3_5PackedVLConfig,
     )
-    from qwen35_packed.configuration import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 
     for cls, builtin, text_cls, model_type in (
         (Qwen3_5PackedVLConfig, transformers.Qwen3_5Config, Qwen3_5PackedConfig, "qwen3_5"),
@@ -392,16 +430,23 @@ def test_generate_with_images_equals_the_builtin():
     width = max(len(r) for r in rows)
     ids, mask = torch.full((2, width), PAD), torch.zeros(2, width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
-    inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels_for(grids, torch.Generator().manual_seed(0)),
-                  image_grid_thw=grid_tensor(grids), mm_token_type_ids=token_types(ids))
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_values=pixels_for(grids, torch.Generator().manual_seed(0)),
+        image_grid_thw=grid_tensor(grids),
+        mm_token_type_ids=token_types(ids),
+    )
     for model in (ref, ours):
         model.generation_config.pad_token_id = PAD
     with torch.no_grad():
-        expected = ref.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                                output_scores=True)
-        got = ours.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                            output_scores=True)
+        expected = ref.generate(
+            **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True
+        )
+        got = ours.generate(
+            **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True
+        )
         with pytest.raises(ValueError, match="num_beams > 1 or num_return_sequences > 1 with images"):
             ours.generate(**inputs, max_new_tokens=2, num_beams=2)
     assert torch.equal(got.sequences, expected.sequences)
@@ -425,10 +470,20 @@ def test_one_packing_step_per_forward(monkeypatch):
     for module in (modeling_qwen3_5_packed, modeling_qwen3_5_packed_vl):
         monkeypatch.setattr(module, "build_packed_sequence", counting)
     with torch.no_grad():
-        model(input_ids=torch.cat([d[0] for d in docs]).unsqueeze(0), cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
-              pixel_values=_cat(pixels), image_grid_thw=grid_tensor([g for d in docs for g in d[1]]))
+        model(
+            input_ids=torch.cat([d[0] for d in docs]).unsqueeze(0),
+            cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
+            pixel_values=_cat(pixels),
+            image_grid_thw=grid_tensor([g for d in docs for g in d[1]]),
+        )
         assert len(calls) == 1, calls
         ids, images, _ = docs[0]
-        model.generate(ids.unsqueeze(0), pixel_values=pixels[0], image_grid_thw=grid_tensor(images),
-                       mm_token_type_ids=token_types(ids.unsqueeze(0)), max_new_tokens=2, do_sample=False)
+        model.generate(
+            ids.unsqueeze(0),
+            pixel_values=pixels[0],
+            image_grid_thw=grid_tensor(images),
+            mm_token_type_ids=token_types(ids.unsqueeze(0)),
+            max_new_tokens=2,
+            do_sample=False,
+        )
     assert len(calls) == 2, calls  # the prefill packs once; the cached steps continue the cache's rows

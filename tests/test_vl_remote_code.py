@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 import transformers
-
 from conftest import requires_builtin_qwen35
-from qwen35_packed.conversion.remote_code import copy_remote_code
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
+
+from qwen35_packed.conversion.remote_code import copy_remote_code
 
 AUTO_MAP = {
     "dense": {
@@ -58,8 +58,9 @@ def test_flat_remote_code_folder_loads_with_trust_remote_code(kind, tmp_path):
     with torch.no_grad():
         hidden = base(**inputs).last_hidden_state
         assert torch.allclose(model.lm_head(hidden), got, atol=1e-5, rtol=0)
-    frozen = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, trust_remote_code=True,
-                                                                      freeze_vision=True)
+    frozen = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path, trust_remote_code=True, freeze_vision=True
+    )
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())
 
 
@@ -69,18 +70,27 @@ def test_trl_grpo_trainer_takes_the_vl_class(tmp_path):
     eos ids) even when vLLM generates; `generate()` itself refuses with the cache error."""
     trl = pytest.importorskip("trl")
     import datasets
-
     from tiny_folders import build_tiny_vl_folder
 
     folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
     # the tokenizer: the folder's Qwen3VLProcessor needs torchvision (its video processor), which CI does not install
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
-                          use_cpu=True, report_to="none", trust_remote_code=True,
-                          model_init_kwargs={"trust_remote_code": True})
-    trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                              args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "ab"}] * 4),
-                              processing_class=tokenizer)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        use_cpu=True,
+        report_to="none",
+        trust_remote_code=True,
+        model_init_kwargs={"trust_remote_code": True},
+    )
+    trainer = trl.GRPOTrainer(
+        model=str(folder),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "ab"}] * 4),
+        processing_class=tokenizer,
+    )
     model = trainer.model
     assert type(model).__name__ == ARCH["dense"] and type(model).__module__.startswith("transformers_modules.")
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id

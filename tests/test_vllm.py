@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from tiny_folders import build_tiny_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +65,7 @@ def assert_calibrated_parity(stage: dict, report: dict) -> None:
 
 
 def _run(cmd, cwd=ROOT, timeout=900):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout + done.stderr
@@ -130,7 +128,10 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     probe = r["trl_per_tensor_load_weights"]
     # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
     # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
-    assert probe["model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok" or "weight_loader" in probe["model.layers.0.linear_attn.in_proj_qkv.weight"], probe
+    assert (
+        probe["model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok"
+        or "weight_loader" in probe["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    ), probe
     assert probe["model.layers.0.linear_attn.A_log"] == "ok"
 
 
@@ -151,12 +152,49 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
     lora = trl_cli_args(config, r=4) if use_lora else []
     out, report = tmp_path / "run", tmp_path / "report.json"
-    _run([vllm_python, str(ROOT / "tests" / "grpo_vllm_worker.py"), str(report), "--model_name_or_path",
-          str(folder), "--trust_remote_code", "true", "--reward_funcs", "grpo_rewards.letter_fraction",
-          "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size",
-          "4", "--num_generations", "4", "--max_completion_length", "8", "--use_cpu", "true", "--report_to", "none",
-          "--logging_steps", "1", "--save_strategy", "no", "--seed", "0", "--learning_rate", learning_rate,
-          "--use_vllm", "true", "--vllm_mode", "colocate", *lora], cwd=ROOT / "examples")
+    _run(
+        [
+            vllm_python,
+            str(ROOT / "tests" / "grpo_vllm_worker.py"),
+            str(report),
+            "--model_name_or_path",
+            str(folder),
+            "--trust_remote_code",
+            "true",
+            "--reward_funcs",
+            "grpo_rewards.letter_fraction",
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--use_cpu",
+            "true",
+            "--report_to",
+            "none",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--seed",
+            "0",
+            "--learning_rate",
+            learning_rate,
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            *lora,
+        ],
+        cwd=ROOT / "examples",
+    )
     r = json.loads(report.read_text())
     steps = r["steps"]
     differences = [step["sampling/sampling_logp_difference/max"] for step in steps]

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from test_vllm import _run, vllm_python  # noqa: F401
-
 from tiny_folders import build_tiny_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +43,16 @@ def test_vllm_cpu_without_routed_experts_is_refused(vllm_python, moe_folder, tmp
 def test_grpo_two_steps_with_routing_replay(vllm_python, moe_folder, tmp_path):  # noqa: F811
     folder, data = moe_folder
     report = tmp_path / "report.json"
-    log = _run([vllm_python, str(ROOT / "tests" / "grpo_replay_worker.py"), str(folder), str(data),
-                str(tmp_path / "out"), str(report)])
+    log = _run(
+        [
+            vllm_python,
+            str(ROOT / "tests" / "grpo_replay_worker.py"),
+            str(folder),
+            str(data),
+            str(tmp_path / "out"),
+            str(report),
+        ]
+    )
     assert log.count("GRPO: MoE routing replay on") == 1
     result = json.loads(report.read_text())
     print(json.dumps({k: result[k] for k in ("batches", "forwards_replayed")}, indent=1))

@@ -9,9 +9,8 @@ Runs vLLM in its own environment through a subprocess, like tests/test_vllm.py (
 import json
 
 import pytest
-
-from tiny_folders import build_tiny_vl_folder
 from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
+from tiny_folders import build_tiny_vl_folder
 
 CLASSES = {
     "dense": ("Qwen3_5PackedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
@@ -48,10 +47,14 @@ def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python
     assert after["vllm_before_vs_after"]["mean_kl"] > 100 * after["ours_packed_fp32"]["mean_kl"]
     # with only the prefix cache reset (TRL's sync), vLLM reuses the image embeddings of the old weights: why
     # push_weights also resets the encoder cache
-    assert after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"]["mean_kl"] > 30 * after["ours_packed_fp32"][
-        "mean_kl"]
+    assert (
+        after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"]["mean_kl"] > 30 * after["ours_packed_fp32"]["mean_kl"]
+    )
     probe = r["trl_per_tensor_load_weights"]
     # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
     # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
-    assert probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok" or "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"], probe
+    assert (
+        probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok"
+        or "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"]
+    ), probe
     assert probe["model.language_model.layers.0.linear_attn.A_log"] == "ok"

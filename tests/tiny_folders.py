@@ -46,8 +46,13 @@ TINY_DENSE = dict(
     rope_parameters=TINY_ROPE,
 )
 # MoE additions; the load-balancing coefficient of the official configs, which RL must not get unasked.
-TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                router_aux_loss_coef=0.001)
+TINY_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    router_aux_loss_coef=0.001,
+)
 
 
 def tiny_config_kwargs(kind: str = "dense") -> dict:
@@ -74,8 +79,9 @@ def build_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def build_tiny_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: float | None = None,
-                      **config_overrides) -> Path:
+def build_tiny_folder(
+    out, kind: str = "dense", seed: int = 0, lm_head_std: float | None = None, **config_overrides
+) -> Path:
     """Write a converted packed model folder (config, weights, remote code, tokenizer) to OUT and return it.
 
     `lm_head_std` re-draws the LM head with that std: random tiny models otherwise predict nearly uniform
@@ -115,14 +121,30 @@ def build_tiny_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: floa
 
 
 # The vision tower of the tiny VL models: 2 blocks, head dim 32; out_hidden_size is the text hidden size.
-TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=4, temporal_patch_size=2,
-                   spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64)
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
+)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # The official preprocessor_config.json / video_preprocessor_config.json (Qwen3.5-0.8B) with the tiny patch size and
 # pixel limits of 8x8 to 48x48 pixels (1 to 36 image tokens).
 TINY_PIXELS = {"shortest_edge": 8 * 8, "longest_edge": 48 * 48}
-_PROCESSOR_COMMON = {"size": TINY_PIXELS, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
-                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
+_PROCESSOR_COMMON = {
+    "size": TINY_PIXELS,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+}
 TINY_IMAGE_PROCESSOR = {**_PROCESSOR_COMMON, "image_processor_type": "Qwen2VLImageProcessorFast"}
 TINY_VIDEO_PROCESSOR = {**_PROCESSOR_COMMON, "video_processor_type": "Qwen3VLVideoProcessor"}
 
@@ -146,8 +168,12 @@ def build_tiny_vl_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: f
 
     out = Path(out)
     tokenizer = build_vl_tokenizer()
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                   tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    ids = dict(
+        zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)),
+        )
+    )
     text = {**tiny_config_kwargs(kind), "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     if len(tokenizer) > text["vocab_size"]:
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")

@@ -5,14 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import _NO_BUILTIN, HAS_BUILTIN_QWEN35, _randomize_zero_init, tiny_kwargs
 
 # Token ids inside the tiny text vocabulary (128): 0..99 are words.
 IMAGE, VIDEO, VISION_START, VISION_END, PAD = 120, 121, 122, 123, 124
 TINY_VISION = dict(
-    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
-    spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64,
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
 )
 MERGE = 2
 PATCH_DIM = 3 * 2 * 4 * 4
@@ -20,8 +26,12 @@ PATCH_DIM = 3 * 2 * 4 * 4
 
 def composite_kwargs(kind: str, **overrides) -> dict:
     kwargs = dict(
-        text_config=tiny_kwargs(kind), vision_config=dict(TINY_VISION), image_token_id=IMAGE,
-        video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        text_config=tiny_kwargs(kind),
+        vision_config=dict(TINY_VISION),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
     )
     kwargs.update(overrides)
     return kwargs
@@ -45,8 +55,9 @@ def _randomize_vl(model) -> None:
     _randomize_zero_init(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.startswith("model.visual.") and (name.endswith("norm1.weight") or name.endswith("norm2.weight")
-                                                     or name.endswith("merger.norm.weight")):
+            if name.startswith("model.visual.") and (
+                name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("merger.norm.weight")
+            ):
                 param.add_(torch.randn_like(param) * 0.1)
         model.model.visual.merger.linear_fc2.weight.mul_(10.0)
 

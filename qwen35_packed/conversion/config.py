@@ -194,8 +194,10 @@ def _normalize_text(
     if router_aux_loss_coef is not None:
         if not is_moe:
             raise ConversionError("--router-aux-loss-coef applies to MoE models; SRC is a dense model")
-        if isinstance(router_aux_loss_coef, bool) or not isinstance(router_aux_loss_coef, (int, float)) or not (
-            math.isfinite(router_aux_loss_coef) and router_aux_loss_coef >= 0
+        if (
+            isinstance(router_aux_loss_coef, bool)
+            or not isinstance(router_aux_loss_coef, (int, float))
+            or not (math.isfinite(router_aux_loss_coef) and router_aux_loss_coef >= 0)
         ):
             raise ConversionError(f"--router-aux-loss-coef must be a finite number >= 0, got {router_aux_loss_coef!r}")
         old = text.get("router_aux_loss_coef")
@@ -300,7 +302,11 @@ def _official_composite(base: dict, text: dict, is_moe: bool, model_type: str) -
 
 
 def _composite_text(
-    src_config: dict, router_aux_loss_coef: float | None, *, drop: tuple[str, ...], notes: list[str],
+    src_config: dict,
+    router_aux_loss_coef: float | None,
+    *,
+    drop: tuple[str, ...],
+    notes: list[str],
     rope_lines: list[str],
 ) -> tuple[dict, bool, str, Qwen3_5PackedConfig]:
     """(normalised text config, is_moe, composite model_type, project config) of a composite SRC config.json."""

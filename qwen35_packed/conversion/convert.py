@@ -38,6 +38,7 @@ from .plan import (
 from .sizes import format_bytes, parse_size
 from .write import write_conversion
 
+
 def convert(
     src,
     out,

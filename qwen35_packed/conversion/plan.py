@@ -14,7 +14,6 @@ from pathlib import Path
 
 from .config import OutputConfig, build_official_config, build_output_config, summarize
 from .errors import ConversionError
-from .sizes import format_bytes, parse_size
 from .remote_code import remote_code_files
 from .rules import (
     Drop,
@@ -27,6 +26,7 @@ from .rules import (
     StripPrefix,
 )
 from .schema import expected_mtp_tensors, expected_text_tensors, expected_vision_tensors
+from .sizes import format_bytes, parse_size
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -417,8 +417,11 @@ def plan_official_mapping(
             raise ConversionError(
                 f"--vision-from {vision_role} holds a language model of another shape than SRC's, so its vision "
                 f"tower does not belong to this model ({len(differ)} keys differ, e.g. "
-                + ", ".join(f"{k}: SRC {list(ours[k]) if k in ours else '-'}, vision-from "
-                            f"{list(theirs[k]) if k in theirs else '-'}" for k in differ[:3])
+                + ", ".join(
+                    f"{k}: SRC {list(ours[k]) if k in ours else '-'}, vision-from "
+                    f"{list(theirs[k]) if k in theirs else '-'}"
+                    for k in differ[:3]
+                )
                 + ")"
             )
         _insert(mapping, visual, f"Insert model.visual.* from --vision-from {vision_role}, as stored")
@@ -432,7 +435,8 @@ def plan_packed_mapping(
     output_config = build_output_config(src_config, text_only=text_only, router_aux_loss_coef=router_aux_loss_coef)
     composite = output_config.is_composite
     rules = conversion_rules(
-        output_config.source_layout, tie_word_embeddings=output_config.config.tie_word_embeddings,
+        output_config.source_layout,
+        tie_word_embeddings=output_config.config.tie_word_embeddings,
         keep_vision=composite,
     )
     mapping = MappingEngine(rules).plan(tensors)
@@ -494,9 +498,7 @@ def plan_conversion(
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     copied = _copied_files(src, output_config, Path(vision_from).resolve() if vision_from is not None else None)
     remote = remote_code_files() if to == "packed" else []
-    plan = ConversionPlan(
-        src, out, output_config, rules, mapping, shards, names, copied, remote, source, locations, to
-    )
+    plan = ConversionPlan(src, out, output_config, rules, mapping, shards, names, copied, remote, source, locations, to)
     _describe(plan, max_bytes, extra_sources)
     return plan
 
@@ -601,8 +603,10 @@ def _describe(plan: ConversionPlan, max_bytes: int, extra_sources: list[SourceCh
             )
         if item.add_keys:
             lines.append(f"  {item.name}: restoring {', '.join(item.add_keys)} from the composite checkpoint")
-    if not output_config.layout.startswith("packed") and _mtp_layers(output_config) and not any(
-        k.startswith("mtp.") for k in mapping.outputs
+    if (
+        not output_config.layout.startswith("packed")
+        and _mtp_layers(output_config)
+        and not any(k.startswith("mtp.") for k in mapping.outputs)
     ):
         lines.append(
             f"note: config.json says mtp_num_hidden_layers={_mtp_layers(output_config)} but OUT holds no mtp.* "

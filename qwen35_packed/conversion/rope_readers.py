@@ -138,11 +138,15 @@ def resolution_line(text: dict, views: dict[str, dict]) -> str:
     bad = disagreements(views)
     contradicted = contradicted_fields(text, bad)
     if contradicted:
-        return (f"    SRC states {', '.join(contradicted)} twice with different values, read as transformers 5 reads "
-                "them (see the note); the written config.json resolves it: every reader sees the values below")
-    return (f"    expected: SRC states {', '.join(bad)} in one place or not at all, and the readers that look "
-            "elsewhere use their own defaults; the written config.json resolves it: every reader sees the values "
-            "below")
+        return (
+            f"    SRC states {', '.join(contradicted)} twice with different values, read as transformers 5 reads "
+            "them (see the note); the written config.json resolves it: every reader sees the values below"
+        )
+    return (
+        f"    expected: SRC states {', '.join(bad)} in one place or not at all, and the readers that look "
+        "elsewhere use their own defaults; the written config.json resolves it: every reader sees the values "
+        "below"
+    )
 
 
 def normalized_rope_keys(rope: dict) -> dict:

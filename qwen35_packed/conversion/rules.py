@@ -178,7 +178,7 @@ class StripPrefix(Rule):
         out: dict[str, LazyTensor] = {}
         for key, value in tensors.items():
             if key.startswith(self.prefix):
-                new_key = self.replacement + key[len(self.prefix):]
+                new_key = self.replacement + key[len(self.prefix) :]
                 report.consumed.append(key)
                 report.produced.append(new_key)
                 _put(out, new_key, value, self)

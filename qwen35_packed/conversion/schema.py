@@ -119,11 +119,15 @@ def expected_vision_tensors(vision_config: dict, *, is_moe: bool) -> dict[str, t
         if is_moe:
             from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
                 Qwen3_5MoeVisionConfig as config_class,
+            )
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
                 Qwen3_5MoeVisionModel as model_class,
             )
         else:
             from transformers.models.qwen3_5.modeling_qwen3_5 import (
                 Qwen3_5VisionConfig as config_class,
+            )
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (
                 Qwen3_5VisionModel as model_class,
             )
     except ImportError:

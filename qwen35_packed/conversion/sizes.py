@@ -27,7 +27,6 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-
 def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ConversionError
+from .plan import WEIGHTS_INDEX_NAME, ConversionPlan
 from .remote_code import copy_remote_code
 from .rules import materialize
-from .plan import WEIGHTS_INDEX_NAME, ConversionPlan
+
 
 class _ShardReader:
     """Open source shards lazily (memory-mapped by safetensors) and close each one after its last use.

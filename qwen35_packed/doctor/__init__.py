@@ -32,8 +32,12 @@ def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) ->
     folder = read_folder(model_dir)
     report = DoctorReport(str(model_dir), device)
     if not folder.is_qwen35:  # every other check would only list the ways another model differs from Qwen3.5
-        types = " / ".join(repr(t) for t in dict.fromkeys((folder.config.get("model_type"), folder.text.get(
-            "model_type"))) if t) or "none"
+        types = (
+            " / ".join(
+                repr(t) for t in dict.fromkeys((folder.config.get("model_type"), folder.text.get("model_type"))) if t
+            )
+            or "none"
+        )
         report.add("folder.model_type", FAIL,
                    f"not a Qwen3.5 model: model_type {types}, architectures {folder.config.get('architectures')}; "
                    "nothing else was checked",

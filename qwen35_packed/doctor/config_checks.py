@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import copy
 
-from ..modeling.configuration_qwen3_5_packed import LAYER_TYPES
 from ..conversion.rope_readers import ROPE_FIELDS, contradicted_fields, disagreements, rope_views
 from ..conversion.schema import expected_text_tensors, expected_vision_tensors
+from ..modeling.configuration_qwen3_5_packed import LAYER_TYPES
 from .environment_checks import builtin_qwen35_available
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, WARN, DoctorReport
@@ -78,12 +78,20 @@ def _rope(folder: ModelFolder, report: DoctorReport) -> None:
     for name in disagreeing:
         seen = ", ".join(f"{reader} {_fmt(view[name])}" for reader, view in views.items())
         problems.append(f"readers disagree on {name}: {seen}")
-    if problems and len(problems) == len(disagreeing) and not contradicted_fields(folder.text, disagreeing) and (
-            folder.packed_config is not None):
+    if (
+        problems
+        and len(problems) == len(disagreeing)
+        and not contradicted_fields(folder.text, disagreeing)
+        and (folder.packed_config is not None)
+    ):
         # stated once (or not at all), readers differ only in their defaults: usual for a folder `convert` did
         # not write, and what it resolves
-        report.add("config.rope", WARN, "expected for a folder not written by `qwen35-packed convert`: "
-                   + "; ".join(problems), ROPE_FIX)
+        report.add(
+            "config.rope",
+            WARN,
+            "expected for a folder not written by `qwen35-packed convert`: " + "; ".join(problems),
+            ROPE_FIX,
+        )
         return
     if problems:
         report.add("config.rope", FAIL, "; ".join(problems), ROPE_FIX)
@@ -105,9 +113,12 @@ def _mrope_section(folder: ModelFolder, report: DoctorReport) -> None:
     if sum(section) == half:
         report.add("config.mrope_section", PASS, f"{section} sums to the rotary half-dim {half}")
     elif rope["mrope_interleaved"]:
-        report.add("config.mrope_section", PASS,
-                   f"{section} sums to {sum(section)}, the rotary half-dim is {half}: interleaved sections are read "
-                   "as transformers' built-in reads them (frequency i reads h / w while i < 3 x its section)")
+        report.add(
+            "config.mrope_section",
+            PASS,
+            f"{section} sums to {sum(section)}, the rotary half-dim is {half}: interleaved sections are read "
+            "as transformers' built-in reads them (frequency i reads h / w while i < 3 x its section)",
+        )
     else:
         report.add("config.mrope_section", FAIL,
                    f"mrope_section {section} sums to {sum(section)}, the rotary half-dim is {half}",
@@ -158,8 +169,12 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
         try:
             expected.update(expected_vision_tensors(folder.config["vision_config"], is_moe=folder.is_moe) or {})
         except (ValueError, TypeError) as exc:
-            report.add("config.weights", FAIL, f"transformers' vision model rejects vision_config: {exc}",
-                       "fix vision_config (convert copies the official one)")
+            report.add(
+                "config.weights",
+                FAIL,
+                f"transformers' vision model rejects vision_config: {exc}",
+                "fix vision_config (convert copies the official one)",
+            )
             return
     missing = sorted(k for k in expected if k not in folder.headers)
     wrong = sorted(f"{k} {list(folder.headers[k][1])} (expected {list(s)})"
@@ -169,8 +184,12 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
     if missing or wrong:
         parts = [f"{len(items)} {what}: {', '.join(items[:4])}" + (" ..." if len(items) > 4 else "")
                  for what, items in (("missing", missing), ("with another shape", wrong)) if items]  # fmt: skip
-        report.add("config.weights", FAIL, "; ".join(parts) + " (missing tensors load as random initialisation)",
-                   "the checkpoint is incomplete or does not match config.json: re-convert from the source")
+        report.add(
+            "config.weights",
+            FAIL,
+            "; ".join(parts) + " (missing tensors load as random initialisation)",
+            "the checkpoint is incomplete or does not match config.json: re-convert from the source",
+        )
     elif unexpected:
         report.add("config.weights", WARN,
                    f"{len(unexpected)} tensors no model reads: {', '.join(unexpected[:5])}",
@@ -209,13 +228,19 @@ def _tied_embeddings(folder: ModelFolder, report: DoctorReport) -> None:
         if _same_tensor(folder, head, embed):
             report.add("config.tie_word_embeddings", PASS, "tied; the stored lm_head.weight equals the embedding")
         else:
-            report.add("config.tie_word_embeddings", WARN,
-                       "tie_word_embeddings is true but the stored lm_head.weight differs from the embedding: "
-                       "loaders keep only one of them",
-                       "set tie_word_embeddings false if the head was trained separately, else drop lm_head.weight")
+            report.add(
+                "config.tie_word_embeddings",
+                WARN,
+                "tie_word_embeddings is true but the stored lm_head.weight differs from the embedding: "
+                "loaders keep only one of them",
+                "set tie_word_embeddings false if the head was trained separately, else drop lm_head.weight",
+            )
     else:
-        report.add("config.tie_word_embeddings", PASS,
-                   "tied (no separate head stored)" if tied else "untied, lm_head.weight present")
+        report.add(
+            "config.tie_word_embeddings",
+            PASS,
+            "tied (no separate head stored)" if tied else "untied, lm_head.weight present",
+        )
 
 
 def _same_tensor(folder: ModelFolder, a: str, b: str) -> bool:

@@ -28,8 +28,12 @@ PATHS = {
     "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA fused gated RMSNorm"),
     "torch": ("per-document chunked delta rule in PyTorch (fp32)", "PyTorch gated RMSNorm (fp32)"),
 }
-CONV = {"fla": "FLA causal_conv1d (cu_seqlens)", "triton": "Triton varlen conv (split q | k | v)", "compiled": "boundary-masked depthwise conv, torch.compile",
-        "torch": "boundary-masked depthwise conv in PyTorch"}
+CONV = {
+    "fla": "FLA causal_conv1d (cu_seqlens)",
+    "triton": "Triton varlen conv (split q | k | v)",
+    "compiled": "boundary-masked depthwise conv, torch.compile",
+    "torch": "boundary-masked depthwise conv in PyTorch",
+}
 ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
 MOE = {"grouped_mm": "one grouped GEMM per projection, no host sync", "loop": "one matmul per expert (host sync)"}
 
@@ -63,8 +67,9 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def run_environment_checks(folder: ModelFolder, device: torch.device, report: DoctorReport,
-                           vllm_elsewhere: bool = False) -> None:
+def run_environment_checks(
+    folder: ModelFolder, device: torch.device, report: DoctorReport, vllm_elsewhere: bool = False
+) -> None:
     """`vllm_elsewhere`: vLLM's version is checked in vLLM's own environment (doctor --vllm), not here."""
     _selection(folder, device, report)
     _triton(folder, device, report)
@@ -94,20 +99,34 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         return
     gdn, norm = PATHS[choice.gdn]
     conv = CONV[choice.conv]
-    detail = (f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
-              f"attention {ATTENTION[choice.attention]}"
-              + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
-              + (f"; MoE experts {MOE[choice.moe]}" if getattr(config, "is_moe", False) else "")
-              + (f" (forced: {', '.join(forced)})" if forced else ""))
+    detail = (
+        f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
+        f"attention {ATTENTION[choice.attention]}"
+        + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
+        + (f"; MoE experts {MOE[choice.moe]}" if getattr(config, "is_moe", False) else "")
+        + (f" (forced: {', '.join(forced)})" if forced else "")
+    )
     if device.type == "cuda" and choice.gdn == "torch":
-        report.add("kernels.selection", WARN, detail + ": FLA absent, exact but about 2x slower or worse",
-                   "pip install flash-linear-attention (the `gpu` extra)")
+        report.add(
+            "kernels.selection",
+            WARN,
+            detail + ": FLA absent, exact but about 2x slower or worse",
+            "pip install flash-linear-attention (the `gpu` extra)",
+        )
     elif device.type == "cuda" and getattr(config, "is_moe", False) and choice.moe == "loop":
-        report.add("kernels.selection", WARN, detail + ": the experts run one matmul per expert, several times "
-                   "slower than grouped_mm", "run in bf16 on a torch whose grouped_mm dispatches there")
+        report.add(
+            "kernels.selection",
+            WARN,
+            detail + ": the experts run one matmul per expert, several times slower than grouped_mm",
+            "run in bf16 on a torch whose grouped_mm dispatches there",
+        )
     elif device.type == "cuda" and choice.attention == "sdpa":
-        report.add("kernels.selection", WARN, detail + ": no varlen attention kernel, one SDPA call per document",
-                   "install flash-attn, or a torch with torch.nn.attention.varlen")
+        report.add(
+            "kernels.selection",
+            WARN,
+            detail + ": no varlen attention kernel, one SDPA call per document",
+            "install flash-attn, or a torch with torch.nn.attention.varlen",
+        )
     else:
         report.add("kernels.selection", PASS, detail)
 
@@ -125,8 +144,12 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
         if importlib.util.find_spec("tilelang") is None:
             report.add("kernels.triton", FAIL, detail + " in this range, and tilelang is absent", fix)
         else:  # FLA can run its TileLang backward instead; whether it does depends on the FLA release
-            report.add("kernels.triton", WARN, detail + " in this range; tilelang is present",
-                       "check the gradients here (`pytest -m gpu tests/test_gpu.py`) or " + fix)
+            report.add(
+                "kernels.triton",
+                WARN,
+                detail + " in this range; tilelang is present",
+                "check the gradients here (`pytest -m gpu tests/test_gpu.py`) or " + fix,
+            )
     else:
         report.add("kernels.triton", PASS, f"triton {version or 'not installed'}, outside the known-bad Hopper range")
 
@@ -142,8 +165,12 @@ def _tilelang(device: torch.device, report: DoctorReport) -> None:
     elif present:
         report.add("kernels.tilelang", PASS, f"tilelang {version_of('tilelang')} present (FLA's Hopper backends)")
     else:
-        report.add("kernels.tilelang", WARN, "tilelang absent on Hopper: FLA runs its slower Triton-only paths",
-                   "pip install tilelang")
+        report.add(
+            "kernels.tilelang",
+            WARN,
+            "tilelang absent on Hopper: FLA runs its slower Triton-only paths",
+            "pip install tilelang",
+        )
 
 
 def _flash_attention(device: torch.device, report: DoctorReport) -> None:
@@ -156,12 +183,17 @@ def _flash_attention(device: torch.device, report: DoctorReport) -> None:
     elif FLASH_ATTN_AVAILABLE or TORCH_VARLEN_AVAILABLE:
         report.add("kernels.flash_attn", PASS, found)
     else:
-        report.add("kernels.flash_attn", WARN, found + ": bf16 attention runs one SDPA call per document",
-                   "install flash-attn, or a torch with torch.nn.attention.varlen")
+        report.add(
+            "kernels.flash_attn",
+            WARN,
+            found + ": bf16 attention runs one SDPA call per document",
+            "install flash-attn, or a torch with torch.nn.attention.varlen",
+        )
 
 
-def check_version(report: DoctorReport, package: str, version: str | None, specs: tuple[str, ...],
-                  where: str = "") -> None:
+def check_version(
+    report: DoctorReport, package: str, version: str | None, specs: tuple[str, ...], where: str = ""
+) -> None:
     name = f"versions.{package}"
     tested = " or ".join(specs)
     if version is None:
@@ -171,9 +203,19 @@ def check_version(report: DoctorReport, package: str, version: str | None, specs
     if any(_in(version, spec) for spec in specs):
         report.add(name, PASS, f"{version}{where}, tested ({tested})")
     else:
-        report.add(name, WARN, f"{version}{where} is outside the tested versions {tested}",
-                   f"install {package}{specs[-1]} or run this project's tests against {version}")
+        report.add(
+            name,
+            WARN,
+            f"{version}{where} is outside the tested versions {tested}",
+            f"install {package}{specs[-1]} or run this project's tests against {version}",
+        )
 
 
-__all__ = ["TESTED", "builtin_qwen35_available", "check_version", "compute_dtype", "run_environment_checks",
-           "version_of"]
+__all__ = [
+    "TESTED",
+    "builtin_qwen35_available",
+    "check_version",
+    "compute_dtype",
+    "run_environment_checks",
+    "version_of",
+]

@@ -38,8 +38,10 @@ class ModelFolder:
     def is_qwen35(self) -> bool:
         """Whether config.json describes a Qwen3.5 model at all (text, or composite with a Qwen3.5 text_config)."""
         if self.composite:
-            return self.config.get("model_type") in COMPOSITE_MODEL_TYPES and self.text.get(
-                "model_type", "qwen3_5_text") in TEXT_MODEL_TYPES
+            return (
+                self.config.get("model_type") in COMPOSITE_MODEL_TYPES
+                and self.text.get("model_type", "qwen3_5_text") in TEXT_MODEL_TYPES
+            )
         return self.config.get("model_type") in TEXT_MODEL_TYPES
 
     @property
@@ -50,7 +52,7 @@ class ModelFolder:
     def text_key(self, key: str) -> str:
         """A text-model key (`model.layers.0...`, `lm_head.weight`) as this folder stores it."""
         if self.composite and key.startswith("model."):
-            return "model.language_model." + key[len("model."):]
+            return "model.language_model." + key[len("model.") :]
         return key
 
 

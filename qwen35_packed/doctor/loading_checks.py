@@ -156,9 +156,12 @@ def _trl(folder: ModelFolder, report: DoctorReport, remote) -> None:
                    "reference model alike")  # fmt: skip
         return
     built = _name(cls) if cls is not None else "the built-in class of AutoModelForCausalLM"
-    why = (f"architectures[0] {folder.architecture!r} is a transformers class name, so TRL ({version}) resolves "
-           f"getattr(transformers, ...) before auto_map and builds {built}"
-           if cls is not None and cls.__module__.startswith("transformers.") else f"TRL ({version}) builds {built}")
+    why = (
+        f"architectures[0] {folder.architecture!r} is a transformers class name, so TRL ({version}) resolves "
+        f"getattr(transformers, ...) before auto_map and builds {built}"
+        if cls is not None and cls.__module__.startswith("transformers.")
+        else f"TRL ({version}) builds {built}"
+    )
     report.add("loading.trl", FAIL, why + ", not this package's class: packed documents mix silently",
                "architectures must name this package's class (Qwen3_5PackedForCausalLM / "
                "Qwen3_5MoePackedForCausalLM); " + CONVERT_FIX)  # fmt: skip
@@ -185,8 +188,12 @@ def _vllm_registry(folder: ModelFolder, report: DoctorReport) -> None:
     else:
         native = ("Qwen3_5MoeForConditionalGeneration" if folder.is_moe else "Qwen3_5ForConditionalGeneration") \
             if folder.composite else ("Qwen3_5MoeForCausalLM" if folder.is_moe else "Qwen3_5ForCausalLM")  # fmt: skip
-        report.add("loading.vllm", FAIL, f"vLLM knows no {arch!r}: it falls back to its Transformers backend, which "
-                   "rejects linear attention", f"serve with hf_overrides={{'architectures': ['{native}']}}")
+        report.add(
+            "loading.vllm",
+            FAIL,
+            f"vLLM knows no {arch!r}: it falls back to its Transformers backend, which rejects linear attention",
+            f"serve with hf_overrides={{'architectures': ['{native}']}}",
+        )
 
 
 __all__ = ["run_loading_checks", "trl_resolved_class"]

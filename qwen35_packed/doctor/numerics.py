@@ -104,14 +104,18 @@ def run_packed_numerics(folder: ModelFolder, device: torch.device, report: Docto
             name, diff, "max |logit diff|", dtype_name, device.type,
             f"packed vs per-document; {len(DOC_LENGTHS)} documents / {sum(DOC_LENGTHS)} tokens, layers "
             f"0-{n_layers - 1} of {folder.packed_config.num_hidden_layers}, {paths}"))  # fmt: skip
-        part = (f"{dtype_name} ({paths}): {diff:.3g} = {relative:.2g} of the logit scale {scale:.3g} "
-                f"(tolerance {tolerance:g})")
+        part = (
+            f"{dtype_name} ({paths}): {diff:.3g} = {relative:.2g} of the logit scale {scale:.3g} "
+            f"(tolerance {tolerance:g})"
+        )
         parts.append(part)
         if relative > tolerance:
             leaks.append(part)
-    detail = (f"max |packed - per-document logit| {'; '.join(parts)}; {len(DOC_LENGTHS)} documents / "
-              f"{sum(DOC_LENGTHS)} tokens, layers 0-{n_layers - 1} of {folder.packed_config.num_hidden_layers}; "
-              f"{time.perf_counter() - started:.1f} s")
+    detail = (
+        f"max |packed - per-document logit| {'; '.join(parts)}; {len(DOC_LENGTHS)} documents / "
+        f"{sum(DOC_LENGTHS)} tokens, layers 0-{n_layers - 1} of {folder.packed_config.num_hidden_layers}; "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     if leaks:
         report.add(name, FAIL, "documents leak into each other: " + detail,
                    "a kernel path ignores document boundaries: set gdn_kernel / attention_kernel to 'auto' (or the "
@@ -120,5 +124,11 @@ def run_packed_numerics(folder: ModelFolder, device: torch.device, report: Docto
         report.add(name, PASS, detail)
 
 
-__all__ = ["DOC_LENGTHS", "doctor_layer_count", "load_first_layers", "numerics_dtypes", "packed_vs_per_document",
-           "run_packed_numerics"]
+__all__ = [
+    "DOC_LENGTHS",
+    "doctor_layer_count",
+    "load_first_layers",
+    "numerics_dtypes",
+    "packed_vs_per_document",
+    "run_packed_numerics",
+]

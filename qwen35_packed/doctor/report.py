@@ -17,7 +17,6 @@ from ..hub import load_report_file
 from ..report_schema import FAIL, PASS, REPORT_SCHEMA, SKIP, STATUSES, WARN
 
 
-
 @dataclass
 class Check:
     check: str

@@ -72,8 +72,10 @@ def run_vllm_checks(folder: ModelFolder, device: str, report: DoctorReport) -> N
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT),
-                                                                          os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")])),
+        }
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         command = [python, "-m", "qwen35_packed.doctor.vllm_check", str(folder.path), "--json", str(out),
@@ -112,8 +114,12 @@ def _engine(folder: ModelFolder, probe: dict, report: DoctorReport) -> None:
         if bad:
             problems.append("vLLM reads other rope values: " + ", ".join(f"{k} {seen[k]} vs {ours[k]}" for k in bad))
     if problems:
-        report.add("loading.vllm_engine", FAIL, "; ".join(problems),
-                   "install this package into vLLM's environment (its plugin) and re-convert the folder")
+        report.add(
+            "loading.vllm_engine",
+            FAIL,
+            "; ".join(problems),
+            "install this package into vLLM's environment (its plugin) and re-convert the folder",
+        )
     else:
         report.add("loading.vllm_engine", PASS, f"vLLM {probe['vllm']} built {engine}; its rope values equal this "
                    "model's")  # fmt: skip
@@ -125,12 +131,18 @@ def _logprobs(probe: dict, report: DoctorReport) -> None:
               f"tokens of {len(probe['documents'])} documents: mean KL {r['mean_kl']:.3g}, max |dlogp| "
               f"{r['max_abs_dlogp']:.3g}; {probe['seconds']:.0f} s")  # fmt: skip
     notes = f"KL(vLLM || model) per token, vLLM {probe['vllm_dtype']}, documents {probe['documents']}"
-    report.measurements.append(Measurement("numerics.vllm_logprobs", r["mean_kl"], "mean KL",
-                                           probe["model_dtype"], probe["device"], notes))
-    report.measurements.append(Measurement("numerics.vllm_logprobs", r["max_abs_dlogp"], "max |dlogp|",
-                                           probe["model_dtype"], probe["device"], notes))
-    fix = ("vLLM computes other log-probs than training: compare the checks above (rope, loading.vllm_engine) and "
-           "run `python -m qwen35_packed.integrations.vllm_parity DIR` for the full comparison")
+    report.measurements.append(
+        Measurement("numerics.vllm_logprobs", r["mean_kl"], "mean KL", probe["model_dtype"], probe["device"], notes)
+    )
+    report.measurements.append(
+        Measurement(
+            "numerics.vllm_logprobs", r["max_abs_dlogp"], "max |dlogp|", probe["model_dtype"], probe["device"], notes
+        )
+    )
+    fix = (
+        "vLLM computes other log-probs than training: compare the checks above (rope, loading.vllm_engine) and "
+        "run `python -m qwen35_packed.integrations.vllm_parity DIR` for the full comparison"
+    )
     leak, builtin = probe.get("control_builtin_packed"), probe.get("builtin_unpacked")
     if leak is None or builtin is None:
         if r["mean_kl"] > MEAN_KL_FAIL:
@@ -157,15 +169,28 @@ def _routing(probe: dict, report: DoctorReport) -> None:
     detail = (f"vLLM {probe['vllm_dtype']} and this model {probe['model_dtype']} route to different top-k sets on "
               f"{r['disagreement_rate']:.2%} of {r['token_layer_sets']} (token, MoE layer) pairs "
               f"({r['tokens_with_any_layer_disagreeing']:.2%} of tokens in some layer)")  # fmt: skip
-    report.measurements.append(Measurement("numerics.vllm_routing", r["disagreement_rate"],
-                                           "top-k disagreement rate", probe["model_dtype"], probe["device"],
-                                           f"vLLM {probe['vllm_dtype']}, documents {probe['documents']}"))
+    report.measurements.append(
+        Measurement(
+            "numerics.vllm_routing",
+            r["disagreement_rate"],
+            "top-k disagreement rate",
+            probe["model_dtype"],
+            probe["device"],
+            f"vLLM {probe['vllm_dtype']}, documents {probe['documents']}",
+        )
+    )
     if r["disagreement_rate"] > ROUTING_WARN:
-        report.add("numerics.vllm_routing", WARN, detail, "RL on this folder: replay vLLM's routing "
-                   "(PackedGRPOTrainer(routing_replay=True), docs/vllm.md); check that the routers load the same")
+        report.add(
+            "numerics.vllm_routing",
+            WARN,
+            detail,
+            "RL on this folder: replay vLLM's routing "
+            "(PackedGRPOTrainer(routing_replay=True), docs/vllm.md); check that the routers load the same",
+        )
     else:
-        report.add("numerics.vllm_routing", PASS, detail + "; replay it in RL with PackedGRPOTrainer("
-                   "routing_replay=True)")
+        report.add(
+            "numerics.vllm_routing", PASS, detail + "; replay it in RL with PackedGRPOTrainer(routing_replay=True)"
+        )
 
 
 def probe(model_dir: str, device: str, seed: int = 0) -> dict:
@@ -176,8 +201,14 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
     import transformers
     import vllm
 
-    from ..integrations.vllm_parity import (compare, make_documents, model_logprobs, start_engine, vllm_logprobs,
-                                            vllm_model)  # fmt: skip
+    from ..integrations.vllm_parity import (
+        compare,
+        make_documents,
+        model_logprobs,
+        start_engine,
+        vllm_logprobs,
+        vllm_model,  # fmt: skip
+    )
     from ..integrations.vllm_routing import RouterRecorder, model_routing, routing_disagreement
 
     started = time.perf_counter()
@@ -200,8 +231,11 @@ def probe(model_dir: str, device: str, seed: int = 0) -> dict:
         del builtin
     ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True,
                                                              dtype=torch.float32).to(device).eval()  # fmt: skip
-    routing = {} if engine_routing is None else {
-        "routing": routing_disagreement(engine_routing, model_routing(ours, docs), ours.config)}
+    routing = (
+        {}
+        if engine_routing is None
+        else {"routing": routing_disagreement(engine_routing, model_routing(ours, docs), ours.config)}
+    )
     return {
         "vllm": vllm.__version__,
         "transformers": transformers.__version__,

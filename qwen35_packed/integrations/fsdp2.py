@@ -31,8 +31,9 @@ def shard_gdn_decay_fp32(model: nn.Module, mp_policy=None, mesh=None, reshard_af
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    decay_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                        output_dtype=None, cast_forward_inputs=False)
+    decay_policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=False
+    )
     count = 0
     for name, module in gated_deltanet_modules(model):
         if isinstance(module, FSDPModule):
@@ -40,10 +41,13 @@ def shard_gdn_decay_fp32(model: nn.Module, mp_policy=None, mesh=None, reshard_af
         for param_name in ("A_log", "dt_bias"):
             param = module._parameters[param_name]
             if param.dtype != torch.float32:
-                raise ValueError(f"{name}.{param_name} is {param.dtype}; load the model in fp32 (mixed precision "
-                                 "casts the other parameters for compute)")
-        fully_shard(list(module.children()), mesh=mesh, mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward)
+                raise ValueError(
+                    f"{name}.{param_name} is {param.dtype}; load the model in fp32 (mixed precision "
+                    "casts the other parameters for compute)"
+                )
+        fully_shard(
+            list(module.children()), mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
         fully_shard(module, mesh=mesh, mp_policy=decay_policy, reshard_after_forward=reshard_after_forward)
         count += 1
     if count == 0:

@@ -80,8 +80,9 @@ def _get_trainer_base():
     return GRPOTrainer
 
 
-def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                         outputs: tuple[str, ...] = _REF_OUTPUTS) -> None:
+def add_unpadded_lm_head(
+    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = _REF_OUTPUTS
+) -> None:
     """Patch `model` (already patched by TRL's `add_fused_lm_head`) so that `model(..., fused_lm_head=True)`
     projects only the positions whose next-token label is not -100. Same outputs as TRL's fused forward
     (`FusedCausalLMOutput`, zeros where the label is -100); pre-shifted `shift_labels` go to TRL's forward."""
@@ -95,11 +96,18 @@ def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: 
     if getattr(text_config, "final_logit_softcapping", None) or getattr(text_config, "logit_scale", None):
         raise ValueError("add_unpadded_lm_head is for packed Qwen3.5 models (no logit scaling or softcapping)")
 
-    def _unpadded_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
-                          num_items_in_batch=None, **kwargs):
+    def _unpadded_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
         if not fused_lm_head or shift_labels is not None:
-            return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
-                               num_items_in_batch=num_items_in_batch, **kwargs)
+            return trl_forward(
+                *args,
+                fused_lm_head=fused_lm_head,
+                labels=labels,
+                shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch,
+                **kwargs,
+            )
         kwargs["use_cache"] = False
         feed = _ROUTING_FEED.get()
         if feed is not None:
@@ -131,12 +139,23 @@ def add_unpadded_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: 
         aux_loss = None
         if kwargs.get("output_router_logits") and backbone.router_logits:
             # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
-            aux_loss = load_balancing_loss(tuple(backbone.router_logits), text_config.num_experts,
-                                           text_config.num_experts_per_tok, kwargs.get("attention_mask"))
+            aux_loss = load_balancing_loss(
+                tuple(backbone.router_logits),
+                text_config.num_experts,
+                text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
-                                   log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
-                                   label_mask=mask, aux_loss=aux_loss)
+        return FusedCausalLMOutput(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=entropy,
+            log_sum_sq_probs=log_sum_sq_probs,
+            mean_logits=mean_logits,
+            is_top1=is_top1,
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
 
     model.forward = types.MethodType(_unpadded_forward, model)
 
@@ -151,9 +170,11 @@ def _check_packed_model(model) -> None:
     base = model.get_base_model() if is_peft_model(model) else model
     names = {cls.__name__ for cls in type(base).__mro__}
     if not names.intersection(_PACKED_BASES):
-        raise ValueError(f"PackedGRPOTrainer needs a packed Qwen3.5 model, got {type(base).__name__} "
-                         f"({type(base).__module__}); load the folder with trust_remote_code=True "
-                         "(GRPOConfig(trust_remote_code=True) when passing a path)")
+        raise ValueError(
+            f"PackedGRPOTrainer needs a packed Qwen3.5 model, got {type(base).__name__} "
+            f"({type(base).__module__}); load the folder with trust_remote_code=True "
+            "(GRPOConfig(trust_remote_code=True) when passing a path)"
+        )
 
 
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
@@ -162,14 +183,15 @@ def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
     return [t for i, t in enumerate(ids) if t != token_id or i == 0 or ids[i - 1] != token_id]
 
 
-def prompt_token_types(input_ids: torch.Tensor, completion_length: int, image_token_id: int,
-                       video_token_id: int) -> torch.Tensor:
+def prompt_token_types(
+    input_ids: torch.Tensor, completion_length: int, image_token_id: int, video_token_id: int
+) -> torch.Tensor:
     """`mm_token_type_ids` for GRPO's `cat([prompt_ids, completion_ids])`: 1 / 2 at the prompt's image / video
     placeholder ids, 0 everywhere else (a placeholder id in the last `completion_length` tokens is generated
     text)."""
-    prompt = input_ids[:, :input_ids.shape[1] - completion_length]
+    prompt = input_ids[:, : input_ids.shape[1] - completion_length]
     types = torch.zeros_like(input_ids)
-    types[:, :prompt.shape[1]] = (prompt == image_token_id).long() + 2 * (prompt == video_token_id).long()
+    types[:, : prompt.shape[1]] = (prompt == image_token_id).long() + 2 * (prompt == video_token_id).long()
     return types
 
 
@@ -182,14 +204,17 @@ def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
     def generate(self, prompts, images, num_generations, profiler=None):
         if images is None:
             return trl_generate(prompts, images, num_generations, profiler)
-        sent = [collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
-                for ids, row_images in zip(prompts, images, strict=True)]
+        sent = [
+            collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
+            for ids, row_images in zip(prompts, images, strict=True)
+        ]
         prompt_ids, *rest = trl_generate(sent, images, num_generations, profiler)
         for i, (ours, expanded) in enumerate(zip(prompts, prompt_ids, strict=True)):
             if list(ours) != list(expanded):
                 raise RuntimeError(
                     f"vLLM expanded the image placeholders of prompt {i} into other token ids than the trainer's "
-                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced")
+                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced"
+                )
         return (prompt_ids, *rest)
 
     if vllm_generation.mode != "colocate":
@@ -204,15 +229,17 @@ class RoutingFeed:
 
     def __init__(self, routed_experts: torch.Tensor, input_ids: torch.Tensor):
         if tuple(routed_experts.shape[:2]) != tuple(input_ids.shape):
-            raise RuntimeError(f"routed experts for a batch of {tuple(routed_experts.shape[:2])} tokens, the "
-                               f"log-prob step has {tuple(input_ids.shape)}")
+            raise RuntimeError(
+                f"routed experts for a batch of {tuple(routed_experts.shape[:2])} tokens, the "
+                f"log-prob step has {tuple(input_ids.shape)}"
+            )
         self.routed_experts, self.input_ids, self.next_row = routed_experts, input_ids, 0
 
     def take(self, input_ids: torch.Tensor) -> torch.Tensor:
         end = self.next_row + input_ids.shape[0]
-        if not torch.equal(self.input_ids[self.next_row:end].to(input_ids.device), input_ids):
+        if not torch.equal(self.input_ids[self.next_row : end].to(input_ids.device), input_ids):
             raise RuntimeError("routing replay: a forward got other rows than the next ones of its log-prob step")
-        rows, self.next_row = self.routed_experts[self.next_row:end], end
+        rows, self.next_row = self.routed_experts[self.next_row : end], end
         return rows.to(input_ids.device)
 
 
@@ -251,8 +278,10 @@ def check_routing_replay(model, args) -> None:
     if not getattr(config.get_text_config(), "num_experts", 0):
         raise ValueError("routing_replay replays MoE routing, but this is a dense model (no experts)")
     if args.use_vllm and args.vllm_mode != "colocate":
-        raise ValueError(f"routing_replay needs vllm_mode='colocate' (vLLM in this process returns the routed "
-                         f"experts), got vllm_mode={args.vllm_mode!r}")
+        raise ValueError(
+            f"routing_replay needs vllm_mode='colocate' (vLLM in this process returns the routed "
+            f"experts), got vllm_mode={args.vllm_mode!r}"
+        )
     if args.vllm_tensor_parallel_size != 1:
         raise ValueError("routing_replay supports vllm_tensor_parallel_size=1 only")
     check_vllm_returns_routed_experts()
@@ -294,8 +323,10 @@ def _make_trainer_class():
             self.router_aux_loss_coef = coef or 0.0
             self.aux_loss_enabled = bool(is_moe) and self.router_aux_loss_coef > 0
             if self.aux_loss_enabled:
-                logger.warning("GRPO: MoE load-balancing loss on, router_aux_loss_coef=%s (set by the caller)",
-                               self.router_aux_loss_coef)
+                logger.warning(
+                    "GRPO: MoE load-balancing loss on, router_aux_loss_coef=%s (set by the caller)",
+                    self.router_aux_loss_coef,
+                )
             from accelerate.utils import is_peft_model
 
             policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
@@ -303,8 +334,9 @@ def _make_trainer_class():
             if self.ref_model is not None:
                 add_unpadded_lm_head(self.ref_model, self.temperature, self.args.cast_lm_head_to_fp32, _REF_OUTPUTS)
             config = self.model.config
-            self.vision_token_ids = ((config.image_token_id, config.video_token_id)
-                                     if hasattr(config, "vision_config") else None)
+            self.vision_token_ids = (
+                (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
+            )
             generation = getattr(self, "vllm_generation", None)
             if generation is not None and generation.mode == "colocate":
                 from .vllm_sync import configure_colocate_sync
@@ -314,8 +346,10 @@ def _make_trainer_class():
                     send_unexpanded_images(generation, config.image_token_id)
             if self.routing_replay:
                 self._keep_engine_routing(generation.llm)
-                logger.warning("GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
-                               "vLLM used for it (gate weights from the trainer's router)")
+                logger.warning(
+                    "GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
+                    "vLLM used for it (gate weights from the trainer's router)"
+                )
 
         def _keep_engine_routing(self, llm):
             """Keep (prompt length, completion length, routed experts) of every completion vLLM generates."""
@@ -323,8 +357,11 @@ def _make_trainer_class():
 
             def generate(*args, **kwargs):
                 outputs = engine_generate(*args, **kwargs)
-                kept = [(len(out.prompt_token_ids), len(c.token_ids), c.routed_experts)
-                        for out in outputs for c in out.outputs]
+                kept = [
+                    (len(out.prompt_token_ids), len(c.token_ids), c.routed_experts)
+                    for out in outputs
+                    for c in out.outputs
+                ]
                 if any(routed is None for *_, routed in kept):
                     raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
                 self._engine_routing = kept
@@ -338,7 +375,8 @@ def _make_trainer_class():
             if self.routing_replay:  # travels with its rows through TRL's shuffling and splitting
                 output["routed_experts"] = self._rollout_routing_for(
                     torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-                    output["completion_ids"].shape[1])
+                    output["completion_ids"].shape[1],
+                )
                 # from here on, routing comes with the rows only (TRL shuffles and splits them)
                 self._engine_routing, self._rollout_routing = None, None
             return output
@@ -350,20 +388,26 @@ def _make_trainer_class():
                 from .vllm_routing import padded_routed_experts
 
                 if self._engine_routing is None:
-                    raise RuntimeError("routing replay: a log-prob step on rows that carry no routed experts (outside "
-                                       "the scoring of a freshly generated batch, the rows must bring them)")
+                    raise RuntimeError(
+                        "routing replay: a log-prob step on rows that carry no routed experts (outside "
+                        "the scoring of a freshly generated batch, the rows must bring them)"
+                    )
                 if len(self._engine_routing) != attention_mask.shape[0]:
-                    raise RuntimeError(f"routing replay: vLLM's routed experts of "
-                                       f"{len(self._engine_routing or ())} completions for a batch of "
-                                       f"{attention_mask.shape[0]} rows")
+                    raise RuntimeError(
+                        f"routing replay: vLLM's routed experts of "
+                        f"{len(self._engine_routing or ())} completions for a batch of "
+                        f"{attention_mask.shape[0]} rows"
+                    )
                 prompt_lengths, completion_lengths, arrays = zip(*self._engine_routing)
                 prompt_width = attention_mask.shape[1] - completion_width
                 real_prompts = attention_mask[:, :prompt_width].sum(dim=1).tolist()
                 if list(prompt_lengths) != real_prompts:
-                    raise RuntimeError(f"routing replay: vLLM's prompts have {list(prompt_lengths)} tokens, the "
-                                       f"batch's {real_prompts}")
-                self._rollout_routing = padded_routed_experts(arrays, prompt_lengths, completion_lengths,
-                                                              prompt_width, completion_width, self.model.config)
+                    raise RuntimeError(
+                        f"routing replay: vLLM's prompts have {list(prompt_lengths)} tokens, the batch's {real_prompts}"
+                    )
+                self._rollout_routing = padded_routed_experts(
+                    arrays, prompt_lengths, completion_lengths, prompt_width, completion_width, self.model.config
+                )
             return self._rollout_routing
 
         def _compute_loss(self, model, inputs):
@@ -373,8 +417,9 @@ def _make_trainer_class():
             finally:
                 self._batch_routing = None
 
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                               mm_token_type_ids=None, **kwargs):
+        def _get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, *args, mm_token_type_ids=None, **kwargs
+        ):
             # Token types from the prompt only, also for text-only batches (TRL gives none there): a vision
             # placeholder sampled in a completion is text, as vLLM generated it.
             if mm_token_type_ids is None and self.vision_token_ids is not None:
@@ -386,9 +431,15 @@ def _make_trainer_class():
                     routing = self._rollout_routing_for(attention_mask, logits_to_keep)
                 feed = _ROUTING_FEED.set(RoutingFeed(routing, input_ids))
             try:
-                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                  *args, mm_token_type_ids=mm_token_type_ids,
-                                                                  **kwargs)
+                return super()._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    *args,
+                    mm_token_type_ids=mm_token_type_ids,
+                    **kwargs,
+                )
             finally:
                 if feed is not None:
                     _ROUTING_FEED.reset(feed)

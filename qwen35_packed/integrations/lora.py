@@ -39,9 +39,9 @@ EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # Modules that must not take LoRA, with the reason given to the caller.
 _REFUSED = {
     "conv": "LoRA on the GDN conv (linear_attn.conv1d) is not supported: the forward reads conv1d.weight directly, "
-            "so an adapter around the module would silently never run, and PEFT's depthwise-conv LoRA needs r to be "
-            "a multiple of the channel count and cannot be merged for vLLM. Train in_proj_qkv instead (the conv's "
-            "input) or unfreeze conv1d.weight fully with modules_to_save.",
+    "so an adapter around the module would silently never run, and PEFT's depthwise-conv LoRA needs r to be "
+    "a multiple of the channel count and cannot be merged for vLLM. Train in_proj_qkv instead (the conv's "
+    "input) or unfreeze conv1d.weight fully with modules_to_save.",
     "conv1d": None,  # alias, same message
     "router": "LoRA on the MoE router (mlp.gate) is not supported: it computes its logits in fp32 from the raw weight.",
     "lm_head": "LoRA on lm_head is not supported: TRL's GRPO projects with the raw lm_head weight and refuses it.",
@@ -122,9 +122,11 @@ def lora_config(
             pattern = re.compile(target_modules_regex([group]))
             matched = [n for n in names if pattern.fullmatch(n)]
         if not matched:
-            raise ValueError(f"LoRA target group {group!r} matches nothing in this model "
-                             f"({'MoE' if is_moe else 'dense'}); groups present: "
-                             f"{[g for g in GROUPS if _group_present(g, names)]}")
+            raise ValueError(
+                f"LoRA target group {group!r} matches nothing in this model "
+                f"({'MoE' if is_moe else 'dense'}); groups present: "
+                f"{[g for g in GROUPS if _group_present(g, names)]}"
+            )
 
     experts = "experts" in targets
     if lora_dropout is None:
@@ -132,8 +134,10 @@ def lora_config(
     if not isinstance(lora_dropout, (int, float)) or isinstance(lora_dropout, bool) or not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout must be a number in [0, 1), got {lora_dropout!r}")
     if experts and lora_dropout > 0:
-        raise ValueError(f"lora_dropout={lora_dropout} with expert targets: PEFT's target_parameters (the fused "
-                         "expert tensors) work only with lora_dropout=0; set it to 0 or drop 'experts'")
+        raise ValueError(
+            f"lora_dropout={lora_dropout} with expert targets: PEFT's target_parameters (the fused "
+            "expert tensors) work only with lora_dropout=0; set it to 0 or drop 'experts'"
+        )
 
     module_regex = target_modules_regex(targets)
     return LoraConfig(
@@ -155,15 +159,23 @@ def _group_present(group: str, names: list[str]) -> bool:
     return any(pattern.fullmatch(n) for n in names)
 
 
-def trl_cli_args(model_or_config, r: int = 16, lora_alpha: int | None = None,
-                 targets: Iterable[str] = DEFAULT_GROUPS) -> list[str]:
+def trl_cli_args(
+    model_or_config, r: int = 16, lora_alpha: int | None = None, targets: Iterable[str] = DEFAULT_GROUPS
+) -> list[str]:
     """The `trl grpo` / `trl sft` flags that build the same adapter as `lora_config` through TRL's
     `get_peft_config` (module names there are suffixes, which select the same modules here)."""
     config = lora_config(model_or_config, r=r, lora_alpha=lora_alpha, targets=targets)
     pattern = re.compile(config.target_modules) if isinstance(config.target_modules, str) else None
     names = sorted({n.rsplit(".", 1)[-1] for n in _layer_names(model_or_config) if pattern and pattern.fullmatch(n)})
-    args = ["--use_peft", "--lora_r", str(config.r), "--lora_alpha", str(config.lora_alpha),
-            "--lora_dropout", str(config.lora_dropout)]
+    args = [
+        "--use_peft",
+        "--lora_r",
+        str(config.r),
+        "--lora_alpha",
+        str(config.lora_alpha),
+        "--lora_dropout",
+        str(config.lora_dropout),
+    ]
     if names:
         args += ["--lora_target_modules", *names]
     if config.target_parameters:

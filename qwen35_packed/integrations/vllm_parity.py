@@ -87,7 +87,7 @@ def _doc_rows(logits: torch.Tensor, docs) -> list[torch.Tensor]:
     lp = torch.log_softmax(logits.double(), dim=-1)
     rows, start = [], 0
     for d in docs:
-        rows.append(lp[start:start + len(d) - 1])
+        rows.append(lp[start : start + len(d) - 1])
         start += len(d)
     return rows
 
@@ -124,8 +124,13 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor], docs) -> d
         target = torch.tensor(d[1:]).unsqueeze(-1)
         deltas.append((ref.gather(-1, target) - oth.gather(-1, target)).abs().squeeze(-1))
     kl, delta = torch.cat(kls), torch.cat(deltas)
-    return {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(), "mean_abs_dlogp": delta.mean().item(),
-            "max_abs_dlogp": delta.max().item(), "tokens": int(delta.numel())}
+    return {
+        "mean_kl": kl.mean().item(),
+        "max_kl": kl.max().item(),
+        "mean_abs_dlogp": delta.mean().item(),
+        "max_abs_dlogp": delta.max().item(),
+        "tokens": int(delta.numel()),
+    }
 
 
 def perturb_(model, scale: float = 0.1, seed: int = 1) -> None:
@@ -154,8 +159,16 @@ def start_engine(model_dir: str, vocab_size: int, seed: int, **engine_kwargs):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=model_dir, trust_remote_code=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-               max_logprobs=vocab_size, seed=seed, **engine_kwargs)
+    return LLM(
+        model=model_dir,
+        trust_remote_code=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_logprobs=vocab_size,
+        seed=seed,
+        **engine_kwargs,
+    )
 
 
 def run(model_dir: str, seed: int = 0) -> dict:
@@ -171,8 +184,9 @@ def run(model_dir: str, seed: int = 0) -> dict:
     engine_class = type(vllm_model(llm))
     ref = vllm_logprobs(llm, docs, vocab)
 
-    ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True,
-                                                             dtype=torch.float32).eval()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, trust_remote_code=True, dtype=torch.float32
+    ).eval()
     builtin = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = {
         "model_dir_architecture": config["architectures"][0],
@@ -189,8 +203,7 @@ def run(model_dir: str, seed: int = 0) -> dict:
     before["builtin_unpacked_fp32"] = compare(ref, model_logprobs(builtin, docs, "unpacked"), docs)
     before["builtin_packed_fp32"] = compare(ref, model_logprobs(builtin, docs, "packed"), docs)
     before["ours_packed_bf16"] = compare(ref, model_logprobs(ours.to(torch.bfloat16), docs, "packed"), docs)
-    before["builtin_unpacked_bf16"] = compare(ref, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"),
-                                              docs)
+    before["builtin_unpacked_bf16"] = compare(ref, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"), docs)
     ours.float()
 
     perturb_(ours)
@@ -204,8 +217,9 @@ def run(model_dir: str, seed: int = 0) -> dict:
     after["builtin_unpacked_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "unpacked"), docs)
     after["builtin_packed_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "packed"), docs)
     after["ours_packed_bf16"] = compare(ref_after, model_logprobs(ours.to(torch.bfloat16), docs, "packed"), docs)
-    after["builtin_unpacked_bf16"] = compare(ref_after, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"),
-                                             docs)
+    after["builtin_unpacked_bf16"] = compare(
+        ref_after, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"), docs
+    )
     # the push really changed what vLLM computes: the old distributions are far from the new ones
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     results["trl_per_tensor_load_weights"] = probe_per_tensor_load_weights(llm, trained)
@@ -219,8 +233,12 @@ def probe_per_tensor_load_weights(llm, state_dict, prefix: str = "model.") -> di
     `prefix`: where the decoder's keys start (`model.language_model.` in the vision-language layout)."""
     model = vllm_model(llm)
     outcome = {}
-    for suffix in ("layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.out_proj.weight",
-                   "layers.0.linear_attn.A_log", "embed_tokens.weight"):
+    for suffix in (
+        "layers.0.linear_attn.in_proj_qkv.weight",
+        "layers.0.linear_attn.out_proj.weight",
+        "layers.0.linear_attn.A_log",
+        "embed_tokens.weight",
+    ):
         name = prefix + suffix
         try:
             model.load_weights([(name, state_dict[name])])
@@ -248,8 +266,12 @@ def make_vl_documents(seed: int = 0, layout=VL_DOCUMENTS) -> list[tuple[str, lis
         chars = "".join(rng.choice(list(TEXT_CHARACTERS), n_chars))
         cuts = sorted(rng.integers(0, n_chars + 1, n_images).tolist())
         pieces = [chars[a:b] for a, b in zip([0] + cuts, cuts + [n_chars])]
-        images = [Image.fromarray(rng.integers(0, 256, (int(rng.integers(5, 49)), int(rng.integers(5, 49)), 3),
-                                               dtype=np.uint8)) for _ in range(n_images)]
+        images = [
+            Image.fromarray(
+                rng.integers(0, 256, (int(rng.integers(5, 49)), int(rng.integers(5, 49)), 3), dtype=np.uint8)
+            )
+            for _ in range(n_images)
+        ]
         documents.append((IMAGE_PLACEHOLDER.join(pieces), images))
     return documents
 
@@ -266,26 +288,33 @@ def vl_model_logprobs(model, inputs: list[dict], mode: str, pixel_noise_seed: in
     replace every image by noise (the control that shows the images matter)."""
     if pixel_noise_seed is not None:
         g = torch.Generator().manual_seed(pixel_noise_seed)
-        inputs = [{**x, "pixel_values": torch.randn(x["pixel_values"].shape, generator=g)} if "pixel_values" in x
-                  else x for x in inputs]
+        inputs = [
+            {**x, "pixel_values": torch.randn(x["pixel_values"].shape, generator=g)} if "pixel_values" in x else x
+            for x in inputs
+        ]
     docs = [x["input_ids"][0].tolist() for x in inputs]
     if mode == "unpacked":
         out = []
         for x, d in zip(inputs, docs):
             vision = {k: x[k] for k in ("pixel_values", "image_grid_thw") if k in x}
-            logits = model(input_ids=x["input_ids"], mm_token_type_ids=x["mm_token_type_ids"], **vision,
-                           use_cache=False).logits[0]
+            logits = model(
+                input_ids=x["input_ids"], mm_token_type_ids=x["mm_token_type_ids"], **vision, use_cache=False
+            ).logits[0]
             out.extend(_doc_rows(logits, [d]))
         return out
     with_images = [x for x in inputs if "pixel_values" in x]
-    vision = {k: torch.cat([x[k] for x in with_images]) for k in ("pixel_values", "image_grid_thw")} if with_images \
-        else {}
+    vision = (
+        {k: torch.cat([x[k] for x in with_images]) for k in ("pixel_values", "image_grid_thw")} if with_images else {}
+    )
     if "Packed" in type(model).__name__:
         vision["cu_seqlens"] = torch.tensor([0] + [len(d) for d in docs]).cumsum(0)
     # the built-in class takes no boundaries: it reads the row as one sequence (documents mixed, the control)
-    logits = model(input_ids=torch.cat([x["input_ids"] for x in inputs], dim=1),
-                   mm_token_type_ids=torch.cat([x["mm_token_type_ids"] for x in inputs], dim=1), **vision,
-                   use_cache=False).logits[0]
+    logits = model(
+        input_ids=torch.cat([x["input_ids"] for x in inputs], dim=1),
+        mm_token_type_ids=torch.cat([x["mm_token_type_ids"] for x in inputs], dim=1),
+        **vision,
+        use_cache=False,
+    ).logits[0]
     return _doc_rows(logits, docs)
 
 
@@ -308,8 +337,9 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
     engine_class = type(vllm_model(llm))
     ref, vllm_ids = vllm_prompt_logprobs(llm, prompts, vocab)
     if vllm_ids != docs:
-        raise RuntimeError("vLLM expanded the prompts into other token ids than the folder's processor:\n"
-                           f"{vllm_ids}\n{docs}")
+        raise RuntimeError(
+            f"vLLM expanded the prompts into other token ids than the folder's processor:\n{vllm_ids}\n{docs}"
+        )
 
     auto = transformers.AutoModelForImageTextToText
     ours = auto.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32).eval()
@@ -332,11 +362,11 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
     before["ours_unpacked_fp32"] = compare(ref, vl_model_logprobs(ours, inputs, "unpacked"), docs)
     before["builtin_unpacked_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
     before["builtin_packed_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "packed"), docs)
-    before["ours_packed_fp32_noise_images"] = compare(ref, vl_model_logprobs(ours, inputs, "packed", seed + 7),
-                                                      docs)
+    before["ours_packed_fp32_noise_images"] = compare(ref, vl_model_logprobs(ours, inputs, "packed", seed + 7), docs)
     before["ours_packed_bf16"] = compare(ref, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"), docs)
     before["builtin_unpacked_bf16"] = compare(
-        ref, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs)
+        ref, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs
+    )
     ours.float()
 
     perturb_(ours)
@@ -352,14 +382,15 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
     after["ours_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(ours, inputs, "unpacked"), docs)
     after["builtin_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
     after["builtin_packed_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "packed"), docs)
-    after["ours_packed_bf16"] = compare(ref_after, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"),
-                                        docs)
+    after["ours_packed_bf16"] = compare(ref_after, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"), docs)
     after["builtin_unpacked_bf16"] = compare(
-        ref_after, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs)
+        ref_after, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs
+    )
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     # the engine with only the prefix cache reset, against the trained model
     after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"] = compare(
-        ref_stale, vl_model_logprobs(ours.float(), inputs, "packed"), docs)
+        ref_stale, vl_model_logprobs(ours.float(), inputs, "packed"), docs
+    )
     results["trl_per_tensor_load_weights"] = probe_per_tensor_load_weights(llm, trained, "model.language_model.")
     results["seconds"] = time.perf_counter() - started
     return results

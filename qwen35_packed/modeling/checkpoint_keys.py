@@ -71,10 +71,17 @@ def _checkpoint_files(name_or_path, kwargs: dict) -> dict[str, list[str]]:
     from transformers.utils.hub import get_checkpoint_shard_files
 
     hub = _hub_kwargs(kwargs)
-    found = functools.partial(cached_file, name_or_path, _raise_exceptions_for_missing_entries=False,
-                              _raise_exceptions_for_connection_errors=False, **hub)
-    formats = [("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json",
-                                                                       "pytorch_model.bin")]
+    found = functools.partial(
+        cached_file,
+        name_or_path,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub,
+    )
+    formats = [
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ]
     if kwargs.get("use_safetensors") is False:
         formats.reverse()
     for index_name, single_name in formats:
@@ -103,8 +110,8 @@ class _ModelKeys:
     def of(self, key: str) -> str | None:
         if key in self.names:
             return key
-        if key.startswith(self.prefix) and key[len(self.prefix):] in self.names:
-            return key[len(self.prefix):]
+        if key.startswith(self.prefix) and key[len(self.prefix) :] in self.names:
+            return key[len(self.prefix) :]
         if self.prefix + key in self.names:
             return self.prefix + key
         return None
@@ -137,8 +144,12 @@ def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[i
     filled = set()
     for prefix, projs in groups.items():
         n_experts = 1 + max(max(experts, default=-1) for experts in projs.values())
-        absent = [f"{prefix}.{e}.{proj}.weight" for e in range(n_experts) for proj in ("gate_proj", "up_proj",
-                  "down_proj") if e not in projs[proj]]
+        absent = [
+            f"{prefix}.{e}.{proj}.weight"
+            for e in range(n_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+            if e not in projs[proj]
+        ]
         if absent:
             raise ValueError(f"{where} stores the experts of {prefix!r} per expert but lacks {_shown(absent)}")
         gates = [tensors[projs["gate_proj"][e]] for e in range(n_experts)]
@@ -151,11 +162,15 @@ def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[i
             name = keys.of(f"{prefix}.{proj}")
             param = params[name]
             if param.device.type == "meta":
-                raise ValueError(f"{name} is offloaded (device_map): per-expert checkpoints cannot be fused into "
-                                 "offloaded parameters; convert the folder first (`qwen35-packed convert`)")
+                raise ValueError(
+                    f"{name} is offloaded (device_map): per-expert checkpoints cannot be fused into "
+                    "offloaded parameters; convert the folder first (`qwen35-packed convert`)"
+                )
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"{where}: the per-expert tensors of {prefix!r} fuse to {list(value.shape)} but "
-                                 f"{name} is {list(param.shape)}")
+                raise ValueError(
+                    f"{where}: the per-expert tensors of {prefix!r} fuse to {list(value.shape)} but "
+                    f"{name} is {list(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(value)
             filled.add(name)

@@ -56,6 +56,7 @@ def log_once(log: logging.Logger, key, message: str, *args) -> None:
     if first_time(key):
         log.warning(message, *args)
 
+
 LAYER_TYPES = ("linear_attention", "full_attention")
 # model_type of the official composite (vision-language) configs, whose `text_config` is a text config.
 COMPOSITE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -74,6 +75,8 @@ def text_config_dict(config_dict: dict) -> dict:
     if "transformers_version" in config_dict:
         text.setdefault("transformers_version", config_dict["transformers_version"])
     return text
+
+
 # Project-only kernel choices (modeling/kernels.py) and the values each accepts.
 KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "fla", "torch"),
@@ -122,14 +125,20 @@ def resolve_rope_parameters(
     0.25 next to the 0.5 of `rope_parameters` that its model uses).
     """
     stated = rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
-    if (_written_by_transformers_5(writer_version) and None not in (stated, partial_rotary_factor)
-            and not same_value(stated, partial_rotary_factor)):
+    if (
+        _written_by_transformers_5(writer_version)
+        and None not in (stated, partial_rotary_factor)
+        and not same_value(stated, partial_rotary_factor)
+    ):
         log_once(
             logger,
             "ignored-partial-rotary-factor",
             "config.json written by transformers %s has top-level partial_rotary_factor=%r but rope_parameters says "
             "%r; transformers 5 reads rope_parameters, so %r is used.",
-            writer_version, partial_rotary_factor, stated, stated,
+            writer_version,
+            partial_rotary_factor,
+            stated,
+            stated,
         )
         partial_rotary_factor = None
     merged: dict = {}
@@ -176,8 +185,10 @@ def resolve_rope_parameters(
         merged.setdefault(key, QWEN3_5_ROPE_DEFAULTS[key])
     supported = ("default", *ROPE_INIT_FUNCTIONS)
     if merged["rope_type"] not in supported:
-        raise ValueError(f"rope_type {merged['rope_type']!r} is not one of the rope types transformers "
-                         f"{transformers.__version__} implements: {', '.join(supported)}")
+        raise ValueError(
+            f"rope_type {merged['rope_type']!r} is not one of the rope types transformers "
+            f"{transformers.__version__} implements: {', '.join(supported)}"
+        )
     merged["rope_theta"] = float(merged["rope_theta"])
     merged["partial_rotary_factor"] = float(merged["partial_rotary_factor"])
     if len(merged["mrope_section"]) != 3:
@@ -288,8 +299,13 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.layer_types = list(layer_types)
         self.full_attention_interval = full_attention_interval
 
-        rope = resolve_rope_parameters(rope_parameters, rope_scaling, rope_theta, partial_rotary_factor,
-                                       writer_version=kwargs.get("transformers_version"))
+        rope = resolve_rope_parameters(
+            rope_parameters,
+            rope_scaling,
+            rope_theta,
+            partial_rotary_factor,
+            writer_version=kwargs.get("transformers_version"),
+        )
         self.rope_parameters = rope
         # Legacy mirrors for v4-style readers (getattr(config, "rope_theta", default)).
         self.rope_theta = rope["rope_theta"]
@@ -323,8 +339,10 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         try:
             ROPE_INIT_FUNCTIONS[rope["rope_type"]](self, "cpu")
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ValueError(f"rope_type {rope['rope_type']!r} with rope parameters {rope} cannot be computed by "
-                             f"transformers {transformers.__version__}: {type(err).__name__}: {err}") from err
+            raise ValueError(
+                f"rope_type {rope['rope_type']!r} with rope parameters {rope} cannot be computed by "
+                f"transformers {transformers.__version__}: {type(err).__name__}: {err}"
+            ) from err
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
@@ -349,7 +367,8 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         # Interleaved sections are read as the built-in reads them, whatever their sum; contiguous ones (a layout
         # only this project implements) must cover the rotary half-dim exactly.
         if not self.rope_parameters["mrope_interleaved"] and sum(self.rope_parameters["mrope_section"]) != (
-                rotary_dim // 2):
+            rotary_dim // 2
+        ):
             raise ValueError(
                 f"mrope_section {self.rope_parameters['mrope_section']} must sum to the rotary half-dim "
                 f"{rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor "
@@ -368,8 +387,9 @@ class Qwen3_5PackedConfig(PretrainedConfig):
             raise ValueError(f"return_logits_with_loss must be True or False, got {self.return_logits_with_loss!r}")
         for field_name, allowed in KERNEL_FIELDS.items():
             if getattr(self, field_name) not in allowed:
-                raise ValueError(f"{field_name} must be one of {', '.join(map(repr, allowed))}, "
-                                 f"got {getattr(self, field_name)!r}")
+                raise ValueError(
+                    f"{field_name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, field_name)!r}"
+                )
 
     def to_dict(self) -> dict:
         # Every rope form in the saved config.json, as `convert` writes it, so that a reader of either major
@@ -398,8 +418,14 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
     model_type = "qwen3_5_moe_text"
     is_moe = True
 
-    def __init__(self, hidden_size: int = 2048, num_hidden_layers: int = 40, num_key_value_heads: int = 2,
-                 intermediate_size: int | None = None, **kwargs):
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        num_hidden_layers: int = 40,
+        num_key_value_heads: int = 2,
+        intermediate_size: int | None = None,
+        **kwargs,
+    ):
         super().__init__(
             hidden_size=hidden_size,
             num_hidden_layers=num_hidden_layers,

@@ -38,10 +38,23 @@ if _BuiltinConfig is None or _BuiltinMoeConfig is None:
         base_config_key = "vision_config"
         attribute_map = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 
-        def __init__(self, depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
-                     num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                     out_hidden_size=3584, num_position_embeddings=2304, initializer_range=0.02,
-                     rope_parameters=None, **kwargs):
+        def __init__(
+            self,
+            depth=27,
+            hidden_size=1152,
+            hidden_act="gelu_pytorch_tanh",
+            intermediate_size=4304,
+            num_heads=16,
+            in_channels=3,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=3584,
+            num_position_embeddings=2304,
+            initializer_range=0.02,
+            rope_parameters=None,
+            **kwargs,
+        ):
             self.depth = depth
             self.hidden_size = hidden_size
             self.hidden_act = hidden_act
@@ -68,8 +81,17 @@ if _BuiltinConfig is None or _BuiltinMoeConfig is None:
             super().__init_subclass__(**kwargs)
             cls.sub_configs = dict(cls.sub_configs_defaults)
 
-        def __init__(self, text_config=None, vision_config=None, image_token_id=248056, video_token_id=248057,
-                     vision_start_token_id=248053, vision_end_token_id=248054, tie_word_embeddings=False, **kwargs):
+        def __init__(
+            self,
+            text_config=None,
+            vision_config=None,
+            image_token_id=248056,
+            video_token_id=248057,
+            vision_start_token_id=248053,
+            vision_end_token_id=248054,
+            tie_word_embeddings=False,
+            **kwargs,
+        ):
             for name, config_class in self.sub_configs_defaults.items():
                 value = text_config if name == "text_config" else vision_config
                 if isinstance(value, dict):

@@ -38,8 +38,14 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim,
-                                padding=self.conv_kernel_size - 1, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=self.conv_kernel_size - 1,
+            bias=False,
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
@@ -49,8 +55,12 @@ class GatedDeltaNet(nn.Module):
         # Keep A_log / dt_bias (and their gradients) fp32 across .to(dtype) / .half() / .bfloat16(): where `fn`
         # would down-cast one of them, it is moved instead. Every other conversion (to_empty() from the meta
         # device, device moves) is fn's own, so nn.Module decides as usual how to swap the parameter in.
-        fp32 = {id(t) for name in FP32_PARAMETERS for t in (self._parameters[name], self._parameters[name].grad)
-                if t is not None and t.dtype == torch.float32}
+        fp32 = {
+            id(t)
+            for name in FP32_PARAMETERS
+            for t in (self._parameters[name], self._parameters[name].grad)
+            if t is not None and t.dtype == torch.float32
+        }
 
         def keep_fp32(t):
             out = fn(t)
@@ -75,8 +85,9 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
         weight = self.conv1d.weight.squeeze(1)
-        q, k, v = causal_conv1d_varlen(mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim],
-                                       initial_state=conv_state)
+        q, k, v = causal_conv1d_varlen(
+            mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim], initial_state=conv_state
+        )
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)

@@ -134,8 +134,14 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
         )
     elif conv == "triton" and not (on_cuda and TRITON_CONV_AVAILABLE):
-        raise RuntimeError("conv_kernel='triton' was forced but " + ("Triton >= 3.6 is not importable" if not
-                           TRITON_CONV_AVAILABLE else "the Triton conv kernel needs a CUDA device"))
+        raise RuntimeError(
+            "conv_kernel='triton' was forced but "
+            + (
+                "Triton >= 3.6 is not importable"
+                if not TRITON_CONV_AVAILABLE
+                else "the Triton conv kernel needs a CUDA device"
+            )
+        )
     elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
 
@@ -144,20 +150,32 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     if moe == "auto":
         moe = "grouped_mm" if (on_cuda and grouped_mm_usable(device, dtype)) else "loop"
     elif moe == "grouped_mm" and not grouped_mm_usable(device, dtype):
-        raise RuntimeError(f"moe_kernel='grouped_mm' was forced but torch's grouped_mm does not run on {device.type} "
-                           f"with {dtype} here" + ("" if GROUPED_MM is not None else " (this torch has none)"))
+        raise RuntimeError(
+            f"moe_kernel='grouped_mm' was forced but torch's grouped_mm does not run on {device.type} "
+            f"with {dtype} here" + ("" if GROUPED_MM is not None else " (this torch has none)")
+        )
 
     choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe)
     key = (device.type, dtype, choice)
     if first_time(key):
-        slow = " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)" if (
-            on_cuda and gdn == "torch"
-        ) else ""
+        slow = (
+            " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)"
+            if (on_cuda and gdn == "torch")
+            else ""
+        )
         if on_cuda and is_moe and moe == "loop":
             slow += " (MoE experts in a per-expert loop with a host sync per layer: grouped_mm needs bf16)"
-        logger.warning("qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s%s",
-                       device.type, dtype, gdn, conv, attention, elementwise,
-                       f", moe={moe}" if is_moe else "", slow)
+        logger.warning(
+            "qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s%s",
+            device.type,
+            dtype,
+            gdn,
+            conv,
+            attention,
+            elementwise,
+            f", moe={moe}" if is_moe else "",
+            slow,
+        )
     return choice
 
 
@@ -321,7 +339,10 @@ def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, split_sizes, i
         return causal_conv1d_silu_split(x, weight, packed.position_in_doc(), split_sizes)
     elif choice.conv == "fla":
         out, _ = _fla_causal_conv1d(
-            x.unsqueeze(0), weight=weight, activation="silu", cu_seqlens=packed.cu_seqlens_int64(),
+            x.unsqueeze(0),
+            weight=weight,
+            activation="silu",
+            cu_seqlens=packed.cu_seqlens_int64(),
             cu_seqlens_cpu=packed.cu_seqlens_cpu(),
         )
         out = out.squeeze(0)
@@ -395,27 +416,34 @@ def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=No
     outs, states = [], []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         init = None if initial_state is None else initial_state[i]
-        o, s = torch_chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                            beta[start:end], init)
+        o, s = torch_chunk_gated_delta_rule(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], init
+        )
         outs.append(o)
         states.append(s)
     final = torch.stack(states) if output_final_state else None
     return torch.cat(outs).to(dtype), final
 
 
-def gated_delta_rule_varlen(q, k, v, g, beta, packed, choice: KernelChoice, initial_state=None,
-                            output_final_state=False):
+def gated_delta_rule_varlen(
+    q, k, v, g, beta, packed, choice: KernelChoice, initial_state=None, output_final_state=False
+):
     """Dispatch; returns (o [N, Hv, Dv], final_state [n_docs, Hv, Dk, Dv] fp32 or None)."""
     if choice.gdn == "fla":
         o, final = _fla_chunk_gated_delta_rule(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens_int64(),
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.unsqueeze(0),
+            beta.unsqueeze(0),
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=packed.cu_seqlens_int64(),
             cu_seqlens_cpu=packed.cu_seqlens_cpu(),
         )
         return o.squeeze(0), (final.float() if final is not None else None)
-    return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens_cpu(), initial_state,
-                                         output_final_state)
+    return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens_cpu(), initial_state, output_final_state)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -427,8 +455,14 @@ def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
     """weight * rmsnorm(x) * silu(gate): norm in fp32, gate in fp32, as the reference computes it."""
     if choice.gdn == "fla":
         shape = x.shape
-        out = _fla_rms_norm_gated(x=x.reshape(-1, shape[-1]), g=gate.reshape(-1, shape[-1]), weight=weight,
-                                  bias=None, activation="silu", eps=eps)
+        out = _fla_rms_norm_gated(
+            x=x.reshape(-1, shape[-1]),
+            g=gate.reshape(-1, shape[-1]),
+            weight=weight,
+            bias=None,
+            activation="silu",
+            eps=eps,
+        )
         return out.reshape(shape)
     dtype = x.dtype
     xf = x.float()
@@ -454,21 +488,44 @@ def sdpa_one_document(q, k, v, scale: float, causal: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale).transpose(0, 1)
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, kernel: str, causal: bool,
-                     host_cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen: int,
+    scale: float,
+    kernel: str,
+    causal: bool,
+    host_cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention inside each document of cu_seqlens, causal or full; `kernel` is a KernelChoice.attention.
     q [N, H, D], k / v [N, Hkv, D] -> [N, H, D]. The per-document SDPA loop reads the boundaries from
     `host_cu_seqlens` when given (no device-to-host copy), else from cu_seqlens."""
     if kernel == "flash_attn":
-        return _flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                       softmax_scale=scale, causal=causal)
+        return _flash_attn_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
+        )
     if kernel == "torch_varlen":
         # varlen_attn has no is_causal flag: window (-1, 0) = unlimited left context, no right context.
-        return _torch_varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                                  window_size=(-1, 0) if causal else (-1, -1))
+        return _torch_varlen_attn(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            scale=scale,
+            window_size=(-1, 0) if causal else (-1, -1),
+        )
     bounds = (cu_seqlens if host_cu_seqlens is None else host_cu_seqlens).tolist()
-    return torch.cat([sdpa_one_document(q[start:end], k[start:end], v[start:end], scale, causal)
-                      for start, end in zip(bounds[:-1], bounds[1:])])
+    return torch.cat(
+        [
+            sdpa_one_document(q[start:end], k[start:end], v[start:end], scale, causal)
+            for start, end in zip(bounds[:-1], bounds[1:])
+        ]
+    )
 
 
 def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice) -> torch.Tensor:

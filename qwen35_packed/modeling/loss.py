@@ -60,8 +60,12 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
     """grad_weight (fp32) += grad_logits.T @ h. On CUDA with bf16 / fp16 inputs one GEMM accumulates into
     grad_weight in fp32 (no [V, H] product in the input dtype, no cast, no separate add); elsewhere the product is
     formed in the inputs' dtype and added in fp32."""
-    if grad_weight.is_cuda and _ADDMM_FP32_OUT and grad_logits.dtype in (torch.bfloat16, torch.float16) and (
-            h.dtype == grad_logits.dtype):
+    if (
+        grad_weight.is_cuda
+        and _ADDMM_FP32_OUT
+        and grad_logits.dtype in (torch.bfloat16, torch.float16)
+        and (h.dtype == grad_logits.dtype)
+    ):
         torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=torch.float32, out=grad_weight)
     else:
         grad_weight += (grad_logits.t() @ h).float()
@@ -89,13 +93,26 @@ def _project_chunk(h, weight, kept, logits_index, start: int, end: int):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, denominator, logits_index, logits_rows, chunk_tokens, chunk_loss,
-                keep_logits, grad_hidden_wanted, grad_weight_wanted):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        denominator,
+        logits_index,
+        logits_rows,
+        chunk_tokens,
+        chunk_loss,
+        keep_logits,
+        grad_hidden_wanted,
+        grad_weight_wanted,
+    ):
         needs_grad = grad_hidden_wanted or grad_weight_wanted
         num_tokens = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None  # every row is written below
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if (
-            grad_weight_wanted) else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if (grad_weight_wanted) else None
+        )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         autocast = torch.is_autocast_enabled(hidden.device.type)  # an out= matmul would bypass it
         kept = None
@@ -140,10 +157,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None, None, None
 
 
-def chunked_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=None,
-                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep_logits: bool = True,
-                                 logits_index: torch.Tensor | None = None, logits_rows: int | None = None,
-                                 choice: KernelChoice | None = None):
+def chunked_linear_cross_entropy(
+    hidden,
+    weight,
+    targets,
+    num_items_in_batch=None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    keep_logits: bool = True,
+    logits_index: torch.Tensor | None = None,
+    logits_rows: int | None = None,
+    choice: KernelChoice | None = None,
+):
     """Token-weighted fp32 cross-entropy of `hidden @ weight.T` against `targets` (ignore_index -100).
 
     hidden [N, H]; weight [V, H]; targets long [N]. The sum is divided by `num_items_in_batch` when given (HF
@@ -162,7 +186,15 @@ def chunked_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=Non
         raise ValueError("logits_index needs logits_rows, the number of rows of the returned logits")
     grad_on = torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, denominator, logits_index, logits_rows, chunk_tokens,
-        _elementwise(chunk_cross_entropy, choice), keep_logits,
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        hidden,
+        weight,
+        targets,
+        denominator,
+        logits_index,
+        logits_rows,
+        chunk_tokens,
+        _elementwise(chunk_cross_entropy, choice),
+        keep_logits,
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
     )

@@ -44,12 +44,13 @@ from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
-from .numerics import enable_numerics_check
-from .recompute import RecomputedActivations, recompute_enabled
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
+from .recompute import RecomputedActivations, recompute_enabled
 from .rope import MRotaryEmbedding
 from .routing_replay import routed_experts_stream
+
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): kernels.py needs triton_conv.py, so it is named here too
 # (tests/test_remote_code_audit.py checks that nothing is missing).
@@ -59,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 # The name under which the installed `generate()` passes the cache around ("cache" from transformers 5.2x on).
 _CACHE_KWARG = (
-    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )
 # Keyword arguments trainers and generate() pass that carry nothing for this model.
@@ -142,8 +144,9 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         # Any official layout (composite or text, experts fused or per expert): checkpoint_keys.py.
-        return from_official_layout(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs,
-                                    TEXT_KEY_MAPPING)
+        return from_official_layout(
+            cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs, TEXT_KEY_MAPPING
+        )
 
     def _init_weights(self, module):
         init = getattr(transformers, "initialization", None) or nn.init
@@ -178,9 +181,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
-        self.layers = nn.ModuleList(
-            [Qwen3_5PackedDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([Qwen3_5PackedDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(config)
         self.post_init()
@@ -191,10 +192,22 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def resolve_packing(self, shape: tuple[int, int], device, *, attention_mask=None, position_ids=None,
-                        cache: Qwen3_5PackedCache | None = None, use_cache: bool | None = None, cu_seqlens=None,
-                        cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                        seq_idx=None) -> tuple[PackedSequence, Qwen3_5PackedCache | None]:
+    def resolve_packing(
+        self,
+        shape: tuple[int, int],
+        device,
+        *,
+        attention_mask=None,
+        position_ids=None,
+        cache: Qwen3_5PackedCache | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+    ) -> tuple[PackedSequence, Qwen3_5PackedCache | None]:
         """The packing step of a forward over a (batch, seq) = `shape` batch: its PackedSequence and the cache to
         use (None without one). A filled cache continues every row by its new tokens; otherwise the boundaries
         come from the packing contract (packing.py) and a cache is made when `use_cache` asks for one."""
@@ -202,9 +215,10 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         explicit_packing = any(x is not None for x in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
         if cache is not None and cache.has_state:
             if explicit_packing:
-                raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
-                                 "filled cache")
-            if attention_mask is not None and not bool(attention_mask[:, -shape[1]:].bool().all()):
+                raise ValueError(
+                    "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
+                )
+            if attention_mask is not None and not bool(attention_mask[:, -shape[1] :].bool().all()):
                 raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
             packed = cache.decode_sequence(shape[0], shape[1], device)
             if position_ids is not None and position_ids.dim() == 2:
@@ -212,8 +226,16 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                     raise ValueError("position_ids contradict the cache: generation positions continue per row")
             return packed, cache
         packed = build_packed_sequence(
-            shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k, seq_idx,
+            shape,
+            device,
+            attention_mask,
+            position_ids,
+            cu_seqlens,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
+            seq_idx,
         )
         # A cache holds one document per row: of the cache given, else of the batch.
         one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
@@ -225,9 +247,18 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             return packed, None
         return packed, cache if cache is not None else Qwen3_5PackedCache(self.config.num_hidden_layers, shape[0])
 
-    def run_layers(self, hidden: torch.Tensor, packed: PackedSequence, *, rope_positions=None,
-                   cache: Qwen3_5PackedCache | None = None, columns: int = 0, output_hidden_states: bool = False,
-                   output_router_logits: bool = False, routed_experts=None):
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        packed: PackedSequence,
+        *,
+        rope_positions=None,
+        cache: Qwen3_5PackedCache | None = None,
+        columns: int = 0,
+        output_hidden_states: bool = False,
+        output_router_logits: bool = False,
+        routed_experts=None,
+    ):
         """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `packed`, with rope at
         `rope_positions` (packed.position_ids by default; the vision-language model passes its [3, N] positions).
         A cache advances by the stream and `columns` caller columns. `routed_experts`: experts to replay per token
@@ -242,8 +273,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
 
         all_hidden = [] if output_hidden_states else None
         router_logits = [] if output_router_logits else None
-        checkpointing = (self.training and torch.is_grad_enabled()
-                         and any(layer.gradient_checkpointing for layer in self.layers))
+        checkpointing = (
+            self.training and torch.is_grad_enabled() and any(layer.gradient_checkpointing for layer in self.layers)
+        )
         # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
         # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
         recompute = RecomputedActivations() if recompute_enabled() and not checkpointing else contextlib.nullcontext()
@@ -252,8 +284,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 if all_hidden is not None:
                     all_hidden.append(hidden)
                 routed = next(replay) if replay is not None and isinstance(layer.mlp, SparseMoeBlock) else None
-                hidden, logits = layer(hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache,
-                                       routed_experts=routed)
+                hidden, logits = layer(
+                    hidden, packed=packed, cos=cos, sin=sin, choice=choice, cache=cache, routed_experts=routed
+                )
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, choice)
@@ -263,8 +296,16 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             cache.advance(packed, columns)
         return hidden, all_hidden, router_logits
 
-    def run_packed(self, input_ids=None, *, inputs_embeds=None, output_hidden_states: bool = False,
-                   output_router_logits: bool = False, routed_experts=None, **packing):
+    def run_packed(
+        self,
+        input_ids=None,
+        *,
+        inputs_embeds=None,
+        output_hidden_states: bool = False,
+        output_router_logits: bool = False,
+        routed_experts=None,
+        **packing,
+    ):
         """Resolve the packing (`resolve_packing`: attention_mask, position_ids, cache, use_cache and the packing
         kwargs), embed and run the layers. Returns (hidden [N, H], packed, cache, all hidden, router logits)."""
         shape = input_shape(input_ids, inputs_embeds)
@@ -275,28 +316,64 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         else:
             hidden = packed.pack(inputs_embeds)
         hidden, all_hidden, router_logits = self.run_layers(
-            hidden, packed, cache=cache, columns=shape[1], output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits, routed_experts=routed_experts,
+            hidden,
+            packed,
+            cache=cache,
+            columns=shape[1],
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            routed_experts=routed_experts,
         )
         return hidden, packed, cache, all_hidden, router_logits
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
-                cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                seq_idx=None, cache=None, return_dict=None, routed_experts=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_hidden_states=None,
+        output_router_logits=None,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+        cache=None,
+        return_dict=None,
+        routed_experts=None,
+        **kwargs,
+    ):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         if want_router and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
-            log_once(logger, "aux-backbone", "router logits returned with router_aux_loss_coef=%s: trainers that add "
-                     "the load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
-                     "for RL", self.config.router_aux_loss_coef)
+            log_once(
+                logger,
+                "aux-backbone",
+                "router logits returned with router_aux_loss_coef=%s: trainers that add "
+                "the load-balancing loss (TRL does) use this coefficient; set it to 0 to train without it, e.g. "
+                "for RL",
+                self.config.router_aux_loss_coef,
+            )
         hidden, packed, cache, all_hidden, router_logits = self.run_packed(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values, use_cache=use_cache,
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=use_cache,
             output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
-            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            output_router_logits=want_router,
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
             routed_experts=routed_experts,
         )
         output = Qwen3_5PackedModelOutput(
@@ -320,8 +397,10 @@ def _check_kwargs(kwargs: dict, config) -> None:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
     requested = kwargs.get("output_attentions")
     if requested or (requested is None and getattr(config, "output_attentions", False)):
-        raise ValueError("output_attentions is not supported (nor config.output_attentions=True): the varlen "
-                         "attention kernels never form the attention matrix")
+        raise ValueError(
+            "output_attentions is not supported (nor config.output_attentions=True): the varlen "
+            "attention kernels never form the attention matrix"
+        )
 
 
 def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
@@ -330,11 +409,13 @@ def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
     given = [name for name in _PACKING_KWARGS if kwargs.get(name) is not None]
     position_ids = kwargs.get("position_ids")
     if not given and position_ids is not None and torch.as_tensor(position_ids).ndim == 2:
-        ids = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
-                                         if kwargs.get(k) is not None), None)
+        ids = (
+            args[0]
+            if args
+            else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds") if kwargs.get(k) is not None), None)
+        )
         if ids is not None:
-            packed = build_packed_sequence(tuple(ids.shape[:2]), ids.device, kwargs.get("attention_mask"),
-                                           position_ids)
+            packed = build_packed_sequence(tuple(ids.shape[:2]), ids.device, kwargs.get("attention_mask"), position_ids)
             if packed.num_docs != ids.shape[0]:
                 given = ["position_ids that restart within a row"]
     if given:
@@ -397,25 +478,60 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     def get_decoder(self):
         return self.model
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
-                output_router_logits=None, logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                cache=None, shift_labels=None, return_dict=None, routed_experts=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_hidden_states=None,
+        output_router_logits=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+        cache=None,
+        shift_labels=None,
+        return_dict=None,
+        routed_experts=None,
+        **kwargs,
+    ):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config, output_router_logits)
         hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values, use_cache=use_cache,
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=use_cache,
             output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
-            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
+            output_router_logits=want_router,
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
             routed_experts=routed_experts,
         )
 
-        loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
-                                                      kwargs.get("num_items_in_batch"), router_logits, want_router,
-                                                      shift_labels)
+        loss, aux_loss, logits = self.lm_head_outputs(
+            hidden,
+            packed,
+            labels,
+            logits_to_keep,
+            kwargs.get("num_items_in_batch"),
+            router_logits,
+            want_router,
+            shift_labels,
+        )
 
         output = Qwen3_5PackedCausalLMOutput(
             loss=loss,
@@ -427,8 +543,9 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         )
         return output if _wants_dict(self.config, return_dict) else output.to_tuple()
 
-    def lm_head_outputs(self, hidden, packed, labels, logits_to_keep, num_items_in_batch, router_logits,
-                        want_router, shift_labels=None):
+    def lm_head_outputs(
+        self, hidden, packed, labels, logits_to_keep, num_items_in_batch, router_logits, want_router, shift_labels=None
+    ):
         """lm_head, loss and MoE aux loss on the packed stream -> (loss, aux_loss, logits in the caller's layout).
         Shared with the vision-language classes: the text settings come from `config.get_text_config()`."""
         text_config = self.config.get_text_config()
@@ -438,8 +555,9 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
             targets = loss_targets(packed, labels, shift_labels)
-            loss, logits = self.packed_loss(hidden, targets, packed, num_items_in_batch,
-                                            keep_logits=text_config.return_logits_with_loss)
+            loss, logits = self.packed_loss(
+                hidden, targets, packed, num_items_in_batch, keep_logits=text_config.return_logits_with_loss
+            )
         elif full_logits:
             logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
         else:
@@ -448,17 +566,29 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
 
         aux_loss = None
         if want_router and router_logits:
-            aux_loss = load_balancing_loss(tuple(router_logits), text_config.num_experts,
-                                           text_config.num_experts_per_tok)
+            aux_loss = load_balancing_loss(
+                tuple(router_logits), text_config.num_experts, text_config.num_experts_per_tok
+            )
             coef = text_config.router_aux_loss_coef
             if loss is not None and coef > 0:
-                log_once(logger, "aux", "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
-                         "(set it to 0 or do not request router logits to train without it, e.g. for RL)", coef)
+                log_once(
+                    logger,
+                    "aux",
+                    "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
+                    "(set it to 0 or do not request router logits to train without it, e.g. for RL)",
+                    coef,
+                )
                 loss = loss + coef * aux_loss.to(loss.device)
         return loss, aux_loss, logits
 
-    def packed_loss(self, hidden: torch.Tensor, targets: torch.Tensor, packed: PackedSequence,
-                    num_items_in_batch=None, keep_logits: bool = True):
+    def packed_loss(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        packed: PackedSequence,
+        num_items_in_batch=None,
+        keep_logits: bool = True,
+    ):
         """Token-weighted fp32 cross-entropy on the packed stream; returns (loss, logits in the caller's layout
         [batch, seq, V], or None when `keep_logits` is False).
 
@@ -471,14 +601,21 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             choice = select_kernels(self.config.get_text_config(), hidden.device, hidden.dtype)
             batch, seq_len = packed.batch_shape
             loss, logits = chunked_linear_cross_entropy(
-                hidden, self.lm_head.weight, targets, num_items_in_batch, keep_logits=keep_logits,
-                logits_index=packed.token_index, logits_rows=batch * seq_len, choice=choice,
+                hidden,
+                self.lm_head.weight,
+                targets,
+                num_items_in_batch,
+                keep_logits=keep_logits,
+                logits_index=packed.token_index,
+                logits_rows=batch * seq_len,
+                choice=choice,
             )
             return loss, (logits.view(batch, seq_len, -1) if logits is not None else None)
         logits = self.lm_head(hidden)
         total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        denominator = num_items_in_batch if num_items_in_batch is not None else (
-            (targets != IGNORE_INDEX).sum().clamp(min=1))
+        denominator = (
+            num_items_in_batch if num_items_in_batch is not None else ((targets != IGNORE_INDEX).sum().clamp(min=1))
+        )
         return total / denominator, (packed.unpack(logits) if keep_logits else None)
 
     def generate(self, *args, **kwargs):
@@ -486,15 +623,23 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         refuse_packed_generation(args, kwargs)
         return GenerationMixin.generate(self, *args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, cache=None, use_cache=True, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        cache=None,
+        use_cache=True,
+        **kwargs,
+    ):
         cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None and cache.has_state:
             # The columns the cache has not consumed: input_ids hold the whole sequence when continuing from a cache,
             # only the generated tokens after a prefill from inputs_embeds; the attention mask always spans it all.
             total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
-            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - (total - cache.consumed_columns):]
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - (total - cache.consumed_columns) :]
             inputs[_CACHE_KWARG] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds

@@ -29,11 +29,20 @@ import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
-from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
+# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
+# lines, not the ones those import: every file of the text model is named here too (the imports marked
+# `noqa: F401`), so that a folder loads with a fresh cache (tests/test_remote_code_audit.py checks the list).
+from .attention import GatedAttention  # noqa: F401
 from .cache import Qwen3_5PackedCache, as_packed_cache
-from .configuration_qwen3_5_packed import TRANSFORMERS_MAJOR
+from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
+from .configuration_qwen3_5_packed import (
+    TRANSFORMERS_MAJOR,
+    Qwen3_5PackedConfig,  # noqa: F401
+)
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .gated_deltanet import FP32_PARAMETERS
+from .kernels import select_kernels  # noqa: F401
+from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .modeling_qwen3_5_packed import (
     _CACHE_KWARG,
     Qwen3_5MoePackedTextModel,
@@ -46,25 +55,16 @@ from .modeling_qwen3_5_packed import (
     _wants_router_logits,
     router_logits_in_caller_layout,
 )
+from .moe import SparseMoeBlock  # noqa: F401
 from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
+from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
-from .vision import Qwen3_5PackedVisionModel
-
-# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
-# lines, not the ones those import: every file of the text model is named here too, so that a folder loads with a
-# fresh cache (tests/test_remote_code_audit.py checks the list is complete).
-from .attention import GatedAttention  # noqa: F401
-from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
-from .kernels import select_kernels  # noqa: F401
-from .loss import chunked_linear_cross_entropy  # noqa: F401
-from .moe import SparseMoeBlock  # noqa: F401
-from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
 from .routing_replay import routed_experts_stream  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
-
+from .vision import Qwen3_5PackedVisionModel
 
 Qwen3_5PackedVLModelOutput = _output_class(
     "Qwen3_5PackedVLModelOutput",
@@ -199,23 +199,44 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         device = (input_ids if input_ids is not None else inputs_embeds).device
         cache = as_packed_cache(cache)
         if cache is not None and cache.has_state:
-            return self._cached_step(input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
-                                     cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx)
-        for pixels, grid, what in ((pixel_values, image_grid_thw, "image"),
-                                   (pixel_values_videos, video_grid_thw, "video")):
+            return self._cached_step(
+                input_ids,
+                attention_mask,
+                inputs_embeds,
+                cache,
+                output_hidden_states,
+                output_router_logits,
+                pixel_values,
+                pixel_values_videos,
+                routed_experts,
+                cu_seqlens,
+                cu_seq_lens_q,
+                cu_seq_lens_k,
+                seq_idx,
+            )
+        for pixels, grid, what in (
+            (pixel_values, image_grid_thw, "image"),
+            (pixel_values_videos, video_grid_thw, "video"),
+        ):
             pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
             if (pixels is None) != (grid is None):
-                given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (
-                    f"{what}_grid_thw", pixel_name)
+                given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (f"{what}_grid_thw", pixel_name)
                 raise ValueError(f"{given} was given without {missing}; {what}s need both")
         has_vision = pixel_values is not None or pixel_values_videos is not None
         if input_ids is None and has_vision:
             raise ValueError("images and videos need input_ids to locate their placeholder tokens")
 
         packed = build_packed_sequence(
-            shape, device, attention_mask, position_ids, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k,
-            max_length_q, max_length_k, seq_idx,
+            shape,
+            device,
+            attention_mask,
+            position_ids,
+            cu_seqlens,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
+            seq_idx,
         )
         given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
         if input_ids is not None:
@@ -224,16 +245,22 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             if mm_token_type_ids is not None:
                 mm = torch.as_tensor(mm_token_type_ids, device=device)
                 if tuple(mm.shape) != shape:
-                    raise ValueError(f"mm_token_type_ids must have the shape of input_ids {shape}, got "
-                                     f"{tuple(mm.shape)}")
+                    raise ValueError(
+                        f"mm_token_type_ids must have the shape of input_ids {shape}, got {tuple(mm.shape)}"
+                    )
                 types = packed.pack(mm.unsqueeze(-1)).squeeze(-1)
             # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
             kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
             # Also the check that image/video token runs match the grids one to one, in order.
             positions = packed_mrope_positions(
-                ids, packed.cu_seqlens, image_grid_thw, video_grid_thw,
-                image_token_id=self.config.image_token_id, video_token_id=self.config.video_token_id,
-                spatial_merge_size=self.visual.spatial_merge_size, mm_token_type_ids=kind,
+                ids,
+                packed.cu_seqlens,
+                image_grid_thw,
+                video_grid_thw,
+                image_token_id=self.config.image_token_id,
+                video_token_id=self.config.video_token_id,
+                spatial_merge_size=self.visual.spatial_merge_size,
+                mm_token_type_ids=kind,
             )
             embeds = self.language_model.embed_tokens(ids)
         else:
@@ -242,8 +269,10 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         if given_3d:
             positions = packed.position_ids
 
-        for pixels, grid, modality in ((pixel_values, image_grid_thw, IMAGE),
-                                       (pixel_values_videos, video_grid_thw, VIDEO)):
+        for pixels, grid, modality in (
+            (pixel_values, image_grid_thw, IMAGE),
+            (pixel_values_videos, video_grid_thw, VIDEO),
+        ):
             if pixels is None:
                 continue
             features = self.encode_vision(pixels, torch.as_tensor(grid, device=pixels.device))
@@ -263,49 +292,103 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
         # at most once), with the 3D rope positions.
         hidden, all_hidden, router_logits = self.language_model.run_layers(
-            embeds, packed, rope_positions=positions, cache=cache, columns=shape[1],
-            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+            embeds,
+            packed,
+            rope_positions=positions,
+            cache=cache,
+            columns=shape[1],
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
             routed_experts=routed_experts,
         )
         if cache is not None:
             # Text after the prompt continues at its largest position + 1.
             last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
-                0, packed.doc_index(), positions.amax(dim=0), reduce="amax")
+                0, packed.doc_index(), positions.amax(dim=0), reduce="amax"
+            )
             cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
 
-    def _cached_step(self, input_ids, attention_mask, inputs_embeds, cache, output_hidden_states,
-                     output_router_logits, pixel_values, pixel_values_videos, routed_experts,
-                     *packing) -> PackedMultimodalResult:
+    def _cached_step(
+        self,
+        input_ids,
+        attention_mask,
+        inputs_embeds,
+        cache,
+        output_hidden_states,
+        output_router_logits,
+        pixel_values,
+        pixel_values_videos,
+        routed_experts,
+        *packing,
+    ) -> PackedMultimodalResult:
         """A generation step after the prefill: new text tokens only, one document per row."""
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
         if any(value is not None for value in packing):
-            raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a "
-                             "filled cache")
+            raise ValueError(
+                "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
+            )
         hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache, use_cache=True,
-            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
             routed_experts=routed_experts,
         )
         positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
         return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
-                mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None, cu_seqlens=None,
-                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, seq_idx=None,
-                use_cache=None, return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        mm_token_type_ids=None,
+        output_hidden_states=None,
+        output_router_logits=None,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+        use_cache=None,
+        return_dict=None,
+        past_key_values=None,
+        cache=None,
+        routed_experts=None,
+        **kwargs,
+    ):
         _check_kwargs(kwargs, self.config)
         result = self.run_packed(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values, pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
             output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
             output_router_logits=_wants_router_logits(self.config.text_config, output_router_logits),
-            cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
-            max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
-            cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=bool(use_cache),
             routed_experts=routed_experts,
         )
         packed = result.packed
@@ -332,7 +415,8 @@ def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.
 class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
-        {"lm_head.weight": "model.language_model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5
+        {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+        if TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
     # The same lm_head, fp32 (chunked) cross-entropy and MoE aux loss on the packed stream as the text model.
@@ -371,29 +455,71 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
     def get_decoder(self):
         return self.model.language_model
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                pixel_values=None, pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
-                mm_token_type_ids=None, output_hidden_states=None, output_router_logits=None,
-                logits_to_keep: int | torch.Tensor = 0, cu_seqlens=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                max_length_q=None, max_length_k=None, seq_idx=None, use_cache=None, shift_labels=None,
-                return_dict=None, past_key_values=None, cache=None, routed_experts=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        mm_token_type_ids=None,
+        output_hidden_states=None,
+        output_router_logits=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+        use_cache=None,
+        shift_labels=None,
+        return_dict=None,
+        past_key_values=None,
+        cache=None,
+        routed_experts=None,
+        **kwargs,
+    ):
         _check_kwargs(kwargs, self.config)
         want_router = _wants_router_logits(self.config.text_config, output_router_logits)
         result = self.model.run_packed(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values, pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
             output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
-            output_router_logits=want_router, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx,
-            cache=cache if cache is not None else past_key_values, use_cache=bool(use_cache),
+            output_router_logits=want_router,
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=bool(use_cache),
             routed_experts=routed_experts,
         )
         packed, hidden = result.packed, result.hidden
 
-        loss, aux_loss, logits = self.lm_head_outputs(hidden, packed, labels, logits_to_keep,
-                                                      kwargs.get("num_items_in_batch"), result.router_logits,
-                                                      want_router, shift_labels)
+        loss, aux_loss, logits = self.lm_head_outputs(
+            hidden,
+            packed,
+            labels,
+            logits_to_keep,
+            kwargs.get("num_items_in_batch"),
+            result.router_logits,
+            want_router,
+            shift_labels,
+        )
 
         output = Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
@@ -413,21 +539,39 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         # generate() repeats batch-first tensors per beam / returned sequence; pixel values are patch-first (the
         # images of all rows in one tensor), so repeating them would scramble the images.
         if expand_size > 1 and any(model_kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
-            raise ValueError("num_beams > 1 or num_return_sequences > 1 with images or videos is not supported by "
-                             "the packed vision-language classes; repeat the rows (and their images) yourself")
+            raise ValueError(
+                "num_beams > 1 or num_return_sequences > 1 with images or videos is not supported by "
+                "the packed vision-language classes; repeat the rows (and their images) yourself"
+            )
         return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, cache=None, use_cache=True, pixel_values=None,
-                                      pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None,
-                                      mm_token_type_ids=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        cache=None,
+        use_cache=True,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        mm_token_type_ids=None,
+        **kwargs,
+    ):
         """The text model's inputs; images, videos and their token types go into the prefill only."""
         inputs = Qwen3_5PackedForCausalLM.prepare_inputs_for_generation(
-            self, input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs)
+            self, input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs
+        )
         if _CACHE_KWARG not in inputs:
-            inputs.update(pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
-                          image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                          mm_token_type_ids=mm_token_type_ids)
+            inputs.update(
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                mm_token_type_ids=mm_token_type_ids,
+            )
         return inputs
 
 

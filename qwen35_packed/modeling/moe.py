@@ -109,8 +109,9 @@ class FusedExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.is_swiglu = config.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor,
-                choice: KernelChoice | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor, choice: KernelChoice | None = None
+    ) -> torch.Tensor:
         """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype."""
         if choice is not None and choice.moe == "grouped_mm":
             return self.grouped(x, top_index, top_weights, choice)
@@ -141,7 +142,8 @@ class FusedExperts(nn.Module):
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         rows_of = ExpertRows(order, slot_of, top_k)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
-            0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
+            0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
+        )
         offsets = counts.cumsum(0, dtype=torch.int32)
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
@@ -232,8 +234,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None,
-                routed_experts: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None, routed_experts: torch.Tensor | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
         logits, top_weights, top_index = self.gate(x, routed_experts)
         routed = self.experts(x, top_index, top_weights, choice)
@@ -241,8 +242,9 @@ class SparseMoeBlock(nn.Module):
         return routed + shared, logits
 
 
-def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch-style auxiliary loss over the real tokens of all MoE layers: E * sum_e f_e * p_e, where f_e is the
     share of top-k assignments that went to expert e and p_e its mean router probability. Router logits of the
     packed stream are real tokens only; with `attention_mask`, they are in the caller's layout

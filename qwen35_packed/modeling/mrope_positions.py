@@ -40,8 +40,9 @@ def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int) -
     return grid
 
 
-def modality_of_tokens(input_ids: torch.Tensor, image_token_id: int, video_token_id: int,
-                       mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+def modality_of_tokens(
+    input_ids: torch.Tensor, image_token_id: int, video_token_id: int, mm_token_type_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """long [...] with 0 (text), 1 (image), 2 (video) per token. Without `mm_token_type_ids` the placeholder ids
     decide. A given `mm_token_type_ids` (what the processor returns) decides which placeholder ids are vision tokens:
     a placeholder id typed 0 is a text token (a sampled completion may hold one, and vLLM embeds and positions the
@@ -146,7 +147,9 @@ def packed_mrope_positions(
             )
         used[modality] = index + 1
         tt, hh, ww = torch.meshgrid(
-            torch.arange(t, device=device), torch.arange(gh, device=device), torch.arange(gw, device=device),
+            torch.arange(t, device=device),
+            torch.arange(gh, device=device),
+            torch.arange(gw, device=device),
             indexing="ij",
         )
         offsets[:, start:end] = torch.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)])

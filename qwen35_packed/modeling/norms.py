@@ -19,8 +19,14 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
-        return remember(zero_centred_rms_norm(x, self.weight, self.eps, choice), zero_centred_rms_norm, x,
-                        self.weight, self.eps, choice)
+        return remember(
+            zero_centred_rms_norm(x, self.weight, self.eps, choice),
+            zero_centred_rms_norm,
+            x,
+            self.weight,
+            self.eps,
+            choice,
+        )
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

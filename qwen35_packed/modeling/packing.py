@@ -70,8 +70,9 @@ class PackedSequence:
         """Offset of every token from the start of its document (long [num_tokens])."""
         if "position_in_doc" not in self._derived:
             # output_size from the host copy: repeat_interleave would otherwise read the total back from the device.
-            starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), self.doc_lengths().long(),
-                                             output_size=self.num_tokens)
+            starts = torch.repeat_interleave(
+                self.cu_seqlens[:-1].long(), self.doc_lengths().long(), output_size=self.num_tokens
+            )
             self._derived["position_in_doc"] = torch.arange(self.num_tokens, device=self.cu_seqlens.device) - starts
         return self._derived["position_in_doc"]
 
@@ -79,7 +80,8 @@ class PackedSequence:
         """Index of the document every token belongs to (long [num_tokens])."""
         if "doc_index" not in self._derived:
             self._derived["doc_index"] = torch.repeat_interleave(
-                torch.arange(self.num_docs, device=self.cu_seqlens.device), self.doc_lengths().long(),
+                torch.arange(self.num_docs, device=self.cu_seqlens.device),
+                self.doc_lengths().long(),
                 output_size=self.num_tokens,
             )
         return self._derived["doc_index"]
@@ -192,7 +194,9 @@ def build_packed_sequence(
         elif position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0).expand(batch, -1)
         if position_ids is not None and tuple(position_ids.shape) != (batch, seq_len):
-            raise ValueError(f"position_ids must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}"
+            )
 
     # Explicit boundaries: (d) cu_seqlens, (c) cu_seq_lens_q/k.
     explicit = None
@@ -305,15 +309,19 @@ def _check_seq_idx_matches(packed: PackedSequence, changes: torch.Tensor, source
     if not torch.equal(seq_starts, doc_starts):
         bad = int(torch.nonzero(seq_starts != doc_starts)[0])
         what = "starts a new document" if bool(seq_starts[bad]) else "does not start a new document"
-        raise ValueError(f"seq_idx contradicts {source}: at real token {bad} seq_idx {what} but {source} says "
-                         "otherwise")
+        raise ValueError(
+            f"seq_idx contradicts {source}: at real token {bad} seq_idx {what} but {source} says otherwise"
+        )
 
 
 def _row_first_tokens(packed: PackedSequence) -> torch.Tensor:
     """bool [num_tokens]: True at the first real token of every caller row."""
     batch, seq_len = packed.batch_shape
-    rows = (packed.token_index if packed.token_index is not None
-            else torch.arange(batch * seq_len, device=packed.cu_seqlens.device)) // seq_len
+    rows = (
+        packed.token_index
+        if packed.token_index is not None
+        else torch.arange(batch * seq_len, device=packed.cu_seqlens.device)
+    ) // seq_len
     first = torch.ones_like(rows, dtype=torch.bool)
     first[1:] = rows[1:] != rows[:-1]
     return first
@@ -344,8 +352,9 @@ def loss_targets(packed: PackedSequence, labels=None, shift_labels=None, ignore_
     """
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
         if value is not None and tuple(value.shape) != packed.batch_shape:
-            raise ValueError(f"{name} must have the shape of input_ids {list(packed.batch_shape)}, got "
-                             f"{list(value.shape)}")
+            raise ValueError(
+                f"{name} must have the shape of input_ids {list(packed.batch_shape)}, got {list(value.shape)}"
+            )
     if shift_labels is None:
         return shift_labels_within_documents(labels, packed, ignore_index)
     targets = packed.pack(shift_labels.unsqueeze(-1)).squeeze(-1)

@@ -51,8 +51,10 @@ class _Recipe:
                         "an input of a recomputed activation was modified in place after the forward "
                         f"(version {version} -> {a._version}); the backward cannot recompute it"
                     )
-            args = [a.detach().requires_grad_(flag) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    else a for a, flag in zip(self.inputs, self.grad_flags)]
+            args = [
+                a.detach().requires_grad_(flag) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a, flag in zip(self.inputs, self.grad_flags)
+            ]
             with torch.enable_grad():
                 self.result = self.fn(*args).detach()
         return self.result

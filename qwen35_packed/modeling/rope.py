@@ -33,8 +33,8 @@ def mrope_axis_of_frequency(sections: list[int], interleaved: bool, half: int) -
         axis[(idx % 3 == 1) & (idx < 3 * sections[1])] = 1
         axis[(idx % 3 == 2) & (idx < 3 * sections[2])] = 2
     else:
-        axis[sections[0]: sections[0] + sections[1]] = 1
-        axis[sections[0] + sections[1]:] = 2
+        axis[sections[0] : sections[0] + sections[1]] = 1
+        axis[sections[0] + sections[1] :] = 2
     return axis
 
 
@@ -65,8 +65,9 @@ class MRotaryEmbedding(nn.Module):
                 return init(self.config, device, seq_len=seq_len)
         elif self.rope_type == "longrope":
             seq_len = int(position_ids.max()) + 1
-            original = self.config.rope_parameters.get("original_max_position_embeddings",
-                                                       self.config.max_position_embeddings)
+            original = self.config.rope_parameters.get(
+                "original_max_position_embeddings", self.config.max_position_embeddings
+            )
             _, scaling = init(self.config, device)  # the built-in keeps the scaling of its construction
             if seq_len > original:
                 return init(self.config, device, seq_len=original + 1)[0], scaling

@@ -29,35 +29,46 @@ def routed_experts_stream(routed_experts, packed, config, device) -> torch.Tenso
     if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
         raise ValueError(f"routed_experts must hold integer expert ids, got dtype {given.dtype}")
     batch, seq_len = packed.batch_shape
-    expected = f"[batch, seq_len, {num_layers}, {top_k}] = [{batch}, {seq_len}, {num_layers}, {top_k}] or " \
-               f"[batch * seq_len, {num_layers}, {top_k}] = [{batch * seq_len}, {num_layers}, {top_k}]"
+    expected = (
+        f"[batch, seq_len, {num_layers}, {top_k}] = [{batch}, {seq_len}, {num_layers}, {top_k}] or "
+        f"[batch * seq_len, {num_layers}, {top_k}] = [{batch * seq_len}, {num_layers}, {top_k}]"
+    )
     if given.ndim == 3 and given.shape[0] == batch * seq_len:
         given = given.reshape(batch, seq_len, *given.shape[1:])
     if given.ndim != 4 or tuple(given.shape[:2]) != (batch, seq_len):
-        raise ValueError(f"routed_experts must be {expected} (the tokens of input_ids), got shape "
-                         f"{tuple(given.shape)}")
+        raise ValueError(f"routed_experts must be {expected} (the tokens of input_ids), got shape {tuple(given.shape)}")
     if given.shape[2] != num_layers:
-        raise ValueError(f"routed_experts has {given.shape[2]} layers, but the model has {num_layers} MoE layers "
-                         f"(routed_experts must be {expected})")
+        raise ValueError(
+            f"routed_experts has {given.shape[2]} layers, but the model has {num_layers} MoE layers "
+            f"(routed_experts must be {expected})"
+        )
     if given.shape[3] != top_k:
-        raise ValueError(f"routed_experts gives top_k={given.shape[3]} experts per token (its last dimension), but "
-                         f"the model routes each token to num_experts_per_tok={top_k}")
+        raise ValueError(
+            f"routed_experts gives top_k={given.shape[3]} experts per token (its last dimension), but "
+            f"the model routes each token to num_experts_per_tok={top_k}"
+        )
     stream = packed.pack(given.to(device=device, dtype=torch.long))
     missing = stream == NO_EXPERT
     if bool((missing.any(dim=-1) & ~missing.all(dim=-1)).any()):
-        raise ValueError("routed_experts gives some but not all of a token's top-k experts (-1 next to an id); a "
-                         "token has either all its ids or all -1 (route normally)")
+        raise ValueError(
+            "routed_experts gives some but not all of a token's top-k experts (-1 next to an id); a "
+            "token has either all its ids or all -1 (route normally)"
+        )
     out_of_range = ~missing & ((stream < 0) | (stream >= num_experts))
     if bool(out_of_range.any()):
         bad = int(stream[out_of_range][0])
-        raise ValueError(f"routed_experts holds expert id {bad}, outside [0, {num_experts}) (num_experts="
-                         f"{num_experts}; -1 marks a token without ids)")
+        raise ValueError(
+            f"routed_experts holds expert id {bad}, outside [0, {num_experts}) (num_experts="
+            f"{num_experts}; -1 marks a token without ids)"
+        )
     ordered = stream.sort(dim=-1).values
     duplicate = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NO_EXPERT)
     if bool(duplicate.any()):
         token, layer, _ = (int(i) for i in torch.nonzero(duplicate)[0])
-        raise ValueError(f"routed_experts names an expert twice in one token's top-k (real token {token}, MoE "
-                         f"layer {layer}: {stream[token, layer].tolist()})")
+        raise ValueError(
+            f"routed_experts names an expert twice in one token's top-k (real token {token}, MoE "
+            f"layer {layer}: {stream[token, layer].tolist()})"
+        )
     return stream
 
 

@@ -117,8 +117,13 @@ if TRITON_CONV_AVAILABLE:
             xs = ()
             for i in tl.static_range(2 * KERNEL - 1):
                 at = rows + (i - (KERNEL - 1))
-                xs = xs + (tl.load(x_ptr + at[:, None] * n_channels + channels[None, :],
-                                   mask=((at >= 0) & (at < n_rows))[:, None] & col_ok[None, :], other=0.0),)
+                xs = xs + (
+                    tl.load(
+                        x_ptr + at[:, None] * n_channels + channels[None, :],
+                        mask=((at >= 0) & (at < n_rows))[:, None] & col_ok[None, :],
+                        other=0.0,
+                    ),
+                )
             dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             # dx[u] = sum_shift w[shift] * dpre[u + shift], over the tokens u + shift of u's document.
             for shift in tl.static_range(KERNEL):
@@ -129,8 +134,11 @@ if TRITON_CONV_AVAILABLE:
                     x = tl.where((pos >= lag)[:, None], xs[KERNEL - 1 + shift - lag].to(tl.float32), 0.0)
                     pre += x * w[lag][None, :]
                 # dy of a token whose lag-`shift` tap leaves its document is read as zero: it does not reach u.
-                dy = tl.load(dy_ptr + at[:, None] * seg_channels + cols[None, :],
-                             mask=((at < n_rows) & (pos >= shift))[:, None] & col_ok[None, :], other=0.0)
+                dy = tl.load(
+                    dy_ptr + at[:, None] * seg_channels + cols[None, :],
+                    mask=((at < n_rows) & (pos >= shift))[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
                 sig = tl.sigmoid(pre)
                 dpre = dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
                 dx += dpre * w[shift][None, :]
@@ -198,8 +206,8 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         with _device_guard(x):
             for grad, (offset, size) in zip(grads, _segments(ctx.split_sizes)):
                 if grad is None:  # this output does not reach the loss
-                    dx[:, offset:offset + size].zero_()
-                    dw_partial[:, offset:offset + size].zero_()
+                    dx[:, offset : offset + size].zero_()
+                    dw_partial[:, offset : offset + size].zero_()
                     continue
                 if n_rows == 0:
                     continue
@@ -227,8 +235,10 @@ def causal_conv1d_silu_split(
     x's dtype, computed with fp32 accumulation; differentiable in x and weight.
     """
     if not TRITON_CONV_AVAILABLE:
-        raise RuntimeError("causal_conv1d_silu_split needs Triton >= 3.6 (installed: "
-                           f"{'none' if TRITON_VERSION is None else '.'.join(map(str, TRITON_VERSION))})")
+        raise RuntimeError(
+            "causal_conv1d_silu_split needs Triton >= 3.6 (installed: "
+            f"{'none' if TRITON_VERSION is None else '.'.join(map(str, TRITON_VERSION))})"
+        )
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [N, C] in bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
     if not x.is_contiguous():

@@ -187,8 +187,9 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         """2D rope: the first half of the rotary frequencies reads the patch row, the second half its column."""
         device = self.pos_embed.weight.device
         quarter = self.head_dim // 4
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float32,
-                                                           device=device) / (2 * quarter)))
+        inv_freq = 1.0 / (
+            self.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float32, device=device) / (2 * quarter))
+        )
         pos = []
         for t, h, w in grid_thw.tolist():
             rows, cols = _block_order(h, w, self.spatial_merge_size, device)
