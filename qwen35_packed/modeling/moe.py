@@ -175,55 +175,47 @@ class ExpertRows:
         self.order, self.slot_of, self.top_k = order, slot_of, top_k
 
     def expand(self, x):
-        return _Gather.apply(x, self)
+        return _Move.apply(x, self._to_rows, self._sum_rows)
 
     def combine(self, rows):
-        return _GatherSum.apply(rows, self)
+        return _Move.apply(rows, self._sum_rows, self._to_rows)
 
     def permute(self, values):
-        return _Permute.apply(values, self)
+        return _Move.apply(values, self._permute, self._unpermute)
+
+    def _to_rows(self, x):
+        return x[self.token_of_row]
+
+    def _sum_rows(self, rows):
+        return gather_sum(rows, self.slot_of, self.top_k)
+
+    def _permute(self, values):
+        return values[self.order]
+
+    def _unpermute(self, values):
+        return values[self.slot_of]
 
 
 def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
     """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
     accumulation). Eager on purpose: compiled forms of this sum (a reduction, and an explicit fp32 left-to-right sum)
     routed 120-127 of 8,868 token-layers differently for packed documents than for the same documents alone on the
-    H200 (tests/test_gpu.py::test_moe_packed_equals_per_document_bf16); this form kept all of them identical."""
+    H200 (results/gpu/2026-12-01-h200-gpu-tests-v6.json); this form kept all of them identical (-v5.json)."""
     return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, rows_of):
-        ctx.rows_of = rows_of
-        return x[rows_of.token_of_row]
+class _Move(torch.autograd.Function):
+    """y = there(x) for a linear move of rows whose transpose is `back` (a gather and its gather-and-sum, or a
+    permutation and its inverse): the backward is back(grad)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        rows_of = ctx.rows_of
-        return gather_sum(grad, rows_of.slot_of, rows_of.top_k), None
-
-
-class _GatherSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, rows_of):
-        ctx.rows_of = rows_of
-        return gather_sum(rows, rows_of.slot_of, rows_of.top_k)
+    def forward(ctx, x, there, back):
+        ctx.back = back
+        return there(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.rows_of.token_of_row], None
-
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, rows_of):
-        ctx.rows_of = rows_of
-        return values[rows_of.order]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.rows_of.slot_of], None
+        return ctx.back(grad), None, None
 
 
 class SparseMoeBlock(nn.Module):
