@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .conversion.sizes import format_bytes
+from .json_files import read_json_object
 from .report_schema import REPORT_NAME, REPORT_SCHEMA, STATUSES
 
 CARD_NAME = "README.md"
@@ -122,13 +123,7 @@ def token_source() -> str:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UploadError(f"{path.name} is not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise UploadError(f"{path.name} is not a JSON object")
-    return data
+    return read_json_object(path, UploadError, path.name)
 
 
 def remote_code_names() -> set[str]:

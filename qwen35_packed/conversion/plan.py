@@ -12,6 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..json_files import read_json_object
 from .config import OutputConfig, build_official_config, build_output_config, summarize
 from .errors import ConversionError
 from .remote_code import remote_code_files
@@ -104,13 +105,7 @@ class SourceCheckpoint:
 
 
 def _read_json(path: Path, role: str = "SRC") -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConversionError(f"{path.name} in {role} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path.name} in {role} is not a JSON object")
-    return data
+    return read_json_object(path, ConversionError, f"{path.name} in {role}")
 
 
 def _is_plain_file_name(name) -> bool:

@@ -4,9 +4,10 @@ built from it (or why that failed) and the tensor headers of every shard (no ten
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..json_files import read_json_object
 
 # model_type of a text config -> is it MoE (composite configs carry one of these as text_config.model_type)
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
@@ -59,12 +60,7 @@ class ModelFolder:
 def read_folder(path) -> ModelFolder:
     path = Path(path)
     config_path = path / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DoctorError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise DoctorError(f"{config_path} is not a JSON object")
+    config = read_json_object(config_path, DoctorError)
     composite = isinstance(config.get("text_config"), dict)
     text = config["text_config"] if composite else config
     model_type = text.get("model_type") or ("qwen3_5_text" if composite else None)
