@@ -23,6 +23,7 @@ import torch
 from ..modeling.checkpoint_keys import FUSED_EXPERT_KEY as _FUSED_EXPERT
 from ..modeling.checkpoint_keys import PER_EXPERT_KEY as _PER_EXPERT
 from ..modeling.checkpoint_keys import fuse_gate_up as _fuse_gate_up
+from ..modeling.checkpoint_keys import missing_per_expert_keys as _missing_per_expert_keys
 from .errors import ConversionError, NotInvertibleError
 
 # Bytes per element of the safetensors dtype names.
@@ -247,14 +248,7 @@ class FuseExperts(Rule):
         return out
 
     def _fuse(self, prefix: str, members: dict[str, dict[int, tuple[str, LazyTensor]]]) -> dict[str, LazyTensor]:
-        indices = set(members["gate_proj"]) | set(members["up_proj"]) | set(members["down_proj"])
-        n_experts = max(indices) + 1
-        missing = [
-            f"{prefix}.{e}.{proj}.weight"
-            for e in range(n_experts)
-            for proj in ("gate_proj", "up_proj", "down_proj")
-            if e not in members[proj]
-        ]
+        n_experts, missing = _missing_per_expert_keys(prefix, members)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ConversionError(f"Incomplete per-expert weights under {prefix!r}: missing {shown}")

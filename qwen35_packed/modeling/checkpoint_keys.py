@@ -44,6 +44,20 @@ def fuse_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def missing_per_expert_keys(prefix: str, members: dict) -> tuple[int, list[str]]:
+    """For the per-expert tensors found under `prefix` (`members[proj]`: the expert indices present for gate_proj,
+    up_proj and down_proj): how many experts there are (the highest index + 1) and the keys of those that are
+    absent. Shared with the conversion rules, which fuse the same layout while streaming."""
+    n_experts = 1 + max(max(members[proj], default=-1) for proj in ("gate_proj", "up_proj", "down_proj"))
+    missing = [
+        f"{prefix}.{e}.{proj}.weight"
+        for e in range(n_experts)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        if e not in members[proj]
+    ]
+    return n_experts, missing
+
+
 def rename_key(key: str, key_mapping: dict[str, str]) -> str:
     """`key` after the first pattern of `key_mapping` that matches it (transformers' `key_mapping` semantics)."""
     for pattern, replacement in key_mapping.items():
@@ -143,13 +157,7 @@ def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[i
     params = dict(model.named_parameters())
     filled = set()
     for prefix, projs in groups.items():
-        n_experts = 1 + max(max(experts, default=-1) for experts in projs.values())
-        absent = [
-            f"{prefix}.{e}.{proj}.weight"
-            for e in range(n_experts)
-            for proj in ("gate_proj", "up_proj", "down_proj")
-            if e not in projs[proj]
-        ]
+        n_experts, absent = missing_per_expert_keys(prefix, projs)
         if absent:
             raise ValueError(f"{where} stores the experts of {prefix!r} per expert but lacks {_shown(absent)}")
         gates = [tensors[projs["gate_proj"][e]] for e in range(n_experts)]
