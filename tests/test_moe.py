@@ -322,3 +322,21 @@ def test_gather_sum_of_a_group_does_not_depend_on_the_others():
         assert torch.equal(gather_sum(src, index[start * 8 : stop * 8], 8), full[start:stop])
     reference = torch.stack([sum(src[i].float() for i in index[t * 8 : (t + 1) * 8].tolist()) for t in range(12)])
     assert (full.float() - reference).abs().max() <= 2**-7 * reference.abs().max()
+
+
+def test_router_logits_backward_under_autocast():
+    # Trainers run the forward under autocast (TRL's bf16 on CPU): the logits GEMM then runs in bf16 and the
+    # incoming gradient is bf16; the backward must still run and give the plain GEMM's gradients.
+    from qwen35_packed.modeling.moe import RouterLogits
+
+    x = torch.randn(600, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = RouterLogits.apply(x, weight)
+        reference = torch.nn.functional.linear(x.float(), weight.float())
+    assert logits.dtype == reference.dtype
+    grad_x, grad_weight = torch.autograd.grad(logits.float().sum(), (x, weight))
+    grad_x_ref, grad_weight_ref = torch.autograd.grad(reference.float().sum(), (x, weight))
+    assert grad_x.dtype == x.dtype and grad_weight.dtype == weight.dtype
+    assert (grad_x - grad_x_ref).abs().max() <= 2e-2 * grad_x_ref.abs().max()
+    assert (grad_weight - grad_weight_ref).abs().max() <= 2e-2 * grad_weight_ref.abs().max()

@@ -93,6 +93,7 @@ class RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        grad = grad.float()  # bf16 where the forward ran under autocast (its GEMM then ran in bf16 too)
         grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
