@@ -395,7 +395,7 @@ def _make_trainer_class():
                 if len(self._engine_routing) != attention_mask.shape[0]:
                     raise RuntimeError(
                         f"routing replay: vLLM's routed experts of "
-                        f"{len(self._engine_routing or ())} completions for a batch of "
+                        f"{len(self._engine_routing)} completions for a batch of "
                         f"{attention_mask.shape[0]} rows"
                     )
                 prompt_lengths, completion_lengths, arrays = zip(*self._engine_routing)
