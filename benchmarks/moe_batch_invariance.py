@@ -14,35 +14,39 @@ and counts the rows that are not bitwise equal:
   loop        the experts through the per-expert loop, same routing
   block       the whole block
 
-    python benchmarks/moe_batch_invariance.py [--out FILE]
+With --model it runs a whole 4-layer MoE model instead (the config and documents of tests/test_gpu.py's
+packed == per-document test): the packed stream once and each document alone, recording the output of every
+module and of the kernel functions the layers call (conv, delta rule, attention), and lists them in the order the
+packed forward ran them with the rows that are not bitwise equal. The first row with a difference is where a
+token's result starts to depend on the other documents.
+
+    python benchmarks/moe_batch_invariance.py [--model] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from qwen35_packed import Qwen3_5MoePackedConfig
-from qwen35_packed.modeling import kernels
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
+from qwen35_packed.modeling import attention, gated_deltanet, kernels
 from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    config = Qwen3_5MoePackedConfig(
+def moe_config(layers: int) -> Qwen3_5MoePackedConfig:
+    return Qwen3_5MoePackedConfig(
         vocab_size=1024,
         hidden_size=512,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=128,
@@ -55,6 +59,125 @@ def main():
         router_aux_loss_coef=0.0,
         rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
     )
+
+
+# The kernel functions the layers call by name, wrapped in the module that imported them.
+TRACED_FUNCTIONS = {
+    gated_deltanet: ("causal_conv1d_varlen", "gated_delta_rule_varlen"),
+    attention: ("varlen_causal_attention", "apply_rotary", "sigmoid_gate"),
+}
+
+
+def _token_rows(value, n_tokens: int):
+    """The first tensor of a module's output with one row per token ([N, ...] or [1, N, ...]) as [N, -1]."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            rows = _token_rows(item, n_tokens)
+            if rows is not None:
+                return rows
+        return None
+    if hasattr(value, "logits"):
+        value = value.logits
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() == 0:
+        return None
+    if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == n_tokens:
+        value = value[0]
+    if value.shape[0] != n_tokens:
+        return None
+    return value.reshape(n_tokens, -1).detach().clone()
+
+
+@contextlib.contextmanager
+def recording(model, n_tokens: int):
+    """Yields an ordered dict name -> [N, -1] outputs of every module and traced kernel function of one forward
+    (a name called more than once gets #1, #2, ... for its later calls)."""
+    outputs: dict[str, torch.Tensor] = {}
+    calls = collections.Counter()
+
+    def keep(name, value):
+        rows = _token_rows(value, n_tokens)
+        if rows is not None:
+            calls[name] += 1
+            outputs[name if calls[name] == 1 else f"{name}#{calls[name] - 1}"] = rows
+
+    hooks = [
+        module.register_forward_hook(lambda m, a, out, name=name: keep(name or "model", out))
+        for name, module in model.named_modules()
+    ]
+    originals = []
+    for owner, names in TRACED_FUNCTIONS.items():
+        for fn_name in names:
+            original = getattr(owner, fn_name)
+            originals.append((owner, fn_name, original))
+
+            def traced(*args, _fn=original, _name=f"{owner.__name__.rsplit('.', 1)[-1]}.{fn_name}", **kwargs):
+                out = _fn(*args, **kwargs)
+                keep(_name, out)
+                return out
+
+            setattr(owner, fn_name, traced)
+    try:
+        yield outputs
+    finally:
+        for h in hooks:
+            h.remove()
+        for owner, fn_name, original in originals:
+            setattr(owner, fn_name, original)
+
+
+def locate_in_model(out_path):
+    """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order."""
+    torch.manual_seed(0)
+    config = moe_config(layers=4)
+    model = Qwen3_5MoePackedForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(DEVICE) for n in LENGTHS]
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *LENGTHS], device=DEVICE).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        with recording(model, ids.shape[1]) as packed:
+            model(ids, cu_seqlens=cu, use_cache=False)
+        alone = []
+        for doc in docs:
+            with recording(model, doc.shape[0]) as outputs:
+                model(doc[None], use_cache=False)
+            alone.append(outputs)
+    report = {"choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__, "rows": {}}
+    first = None
+    for name, whole in packed.items():
+        if not all(name in outputs for outputs in alone):
+            report["rows"][name] = {"missing_alone": True}
+            continue
+        per_doc = torch.cat([outputs[name] for outputs in alone])
+        if per_doc.shape != whole.shape:
+            report["rows"][name] = {"shape_packed": list(whole.shape), "shape_alone": list(per_doc.shape)}
+            continue
+        differing = int((~(per_doc == whole).all(-1)).sum())
+        worst = (per_doc.float() - whole.float()).abs().max().item()
+        report["rows"][name] = {"rows_not_bitwise_equal": differing, "max_abs_diff": worst}
+        if differing and first is None:
+            first = name
+        print(f"{name:<60} {differing:>5} / {whole.shape[0]}   max |diff| {worst:.3g}", flush=True)
+    report["first_differing"] = first
+    print("first output that differs:", first)
+    if out_path:
+        Path(out_path).write_text(json.dumps(report, indent=1))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--model", action="store_true", help="locate the first differing output of a whole model")
+    args = parser.parse_args()
+    if args.model:
+        return locate_in_model(args.out)
+    torch.manual_seed(0)
+    config = moe_config(layers=1)
     block = SparseMoeBlock(config)
     with torch.no_grad():
         for p in block.parameters():

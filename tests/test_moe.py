@@ -87,6 +87,31 @@ def test_grouped_experts_are_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_every_batch_takes_the_same_grouped_gemm_kernel():
+    # torch's CUDA grouped_mm chooses its tile shape by rows / groups (<= 128 one kernel, more another, rounding
+    # differently): a document alone and the same document packed must both get more than 128 rows per expert, in
+    # the forward and in the backward; the padded rows change no value (the loop comparison above).
+    from qwen35_packed.modeling.moe import GROUPED_MM_MIN_ROWS_PER_EXPERT
+
+    assert GROUPED_MM_MIN_ROWS_PER_EXPERT > 128
+    experts = _experts()
+    original, rows_per_group = kernels.GROUPED_MM, []
+
+    def watching(a, b, offs):
+        if a.dim() == 2 and b.dim() == 3:  # the token-rows x expert-weights products (forward and input gradient)
+            rows_per_group.append(a.shape[0] / b.shape[0])
+        return original(a, b, offs=offs)
+
+    kernels.GROUPED_MM = watching
+    try:
+        for n in (1, 37, 300):
+            index, weights = _routing(n, 2, 8, "random")
+            _run(experts, torch.randn(n, 16), index, weights, GROUPED)
+    finally:
+        kernels.GROUPED_MM = original
+    assert len(rows_per_group) >= 6 and min(rows_per_group) > 128, rows_per_group
+
+
 def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
     # Both GEMM inputs of [N * k, ...] rows are recomputed in the backward (from the block input and the first
     # GEMM's output), not kept through the forward.
@@ -253,6 +278,23 @@ def test_router_logits_gradients_equal_one_plain_gemm():
         assert (weight.grad - weight_ref.grad).abs().max() <= 1e-4 * weight_ref.grad.abs().max()
 
 
+def test_router_logits_backward_in_bf16_when_both_inputs_are_bf16():
+    # bf16 training (both x and the router weight bf16): the backward GEMMs run in bf16 with fp32 accumulation, the
+    # gradients autograd gives through a bf16 F.linear fed the same bf16 gradient, bit for bit.
+    from qwen35_packed.modeling.moe import RouterLogits
+
+    x = torch.randn(1100, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(1100, 8, generator=torch.Generator().manual_seed(4))
+    logits = RouterLogits.apply(x, weight)
+    assert logits.dtype == torch.float32
+    logits.backward(grad)
+    x_ref, weight_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x_ref, weight_ref).backward(grad.to(torch.bfloat16))
+    assert x.grad.dtype == weight.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(weight.grad, weight_ref.grad)
+
+
 def test_grouped_experts_move_rows_by_gathers_only():
     # Deterministic on CUDA needs more than equal results here: scatter-add, index_add and index_put with
     # accumulation (autograd's backward of an indexing gather) sum in an order of their own there. The forward and
@@ -325,18 +367,19 @@ def test_gather_sum_of_a_group_does_not_depend_on_the_others():
 
 
 def test_router_logits_backward_under_autocast():
-    # Trainers run the forward under autocast (TRL's bf16 on CPU): the logits GEMM then runs in bf16 and the
-    # incoming gradient is bf16; the backward must still run and give the plain GEMM's gradients.
+    # Trainers run the forward under autocast (TRL's bf16 on CPU): the router's block GEMMs write into an fp32
+    # result (an out= matmul is not autocast), so its logits stay those of the fp32 GEMM; the incoming gradient may
+    # be bf16, and the backward must still give the plain fp32 GEMM's gradients in the inputs' dtypes.
     from qwen35_packed.modeling.moe import RouterLogits
 
     x = torch.randn(600, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
     weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = RouterLogits.apply(x, weight)
-        reference = torch.nn.functional.linear(x.float(), weight.float())
-    assert logits.dtype == reference.dtype
-    grad_x, grad_weight = torch.autograd.grad(logits.float().sum(), (x, weight))
-    grad_x_ref, grad_weight_ref = torch.autograd.grad(reference.float().sum(), (x, weight))
+    reference = torch.nn.functional.linear(x.float(), weight.float())
+    assert logits.dtype == torch.float32 and torch.equal(logits, reference)
+    grad_x, grad_weight = torch.autograd.grad(logits.to(torch.bfloat16).float().sum(), (x, weight))
+    grad_x_ref, grad_weight_ref = torch.autograd.grad(reference.sum(), (x, weight))
     assert grad_x.dtype == x.dtype and grad_weight.dtype == weight.dtype
     assert (grad_x - grad_x_ref).abs().max() <= 2e-2 * grad_x_ref.abs().max()
     assert (grad_weight - grad_weight_ref).abs().max() <= 2e-2 * grad_weight_ref.abs().max()

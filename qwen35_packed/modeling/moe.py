@@ -65,7 +65,7 @@ class TopKRouter(nn.Module):
         return logits, top_weights, top_index
 
 
-ROUTER_ROWS = 512
+ROUTER_ROWS = 2048
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -73,17 +73,24 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     same shape. BLAS libraries pick their algorithm (and with it the summation order) by the row count: a token's
     router logits then depended on how many tokens ran with it, a document packed with others got logits an fp32
     ulp away from the same document alone, and near-tie tokens went to other experts
-    (benchmarks/moe_batch_invariance.py locates it). Routing is a discrete choice, so it must be exact per token."""
+    (benchmarks/moe_batch_invariance.py locates it). Routing is a discrete choice, so it must be exact per token.
+    Each block's product is written straight into its rows of the result; only the last, partial block is copied
+    to be padded."""
     n = x.shape[0]
-    pad = (-n) % ROUTER_ROWS
-    blocks = F.pad(x, (0, 0, 0, pad)).split(ROUTER_ROWS)
-    return torch.cat([F.linear(block, weight) for block in blocks])[:n]
+    full = n - n % ROUTER_ROWS
+    out = x.new_empty((full + (ROUTER_ROWS if full < n else 0), weight.shape[0]))
+    for start in range(0, full, ROUTER_ROWS):
+        torch.mm(x[start : start + ROUTER_ROWS], weight.t(), out=out[start : start + ROUTER_ROWS])
+    if full < n:
+        torch.mm(F.pad(x[full:], (0, 0, 0, ROUTER_ROWS - (n - full))), weight.t(), out=out[full:])
+    return out[:n]
 
 
 class RouterLogits(torch.autograd.Function):
     """fp32 router logits x @ weight^T through `batch_invariant_linear`. Only the forward picks experts, so only it
-    needs the fixed row blocks: the backward is two plain GEMMs (not two per block), and what it keeps is x in its
-    own dtype (the block input, kept anyway) instead of an fp32 copy."""
+    needs the fixed row blocks: the backward is two plain GEMMs (not two per block). They run in the parameters'
+    dtype when x has it too (bf16 training: tensor-core GEMMs with fp32 accumulation, as autograd through a bf16
+    F.linear would), else in fp32; what the backward keeps is x in its own dtype, not an fp32 copy."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -93,9 +100,10 @@ class RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.float()  # bf16 where the forward ran under autocast (its GEMM then ran in bf16 too)
-        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dtype = x.dtype if x.dtype == weight.dtype else torch.float32
+        grad = grad.to(dtype)  # bf16 where the forward ran under autocast (its GEMM then ran in bf16 too)
+        grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
 
 
@@ -146,18 +154,38 @@ class FusedExperts(nn.Module):
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
         offsets = counts.cumsum(0, dtype=torch.int32)
+        min_rows = GROUPED_MM_MIN_ROWS_PER_EXPERT * self.num_experts
+
+        def expert_rows(x):
+            return pad_rows(rows_of.expand(x), min_rows)
+
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
-        rows = remember(rows_of.expand(x), rows_of.expand, x)
+        rows = remember(expert_rows(x), expert_rows, x)
         gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
-        weight = rows_of.permute(top_weights.reshape(-1).float())
+        weight = pad_rows(rows_of.permute(top_weights.reshape(-1).float()), min_rows)
         if self.is_swiglu:
             hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
-        out = grouped_linear(hidden, self.down_proj, offsets)
+        out = grouped_linear(hidden, self.down_proj, offsets)[: n * top_k]
         return rows_of.combine(out).to(x.dtype)
+
+
+# torch's CUDA grouped_mm picks its kernel by the mean rows per group: at most 128 (or at most 128 output
+# features) runs a 64x128x128 tile, more a 128x256x64 one, and the two round differently. A document alone then ran
+# the small kernel and the same document packed with others the large one: its expert outputs differed in the last
+# bf16 bit and tokens went to other experts in later layers (benchmarks/moe_batch_invariance.py --model located
+# it). Rows past the last offset belong to no group and are never multiplied, so padding the expert rows to this
+# many per expert makes every batch take the large kernel, at the cost of a copy for batches below it.
+GROUPED_MM_MIN_ROWS_PER_EXPERT = 129
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows appended up to `rows` rows (t itself when it has as many already)."""
+    missing = rows - t.shape[0]
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, missing)) if missing > 0 else t
 
 
 class ExpertRows:
