@@ -13,6 +13,8 @@ and counts the rows that are not bitwise equal:
   grouped     the experts through grouped_mm, with the routing of the packed run
   loop        the experts through the per-expert loop, same routing
   block       the whole block
+  experts_gate_up / _swiglu / _down / _combined   the grouped experts' intermediate results (each token's k expert
+              rows side by side), to tell a GEMM from the elementwise chain or the combine
 
 With --model it runs a whole 4-layer MoE model instead (the config and documents of tests/test_gpu.py's
 packed == per-document test): the packed stream once and each document alone, recording the output of every
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import attention, gated_deltanet, kernels
+from qwen35_packed.modeling import attention, gated_deltanet, kernels, moe
 from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,6 +171,49 @@ def locate_in_model(out_path):
         Path(out_path).write_text(json.dumps(report, indent=1))
 
 
+def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tensor]:
+    """The grouped experts' intermediate results for these tokens, one row per token (its k expert rows side by
+    side in slot order): the first GEMM, the SwiGLU x routing weight, the second GEMM and the combined output."""
+    seen, maps = collections.defaultdict(list), []
+    wrapped = ("grouped_linear", "weighted_swiglu", "gather_sum")
+    originals = {name: getattr(moe, name) for name in wrapped}
+    original_rows = moe.ExpertRows
+
+    class RecordedRows(original_rows):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            maps.append(self)
+
+    def recorder(name):
+        def fn(*args, **kwargs):
+            out = originals[name](*args, **kwargs)
+            seen[name].append(out)
+            return out
+
+        return fn
+
+    for name in wrapped:
+        setattr(moe, name, recorder(name))
+    moe.ExpertRows = RecordedRows
+    try:
+        experts(rows, index, weights, choice)
+    finally:
+        for name in wrapped:
+            setattr(moe, name, originals[name])
+        moe.ExpertRows = original_rows
+    n, k = index.shape
+
+    def per_token(t):
+        return t[: n * k][maps[0].slot_of].reshape(n, -1)
+
+    return {
+        "gate_up": per_token(seen["grouped_linear"][0]),
+        "swiglu": per_token(seen["weighted_swiglu"][0]),
+        "down": per_token(seen["grouped_linear"][1]),
+        "combined": seen["gather_sum"][0],
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -198,6 +243,10 @@ def main():
             "loop": lambda rows, sl: block.experts.looped(rows, index[sl], weights[sl]),
             "block": lambda rows, sl: block(rows, choice)[0],
         }
+        for stage in ("gate_up", "swiglu", "down", "combined"):
+            parts[f"experts_{stage}"] = lambda rows, sl, stage=stage: expert_stages(
+                block.experts, rows, index[sl], weights[sl], choice
+            )[stage]
         report = {"choice": choice.moe, "rows": len(x), "documents": LENGTHS, "parts": {}}
         for name, fn in parts.items():
             whole = fn(x, slice(None))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
+from .kernels import KernelChoice, gather_sum, grouped_linear, sum_left_to_right, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
@@ -61,7 +61,7 @@ class TopKRouter(nn.Module):
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         if routed_experts is not None:
             return (logits, *replayed_top_k(probs, top_index, routed_experts))
-        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights / sum_left_to_right(top_weights).unsqueeze(-1)
         return logits, top_weights, top_index
 
 
@@ -149,7 +149,7 @@ class FusedExperts(nn.Module):
         # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows_of = ExpertRows(order, slot_of, top_k)
+        rows_of = ExpertRows(order, slot_of, top_k, choice)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
@@ -199,9 +199,9 @@ class ExpertRows:
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
     indices and accumulate in an order of their own)."""
 
-    def __init__(self, order, slot_of, top_k):
+    def __init__(self, order, slot_of, top_k, choice: KernelChoice | None = None):
         self.token_of_row = order // top_k
-        self.order, self.slot_of, self.top_k = order, slot_of, top_k
+        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
 
     def expand(self, x):
         return _Move.apply(x, self._to_rows, self._sum_rows)
@@ -216,21 +216,13 @@ class ExpertRows:
         return x[self.token_of_row]
 
     def _sum_rows(self, rows):
-        return gather_sum(rows, self.slot_of, self.top_k)
+        return gather_sum(rows, self.slot_of, self.top_k, self.choice)
 
     def _permute(self, values):
         return values[self.order]
 
     def _unpermute(self, values):
         return values[self.slot_of]
-
-
-def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
-    """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
-    accumulation). Eager on purpose: compiled forms of this sum (a reduction, and an explicit fp32 left-to-right sum)
-    routed 120-127 of 8,868 token-layers differently for packed documents than for the same documents alone on the
-    H200 (results/gpu/2026-12-01-h200-gpu-tests-v6.json); this form kept all of them identical (-v5.json)."""
-    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
 class _Move(torch.autograd.Function):
