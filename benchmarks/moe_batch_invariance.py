@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -167,6 +168,27 @@ def locate_in_model(out_path):
         print(f"{name:<60} {differing:>5} / {whole.shape[0]}   max |diff| {worst:.3g}", flush=True)
     report["first_differing"] = first
     print("first output that differs:", first)
+    if first is not None and ".mlp" in first:  # inside an MoE block: its router weights and expert stages
+        layer = first.split(".mlp")[0]
+        block = model.get_submodule(f"{layer}.mlp")
+        name = f"{layer}.post_attention_layernorm"
+        choice = dataclasses.replace(
+            kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16), moe="grouped_mm"
+        )
+        with torch.no_grad():
+            _, weights, index = block.gate(packed[name])
+            stages = expert_stages(block.experts, packed[name], index, weights, choice)
+            stages["router_weights"] = weights
+            alone_stages = []
+            for outputs in alone:
+                _, doc_weights, doc_index = block.gate(outputs[name])
+                alone_stages.append(expert_stages(block.experts, outputs[name], doc_index, doc_weights, choice))
+                alone_stages[-1]["router_weights"] = doc_weights
+        for stage, whole in stages.items():
+            per_doc = torch.cat([a[stage] for a in alone_stages])
+            differing = int((~(per_doc == whole).all(-1)).sum())
+            report["rows"][f"{layer}.mlp.experts:{stage}"] = {"rows_not_bitwise_equal": differing}
+            print(f"{layer}.mlp.experts:{stage:<20} {differing:>5} / {whole.shape[0]}", flush=True)
     if out_path:
         Path(out_path).write_text(json.dumps(report, indent=1))
 
