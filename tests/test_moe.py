@@ -353,7 +353,7 @@ def test_compiled_grouped_experts_equal_eager():
 def test_gather_sum_of_a_group_does_not_depend_on_the_others():
     # The combine of the top-k outputs: a token's sum must not depend on how many tokens ran with it, or a packed
     # document's next-layer routing can differ from the same document alone.
-    from qwen35_packed.modeling.kernels import gather_sum
+    from qwen35_packed.modeling.moe import gather_sum
 
     g = torch.Generator().manual_seed(0)
     src = torch.randn(96, 40, generator=g).to(torch.bfloat16) * 10

@@ -236,14 +236,6 @@ def _weighted_swiglu(gate_up, weight):
     return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
 
 
-def _gather_sum(src, index, group: int):
-    index = index.view(-1, group)
-    total = src[index[:, 0]].float()
-    for slot in range(1, group):
-        total = total + src[index[:, slot]].float()
-    return total.to(src.dtype)
-
-
 @functools.cache
 def _compiled(fn):
     # dynamic=True: one graph for every token count (packed streams change length every batch).
@@ -279,24 +271,6 @@ def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
     """silu(gate) * up * weight in fp32, cast to gate_up's dtype: gate_up [M, 2I] (gate | up halves), weight [M]
     fp32 (the routing weight of each expert row)."""
     return _elementwise(_weighted_swiglu, choice)(gate_up, weight)
-
-
-def gather_sum(src, index, group: int, choice: KernelChoice | None = None):
-    """src[index] summed over consecutive groups of `group` rows: src [M, H], index long [G * group] -> [G, H] in
-    src's dtype, accumulated in fp32 left to right in index order. Written as adds, not as a reduction: a
-    reduction's pairing of the terms is its kernel's choice, which may depend on G, and a token's sum (the MoE
-    combine of its top-k outputs) must not depend on how many tokens ran with it. Compiled, the gathers and the adds
-    are one pointwise kernel that never writes src[index]."""
-    return _elementwise(_gather_sum, choice)(src, index, group)
-
-
-def sum_left_to_right(t: torch.Tensor) -> torch.Tensor:
-    """t [..., k] summed over its last dim as t[..., 0] + t[..., 1] + ..., elementwise adds: the same result for a
-    row whatever else runs with it (the renormalisation of a token's top-k router weights)."""
-    total = t[..., 0]
-    for j in range(1, t.shape[-1]):
-        total = total + t[..., j]
-    return total
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, gather_sum, grouped_linear, sum_left_to_right, swiglu, weighted_swiglu
+from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
@@ -61,7 +61,7 @@ class TopKRouter(nn.Module):
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         if routed_experts is not None:
             return (logits, *replayed_top_k(probs, top_index, routed_experts))
-        top_weights = top_weights / sum_left_to_right(top_weights).unsqueeze(-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return logits, top_weights, top_index
 
 
@@ -149,7 +149,7 @@ class FusedExperts(nn.Module):
         # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows_of = ExpertRows(order, slot_of, top_k, choice)
+        rows_of = ExpertRows(order, slot_of, top_k)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
@@ -174,11 +174,11 @@ class FusedExperts(nn.Module):
 
 
 # torch's CUDA grouped_mm picks its kernel by the mean rows per group: at most 128 (or at most 128 output
-# features) runs a 64x128x128 tile, more a 128x256x64 one, and the two round differently. A document alone then ran
-# the small kernel and the same document packed with others the large one: its expert outputs differed in the last
-# bf16 bit and tokens went to other experts in later layers (benchmarks/moe_batch_invariance.py --model located
-# it). Rows past the last offset belong to no group and are never multiplied, so padding the expert rows to this
-# many per expert makes every batch take the large kernel, at the cost of a copy for batches below it.
+# features) runs a 64x128x128 tile, more a 128x256x64 one. A document alone took the small kernel and the same
+# document packed with others the large one. Rows past the last offset belong to no group and are never
+# multiplied, so padding the expert rows to this many per expert makes every batch take the large kernel, at the
+# cost of a copy for batches below it. (It did not make the H200's packed == per-document MoE test pass: see
+# docs/performance.md, "MoE packed == per-document on the GPU".)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 129
 
 
@@ -199,9 +199,9 @@ class ExpertRows:
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
     indices and accumulate in an order of their own)."""
 
-    def __init__(self, order, slot_of, top_k, choice: KernelChoice | None = None):
+    def __init__(self, order, slot_of, top_k):
         self.token_of_row = order // top_k
-        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
+        self.order, self.slot_of, self.top_k = order, slot_of, top_k
 
     def expand(self, x):
         return _Move.apply(x, self._to_rows, self._sum_rows)
@@ -216,13 +216,21 @@ class ExpertRows:
         return x[self.token_of_row]
 
     def _sum_rows(self, rows):
-        return gather_sum(rows, self.slot_of, self.top_k, self.choice)
+        return gather_sum(rows, self.slot_of, self.top_k)
 
     def _permute(self, values):
         return values[self.order]
 
     def _unpermute(self, values):
         return values[self.slot_of]
+
+
+def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+    """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
+    accumulation). Eager: the form the H200 benchmark timed. The sum's form is not what the H200's packed ==
+    per-document MoE test trips on: layer 0's experts differed in as many rows with an explicit fp32 left-to-right
+    sum compiled into one kernel (docs/performance.md, "MoE packed == per-document on the GPU")."""
+    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
 class _Move(torch.autograd.Function):

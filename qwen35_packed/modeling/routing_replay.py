@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import sum_left_to_right
-
 NO_EXPERT = -1  # marks a token without replayed ids: it routes normally
 
 
@@ -80,4 +78,4 @@ def replayed_top_k(probs: torch.Tensor, top_index: torch.Tensor, replay: torch.T
     Tokens without ids keep the router's choice, with the same weights bit for bit (the same gathered values)."""
     index = torch.where(replay[:, :1] == NO_EXPERT, top_index, replay)
     weights = probs.gather(-1, index)
-    return weights / sum_left_to_right(weights).unsqueeze(-1), index
+    return weights / weights.sum(dim=-1, keepdim=True), index
