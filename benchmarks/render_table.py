@@ -80,6 +80,13 @@ def render_dense_summary() -> str:
     for name, _, model, batch, entry, run, row in rows(newest_only=True):
         if run != "ours_packed" or "error" in row:
             continue
+        if entry.get("baseline") is None:  # no built-in run finished: say why the first one did not
+            failed = next((r for n, r in entry["runs"].items() if n.startswith("builtin") and "error" in r), {})
+            lines.append(
+                f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+                f"{failed.get('error', 'not run')} | | {row['peak_GiB']} / {failed.get('peak_GiB', '')} | {name} |"
+            )
+            continue
         base = entry["runs"][entry["baseline"]]
         lines.append(
             f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
@@ -122,6 +129,7 @@ def render_moe() -> str:
         if not isinstance(per_model, dict):
             continue
         for run, row in per_model.get("experts_alone_rl_tokens", {}).items():
+            run = f"{run} ({row['source']})" if "source" in row else run
             lines.append(f"| {model} | experts of one layer alone, RL tokens | {run} | {row.get('ms')} ms | | | | |")
     return "\n".join(lines) + f"\n\n({name})"
 
@@ -138,9 +146,13 @@ def render_moe_summary() -> str:
         if run != "ours_packed" or "error" in row:
             continue
         base = entry["runs"][entry["baseline"]]
-        lora = entry["runs"].get("ours_lora", {}).get("ratio_to_builtin_lora", "")
+        lora_row = entry["runs"].get("ours_lora", {})
+        lora = lora_row.get("ratio_to_builtin_lora", "")
+        if lora and "source" in lora_row:
+            lora = f"{lora} ({lora_row['source']})"
+        copied = f" (copied from {row['source']})" if "source" in row else ""
         lines.append(
-            f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+            f"| {model} | {batch} ({entry['real_tokens']:,}){copied} | {row['real_tok_per_s']:,} | "
             f"{base['real_tok_per_s']:,} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
             f"{base['peak_GiB']} | {lora} |"
         )

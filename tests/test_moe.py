@@ -87,31 +87,6 @@ def test_grouped_experts_are_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_every_batch_takes_the_same_grouped_gemm_kernel():
-    # torch's CUDA grouped_mm chooses its tile shape by rows / groups (<= 128 one kernel, more another, rounding
-    # differently): a document alone and the same document packed must both get more than 128 rows per expert, in
-    # the forward and in the backward; the padded rows change no value (the loop comparison above).
-    from qwen35_packed.modeling.moe import GROUPED_MM_MIN_ROWS_PER_EXPERT
-
-    assert GROUPED_MM_MIN_ROWS_PER_EXPERT > 128
-    experts = _experts()
-    original, rows_per_group = kernels.GROUPED_MM, []
-
-    def watching(a, b, offs):
-        if a.dim() == 2 and b.dim() == 3:  # the token-rows x expert-weights products (forward and input gradient)
-            rows_per_group.append(a.shape[0] / b.shape[0])
-        return original(a, b, offs=offs)
-
-    kernels.GROUPED_MM = watching
-    try:
-        for n in (1, 37, 300):
-            index, weights = _routing(n, 2, 8, "random")
-            _run(experts, torch.randn(n, 16), index, weights, GROUPED)
-    finally:
-        kernels.GROUPED_MM = original
-    assert len(rows_per_group) >= 6 and min(rows_per_group) > 128, rows_per_group
-
-
 def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
     # Both GEMM inputs of [N * k, ...] rows are recomputed in the backward (from the block input and the first
     # GEMM's output), not kept through the forward.
@@ -180,6 +155,26 @@ def test_moe_kernel_choice():
     assert select_kernels(config, torch.device("cpu"), torch.float32).moe == "grouped_mm"
     with pytest.raises(ValueError, match="moe_kernel must be one of"):
         Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="batched")
+
+
+def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode():
+    # The answer is cached for the process, and an eval forward or generate() may ask first: under no_grad the
+    # probe's backward had no graph, it answered False for good, and the MoE ran the per-expert loop from then on
+    # (forcing grouped_mm raised). On the H200 that made packed != per-document: the loop is not batch-invariant.
+    config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="grouped_mm")
+    answers = {}
+    try:
+        for mode, context in (
+            ("no_grad", torch.no_grad),
+            ("inference", torch.inference_mode),
+            ("grad", torch.enable_grad),
+        ):
+            kernels._grouped_mm_runs.cache_clear()
+            with context():
+                answers[mode] = select_kernels(config, torch.device("cpu"), torch.float32).moe
+    finally:
+        kernels._grouped_mm_runs.cache_clear()
+    assert answers == {"no_grad": "grouped_mm", "inference": "grouped_mm", "grad": "grouped_mm"}
 
 
 def test_forcing_grouped_mm_where_it_cannot_run_raises(monkeypatch):

@@ -189,15 +189,18 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 @functools.cache
 def _grouped_mm_runs(device_type: str, device_index, dtype: torch.dtype) -> bool:
     # Dispatch support differs by torch release, device and dtype (bf16 on Hopper; a CPU fallback in recent
-    # releases); a tiny forward + backward answers it where a version table would go stale.
+    # releases); a tiny forward + backward answers it where a version table would go stale. The probe runs with
+    # autograd on whatever mode its first caller is in: a first call under no_grad (an eval forward, generate())
+    # had no graph to run backward through, answered False for good, and every later call ran the per-expert loop.
     if GROUPED_MM is None:
         return False
     try:
         device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
-        x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        out = GROUPED_MM(x, w.transpose(-2, -1), offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
-        out.backward(torch.ones_like(out))
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            out = GROUPED_MM(x, w.transpose(-2, -1), offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+            out.backward(torch.ones_like(out))
         return True
     except Exception:  # RuntimeError / NotImplementedError: no kernel for this device or dtype
         return False

@@ -154,38 +154,18 @@ class FusedExperts(nn.Module):
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
         offsets = counts.cumsum(0, dtype=torch.int32)
-        min_rows = GROUPED_MM_MIN_ROWS_PER_EXPERT * self.num_experts
-
-        def expert_rows(x):
-            return pad_rows(rows_of.expand(x), min_rows)
-
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
-        rows = remember(expert_rows(x), expert_rows, x)
+        rows = remember(rows_of.expand(x), rows_of.expand, x)
         gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
-        weight = pad_rows(rows_of.permute(top_weights.reshape(-1).float()), min_rows)
+        weight = rows_of.permute(top_weights.reshape(-1).float())
         if self.is_swiglu:
             hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
-        out = grouped_linear(hidden, self.down_proj, offsets)[: n * top_k]
+        out = grouped_linear(hidden, self.down_proj, offsets)
         return rows_of.combine(out).to(x.dtype)
-
-
-# torch's CUDA grouped_mm picks its kernel by the mean rows per group: at most 128 (or at most 128 output
-# features) runs a 64x128x128 tile, more a 128x256x64 one. A document alone took the small kernel and the same
-# document packed with others the large one. Rows past the last offset belong to no group and are never
-# multiplied, so padding the expert rows to this many per expert makes every batch take the large kernel, at the
-# cost of a copy for batches below it. (It did not make the H200's packed == per-document MoE test pass: see
-# docs/performance.md, "MoE packed == per-document on the GPU".)
-GROUPED_MM_MIN_ROWS_PER_EXPERT = 129
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t with zero rows appended up to `rows` rows (t itself when it has as many already)."""
-    missing = rows - t.shape[0]
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, missing)) if missing > 0 else t
 
 
 class ExpertRows:
@@ -227,9 +207,8 @@ class ExpertRows:
 
 def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
     """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
-    accumulation). Eager: the form the H200 benchmark timed. The sum's form is not what the H200's packed ==
-    per-document MoE test trips on: layer 0's experts differed in as many rows with an explicit fp32 left-to-right
-    sum compiled into one kernel (docs/performance.md, "MoE packed == per-document on the GPU")."""
+    accumulation). Eager: the form the H200 benchmark timed. (The H200 packed == per-document failures once blamed
+    on compiled forms of this sum ran the per-expert loop instead: see kernels._grouped_mm_runs.)"""
     return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
