@@ -164,7 +164,12 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             else ""
         )
         if on_cuda and is_moe and moe == "loop":
-            slow += " (MoE experts in a per-expert loop with a host sync per layer: grouped_mm needs bf16)"
+            why = (
+                "moe_kernel='loop' was asked for"
+                if getattr(config, "moe_kernel", "auto") == "loop"
+                else f"torch's grouped_mm does not run here with {dtype}"
+            )
+            slow += f" (MoE experts in a per-expert loop with a host sync per layer: {why})"
         logger.warning(
             "qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s%s",
             device.type,
