@@ -439,9 +439,16 @@ def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
-def test_moe_packed_equals_per_document_bf16():
+def test_moe_packed_equals_per_document_bf16(monkeypatch):
     """Grouped-GEMM experts, packed vs each document alone in bf16: the same experts for every token and layer,
-    and logits as close as the dense model's."""
+    and logits as close as the dense model's. The forwards run under no_grad, where a grouped_mm probe that needed
+    autograd once sent every block to the per-expert loop (not batch-invariant): the loop must not run here."""
+    from qwen35_packed.modeling.moe import FusedExperts
+
+    def no_loop(*args, **kwargs):
+        raise AssertionError("the per-expert loop ran: this test checks the grouped_mm path")
+
+    monkeypatch.setattr(FusedExperts, "looped", no_loop)
     docs, ids, cu = _moe_batch()
     model = _model(torch.bfloat16, moe=True)
     with torch.no_grad():
