@@ -195,7 +195,7 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 def _grouped_mm_runs(device_type: str, device_index, dtype: torch.dtype) -> bool:
     # Dispatch support differs by torch release, device and dtype (bf16 on Hopper; a CPU fallback in recent
     # releases); a tiny forward + backward answers it where a version table would go stale. The probe runs with
-    # autograd on whatever mode its first caller is in: a first call under no_grad (an eval forward, generate())
+    # autograd on, whatever mode its first caller is in: a first call under no_grad (an eval forward, generate())
     # had no graph to run backward through, answered False for good, and every later call ran the per-expert loop.
     if GROUPED_MM is None:
         return False

@@ -102,7 +102,7 @@ class RouterLogits(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         dtype = x.dtype if x.dtype == weight.dtype else torch.float32
-        grad = grad.to(dtype)  # bf16 where the forward ran under autocast (its GEMM then ran in bf16 too)
+        grad = grad.to(dtype)  # the incoming gradient's dtype is the caller's (bf16 where it cast the logits)
         grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
