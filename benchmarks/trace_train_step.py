@@ -55,10 +55,12 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
     Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # Runtime-API launches (cudaLaunchKernel: aten, cuBLAS) and driver-API ones (cuLaunchKernel: Triton, so FLA's,
+    # the compiled chains' and this project's Triton kernels), matched to their kernel by correlation id.
     launches = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     ops_by_thread = collections.defaultdict(list)
     for e in events:

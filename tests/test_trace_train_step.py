@@ -1,0 +1,45 @@
+"""benchmarks/trace_train_step.py's reading of a profiler trace: the gaps between GPU kernels and the host
+operators that launched the kernel ending each one, on a hand-made Chrome trace."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from trace_train_step import idle_gaps  # noqa: E402
+
+
+def _kernel(name, ts, dur, correlation):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def _launch(cat, ts, correlation, tid=1):
+    return {"cat": cat, "name": "launch", "ts": ts, "dur": 2, "tid": tid, "args": {"correlation": correlation}}
+
+
+def _op(name, ts, dur, tid=1):
+    return {"cat": "cpu_op", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_gaps_are_attributed_to_the_operator_around_runtime_and_driver_launches():
+    # Triton kernels (FLA's, the compiled chains') are launched through the driver API: a gap before one of them
+    # belongs to the operator around its cuLaunchKernel, not to "(unknown)".
+    events = [
+        _op("aten::mm", 0, 10),
+        _launch("cuda_runtime", 5, 1),
+        _kernel("gemm", 10, 50, 1),
+        _op("ChunkGatedDeltaRuleFunction", 100, 200),
+        _launch("cuda_driver", 250, 2),
+        _kernel("chunk_fwd_kernel_o", 260, 40, 2),
+        _launch("cuda_runtime", 305, 3),
+        _kernel("add", 310, 5, 3),  # a 10 us gap: below the 20 us threshold
+    ]
+    result = idle_gaps(events)
+    assert result["gaps"] == 1 and result["kernel_ms"] == (50 + 40 + 5) / 1e3
+    (gap,) = result["longest_gaps"]
+    assert gap["gap_us"] == 200 and gap["next_kernel"] == "chunk_fwd_kernel_o"
+    assert gap["outermost"] == "ChunkGatedDeltaRuleFunction"
+    assert result["idle_by_outermost_op_ms"] == {"ChunkGatedDeltaRuleFunction": 0.2}
+    assert result["span_ms"] == (315 - 10) / 1e3
