@@ -76,7 +76,8 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     (benchmarks/moe_batch_invariance.py locates it). Routing is a discrete choice, so it must be exact per token.
     Each block's product is written straight into its rows of the result; only the last, partial block is copied
     to be padded. The block size trades launches on long streams against padding on short ones: a decode step of a
-    few tokens multiplies one whole block."""
+    few tokens multiplies one whole block. Not differentiable itself (out= products): RouterLogits is its autograd
+    form."""
     n = x.shape[0]
     full = n - n % ROUTER_ROWS
     out = x.new_empty((full + (ROUTER_ROWS if full < n else 0), weight.shape[0]))
