@@ -110,6 +110,24 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     }
 
 
+def host_time_by_outermost_op(events: list[dict], top: int = 25) -> dict[str, float]:
+    """Host milliseconds of the outermost operators (those no other operator of their thread encloses) summed by
+    name, over every thread (the autograd engine runs the backward on its own): where the host spends the step."""
+    total = collections.Counter()
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            by_thread[e["tid"]].append(e)
+    for ops in by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_until = None
+        for op in ops:
+            if open_until is None or op["ts"] >= open_until:
+                total[op["name"][:100]] += op["dur"] / 1e3
+                open_until = op["ts"] + op["dur"]
+    return {name: round(ms, 3) for name, ms in total.most_common(top)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="hybrid_1p4b", choices=sorted(MODELS) + [MOE_MODEL])
@@ -152,6 +170,7 @@ def main():
         "tokens": sum(lengths),
         "step_ms_unprofiled": step_ms,
         "kernel_ms_by_name": kernel_time_by_name(events),
+        "host_ms_by_outermost_op": host_time_by_outermost_op(events),
         **idle_gaps(events),
     }
     print(
@@ -161,6 +180,9 @@ def main():
     print(f"\n{'GPU ms':>9}  kernel")
     for name, ms in result["kernel_ms_by_name"].items():
         print(f"{ms:>9.2f}  {name}")
+    print(f"\n{'host ms':>9}  outermost host operator")
+    for name, ms in result["host_ms_by_outermost_op"].items():
+        print(f"{ms:>9.2f}  {name[:100]}")
     print(f"\n{'idle ms':>9}  outermost host operator before the next kernel")
     for name, ms in result["idle_by_outermost_op_ms"].items():
         print(f"{ms:>9.2f}  {name[:100]}")
@@ -172,7 +194,7 @@ def main():
         if args.out
         else Path(__file__).resolve().parent.parent
         / "results"
-        / "benchmarks"
+        / "gpu"
         / (f"{result['date']}-trace-{args.model}-{args.batch}.json")
     )
     out.write_text(json.dumps(result, indent=1))

@@ -43,3 +43,20 @@ def test_gaps_are_attributed_to_the_operator_around_runtime_and_driver_launches(
     assert gap["outermost"] == "ChunkGatedDeltaRuleFunction"
     assert result["idle_by_outermost_op_ms"] == {"ChunkGatedDeltaRuleFunction": 0.2}
     assert result["span_ms"] == (315 - 10) / 1e3
+
+
+def test_host_time_counts_each_outermost_operator_once_per_thread():
+    from trace_train_step import host_time_by_outermost_op
+
+    events = [
+        _op("aten::linear", 0, 100),
+        _op("aten::mm", 10, 80),  # inside aten::linear: not counted again
+        _op("aten::add", 150, 20),
+        _op("autograd::engine::evaluate_function: MmBackward0", 5, 60, tid=2),  # the backward's own thread
+        _op("aten::linear", 300, 50),
+    ]
+    assert host_time_by_outermost_op(events) == {
+        "aten::linear": 0.15,
+        "autograd::engine::evaluate_function: MmBackward0": 0.06,
+        "aten::add": 0.02,
+    }
