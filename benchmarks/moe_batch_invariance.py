@@ -128,6 +128,14 @@ def recording(model, n_tokens: int):
             setattr(owner, fn_name, original)
 
 
+def compare_rows(whole: torch.Tensor, per_doc: torch.Tensor) -> dict:
+    """Rows of the packed result that are not bitwise the rows of the documents run alone, and the largest gap."""
+    return {
+        "rows_not_bitwise_equal": int((~(per_doc == whole).all(-1)).sum()),
+        "max_abs_diff": (per_doc.float() - whole.float()).abs().max().item(),
+    }
+
+
 def locate_in_model(out_path):
     """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order."""
     torch.manual_seed(0)
@@ -160,12 +168,13 @@ def locate_in_model(out_path):
         if per_doc.shape != whole.shape:
             report["rows"][name] = {"shape_packed": list(whole.shape), "shape_alone": list(per_doc.shape)}
             continue
-        differing = int((~(per_doc == whole).all(-1)).sum())
-        worst = (per_doc.float() - whole.float()).abs().max().item()
-        report["rows"][name] = {"rows_not_bitwise_equal": differing, "max_abs_diff": worst}
-        if differing and first is None:
+        row = report["rows"][name] = compare_rows(whole, per_doc)
+        if row["rows_not_bitwise_equal"] and first is None:
             first = name
-        print(f"{name:<60} {differing:>5} / {whole.shape[0]}   max |diff| {worst:.3g}", flush=True)
+        print(
+            f"{name:<60} {row['rows_not_bitwise_equal']:>5} / {whole.shape[0]}   max |diff| {row['max_abs_diff']:.3g}",
+            flush=True,
+        )
     report["first_differing"] = first
     print("first output that differs:", first)
     if first is not None and ".mlp" in first:  # inside an MoE block: its router weights and expert stages
@@ -185,10 +194,10 @@ def locate_in_model(out_path):
                 alone_stages.append(expert_stages(block.experts, outputs[name], doc_index, doc_weights, choice))
                 alone_stages[-1]["router_weights"] = doc_weights
         for stage, whole in stages.items():
-            per_doc = torch.cat([a[stage] for a in alone_stages])
-            differing = int((~(per_doc == whole).all(-1)).sum())
-            report["rows"][f"{layer}.mlp.experts:{stage}"] = {"rows_not_bitwise_equal": differing}
-            print(f"{layer}.mlp.experts:{stage:<20} {differing:>5} / {whole.shape[0]}", flush=True)
+            row = report["rows"][f"{layer}.mlp.experts:{stage}"] = compare_rows(
+                whole, torch.cat([a[stage] for a in alone_stages])
+            )
+            print(f"{layer}.mlp.experts:{stage:<20} {row['rows_not_bitwise_equal']:>5} / {whole.shape[0]}", flush=True)
     if out_path:
         Path(out_path).write_text(json.dumps(report, indent=1))
 
@@ -265,21 +274,21 @@ def main():
             "loop": lambda rows, sl: block.experts.looped(rows, index[sl], weights[sl]),
             "block": lambda rows, sl: block(rows, choice)[0],
         }
-        for stage in ("gate_up", "swiglu", "down", "combined"):
-            parts[f"experts_{stage}"] = lambda rows, sl, stage=stage: expert_stages(
-                block.experts, rows, index[sl], weights[sl], choice
-            )[stage]
+        slices = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+        results = {name: (fn(x, slice(None)), [fn(x[sl], sl) for sl in slices]) for name, fn in parts.items()}
+        # The experts' stages, each run once for the whole stream and once per document.
+        whole_stages = expert_stages(block.experts, x, index, weights, choice)
+        doc_stages = [expert_stages(block.experts, x[sl], index[sl], weights[sl], choice) for sl in slices]
+        for stage, whole in whole_stages.items():
+            results[f"experts_{stage}"] = (whole, [stages[stage] for stages in doc_stages])
         report = {"choice": choice.moe, "rows": len(x), "documents": LENGTHS, "parts": {}}
-        for name, fn in parts.items():
-            whole = fn(x, slice(None))
-            differing, worst = 0, 0.0
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                alone = fn(x[start:end], slice(start, end))
-                same = (alone == whole[start:end]).all(-1)
-                differing += int((~same).sum())
-                worst = max(worst, (alone.float() - whole[start:end].float()).abs().max().item())
-            report["parts"][name] = {"rows_not_bitwise_equal": differing, "max_abs_diff": worst}
-            print(f"{name:<8} rows not bitwise equal {differing:>5} / {len(x)}   max |diff| {worst:.3g}", flush=True)
+        for name, (whole, alone) in results.items():
+            row = report["parts"][name] = compare_rows(whole, torch.cat(alone))
+            print(
+                f"{name:<8} rows not bitwise equal {row['rows_not_bitwise_equal']:>5} / {len(x)}   "
+                f"max |diff| {row['max_abs_diff']:.3g}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -50,6 +50,18 @@ def kernel_time_by_name(events: list[dict], top: int = 30) -> dict[str, float]:
     return {name: round(ms, 3) for name, ms in total.most_common(top)}
 
 
+def cpu_ops_by_thread(events: list[dict]) -> dict[int, list[dict]]:
+    """The host operators of a Chrome trace per thread, in start order (an enclosing operator before the ones it
+    encloses)."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            by_thread[e["tid"]].append(e)
+    for ops in by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+    return by_thread
+
+
 def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     """From a Chrome trace's events: total kernel time, the span from the first kernel's start to the last one's end,
     and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
@@ -62,12 +74,7 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    ops_by_thread = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
-            ops_by_thread[e["tid"]].append(e)
-    for ops in ops_by_thread.values():
-        ops.sort(key=lambda e: e["ts"])
+    ops_by_thread = cpu_ops_by_thread(events)
     starts = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_thread.items()}
 
     def enclosing_ops(launch: dict) -> list[str]:
@@ -114,12 +121,7 @@ def host_time_by_outermost_op(events: list[dict], top: int = 25) -> dict[str, fl
     """Host milliseconds of the outermost operators (those no other operator of their thread encloses) summed by
     name, over every thread (the autograd engine runs the backward on its own): where the host spends the step."""
     total = collections.Counter()
-    by_thread = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
-            by_thread[e["tid"]].append(e)
-    for ops in by_thread.values():
-        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for ops in cpu_ops_by_thread(events).values():
         open_until = None
         for op in ops:
             if open_until is None or op["ts"] >= open_until:

@@ -79,12 +79,12 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     few tokens multiplies one whole block. Not differentiable itself (out= products): RouterLogits is its autograd
     form."""
     n = x.shape[0]
-    full = n - n % ROUTER_ROWS
-    out = x.new_empty((full + (ROUTER_ROWS if full < n else 0), weight.shape[0]))
-    for start in range(0, full, ROUTER_ROWS):
-        torch.mm(x[start : start + ROUTER_ROWS], weight.t(), out=out[start : start + ROUTER_ROWS])
-    if full < n:
-        torch.mm(F.pad(x[full:], (0, 0, 0, ROUTER_ROWS - (n - full))), weight.t(), out=out[full:])
+    out = x.new_empty((-(-n // ROUTER_ROWS) * ROUTER_ROWS, weight.shape[0]))
+    for start in range(0, n, ROUTER_ROWS):
+        block = x[start : start + ROUTER_ROWS]
+        if block.shape[0] < ROUTER_ROWS:
+            block = F.pad(block, (0, 0, 0, ROUTER_ROWS - block.shape[0]))
+        torch.mm(block, weight.t(), out=out[start : start + ROUTER_ROWS])
     return out[:n]
 
 
@@ -209,8 +209,7 @@ class ExpertRows:
 
 def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
     """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
-    accumulation). Eager: the form the H200 benchmark timed. (The H200 packed == per-document failures once blamed
-    on compiled forms of this sum ran the per-expert loop instead: see kernels._grouped_mm_runs.)"""
+    accumulation). Eager: the form the H200 benchmark timed."""
     return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
