@@ -332,6 +332,38 @@ def test_triton_conv_matches_reference_and_fla(dtype):
         assert triton["dx_relative_error"] <= 1e-2 and triton["dweight_relative_error"] <= 1e-2, triton
 
 
+@pytest.mark.skipif(not kernels.TRITON_CONV_AVAILABLE, reason="triton not installed")
+def test_triton_conv_gather_backward_equals_recompute_backward_bf16():
+    """The two backward kernels of the Triton conv on the benchmark shape: dx bit for bit (same formula and
+    summation order), dw in another grouping of the row sums."""
+    import dataclasses
+
+    from qwen35_packed.modeling.packing import PackedSequence
+    from qwen35_packed.modeling.triton_conv import DEFAULT_BLOCKS, causal_conv1d_silu_split
+
+    lengths, splits = RL_BATCH_LENGTHS, [2048, 2048, 4096]
+    n = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    pos = PackedSequence(cu, max(lengths), None, None, (1, n)).position_in_doc()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(n, sum(splits), device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(sum(splits), 4, device="cuda", generator=gen) * 0.5).bfloat16()
+    cotangents = [torch.randn(n, s, device="cuda", generator=gen).bfloat16() for s in splits]
+    grads = {}
+    for kind, rows in (("recompute", DEFAULT_BLOCKS.backward_rows), ("gather", 32)):
+        blocks = dataclasses.replace(DEFAULT_BLOCKS, backward_kernel=kind, backward_rows=rows)
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.autograd.backward(causal_conv1d_silu_split(xi, wi, pos, splits, blocks), cotangents)
+        grads[kind] = (xi.grad, wi.grad)
+    dw_rel = (grads["gather"][1].float() - grads["recompute"][1].float()).norm() / grads["recompute"][1].float().norm()
+    RESULTS["triton_conv_gather_backward"] = {
+        "dx_equal": torch.equal(grads["gather"][0], grads["recompute"][0]),
+        "dw_relative_difference": dw_rel.item(),
+    }
+    assert RESULTS["triton_conv_gather_backward"]["dx_equal"], RESULTS["triton_conv_gather_backward"]
+    assert dw_rel.item() <= 1e-2
+
+
 def test_chunked_loss_gradients_bf16_against_fp64():
     """The chunked cross-entropy on CUDA in bf16: the lm_head weight gradient accumulates over chunks inside the GEMM
     in fp32 (addmm with out_dtype), the hidden gradient is written in place. Loss and both gradients against an fp64

@@ -13,12 +13,19 @@ Forward: grid (row blocks, channel blocks) per segment; a program reads its [BLO
 lags (the K-1 extra rows come from cache), writes its tile of the segment's output: about one read of x and one
 write of the outputs.
 
-Backward: a program owns BLOCK_C channels of a segment and CHUNKS consecutive BLOCK_T-row chunks. Per chunk it
-loads x at the 2K-1 row offsets its tokens need (once each, kept in registers as a tuple of tiles), recomputes the
-pre-activation at the K row shifts that dx of the chunk reads (no [N, C] temporaries), forms
-dpre = dy * silu'(pre), writes dx of the chunk and adds dpre * x to K fp32 per-row dw tiles; at the end it reduces
-them over rows and writes its [BLOCK_C, K] dw partial. The partials ([row programs, C, K] fp32) are summed with
-torch: deterministic, no atomics. A segment whose gradient is None contributes zeros.
+Backward: dpre = dy * silu'(pre); dx[t] = sum_j weight[c, K-1-j] * dpre[t + j] over the tokens t + j of t's
+document; dw[c, K-1-j] = sum_t dpre[t] * x[t - j]. A program owns BLOCK_C channels of a segment and CHUNKS
+consecutive row chunks, and keeps K fp32 per-row dw tiles that it reduces over rows at the end into its
+[BLOCK_C, K] dw partial. The partials ([row programs, C, K] fp32) are summed with torch: deterministic, no
+atomics. A segment whose gradient is None contributes zeros. No [N, C] temporaries. Two kernels
+(`ConvBlocks.backward_kernel`) differ in how a chunk gets dpre at the K row shifts that its dx reads:
+- "recompute": the chunk is BLOCK_T rows; it loads x at the 2K-1 row offsets its tokens need (once each, kept in
+  registers as a tuple of tiles) and recomputes the pre-activation, and its sigmoid, at each of the K shifts.
+- "gather": the chunk is BLOCK_T rows of which the last K-1 are lookahead (chunks advance by BLOCK_T - (K-1) rows);
+  it computes dpre once per row and reads it at the K shifts through `tl.gather` along the rows. One sigmoid per
+  row and K loads of x per chunk, instead of K sigmoids and 2K-1 loads.
+The two give the same dx bit for bit (same formula, same summation order); dw is summed over rows in a different
+grouping. benchmarks/bench_conv.py checks and times both.
 
 Boundaries come from `position_in_doc` (offset of every token from its document start): tap j of token t is read
 only when position_in_doc[t] >= K-1-j, so no token reaches another document, and documents shorter than K work.
@@ -46,8 +53,10 @@ except ImportError:
 
 @dataclass(frozen=True)
 class ConvBlocks:
-    """Tile sizes (powers of two) and warps per program. A forward program covers forward_rows x forward_channels;
-    a backward program backward_chunks chunks of backward_rows x backward_channels.
+    """Tile sizes (powers of two), warps per program and the backward kernel ("recompute" | "gather", see the module
+    docstring). A forward program covers forward_rows x forward_channels; a backward program backward_chunks chunks
+    of backward_rows x backward_channels (with "gather", backward_rows includes the K-1 lookahead rows and must
+    exceed them).
 
     The defaults are the fastest of the configurations benchmarks/bench_conv.py checked and timed on an H200 (RL
     batch, [26,354 x 8192] bf16, q | k | v = 2048 | 2048 | 4096; results/benchmarks/2026-11-30-conv.json):
@@ -61,6 +70,7 @@ class ConvBlocks:
     backward_channels: int = 128
     backward_chunks: int = 16
     backward_warps: int = 8
+    backward_kernel: str = "recompute"
 
 
 DEFAULT_BLOCKS = ConvBlocks()
@@ -157,6 +167,70 @@ if TRITON_CONV_AVAILABLE:
         tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
                  mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
 
+    @triton.jit
+    def _conv_silu_backward_gather_kernel(
+        x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
+        KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):  # fmt: skip
+        OWN: tl.constexpr = BLOCK_T - (KERNEL - 1)  # rows whose dx and dw a chunk writes; the rest is lookahead
+        pid_t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_ok = cols < seg_channels
+        channels = channel_offset + cols
+        taps = tl.arange(0, KERNEL_POW2)
+        lanes = tl.arange(0, BLOCK_T)
+        own = (lanes < OWN)[:, None]
+        w = ()
+        for lag in tl.static_range(KERNEL):
+            w = w + (tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32),)
+        dw_rows = ()
+        for lag in tl.static_range(KERNEL):
+            dw_rows = dw_rows + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
+        first_row = pid_t.to(tl.int64) * (OWN * CHUNKS)
+        for chunk in range(CHUNKS):
+            rows = first_row + chunk * OWN + lanes
+            in_stream = rows < n_rows
+            pos = tl.load(pos_ptr + rows, mask=in_stream, other=0)
+            # x[rows - lag] where the tap stays inside the token's document, else zero; kept for dw.
+            xs = ()
+            pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for lag in tl.static_range(KERNEL):  # lag 0 first: the forward's summation order
+                x = tl.load(
+                    x_ptr + (rows - lag)[:, None] * n_channels + channels[None, :],
+                    mask=(in_stream & (pos >= lag))[:, None] & col_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                xs = xs + (x,)
+                pre += x * w[lag][None, :]
+            dy = tl.load(dy_ptr + rows[:, None] * seg_channels + cols[None, :],
+                         mask=in_stream[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            sig = tl.sigmoid(pre)
+            dpre = dy * sig * (1.0 + pre * (1.0 - sig))  # zero past the stream's end (dy reads zero there)
+            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for shift in tl.static_range(KERNEL):
+                if shift == 0:
+                    later = dpre
+                else:
+                    # dpre of row + shift; own rows reach at most the chunk's last row, lookahead rows are not kept.
+                    ahead = tl.minimum(lanes + shift, BLOCK_T - 1)
+                    later = tl.gather(dpre, tl.broadcast_to(ahead[:, None], (BLOCK_T, BLOCK_C)), 0)
+                    # A token whose lag-`shift` tap leaves its document does not reach this row.
+                    pos_ahead = tl.load(pos_ptr + rows + shift, mask=rows + shift < n_rows, other=0)
+                    later = tl.where((pos_ahead >= shift)[:, None], later, 0.0)
+                dx += later * w[shift][None, :]
+            tl.store(dx_ptr + rows[:, None] * n_channels + channels[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=own & in_stream[:, None] & col_ok[None, :])  # fmt: skip
+            updated = ()
+            for lag in tl.static_range(KERNEL):
+                updated = updated + (dw_rows[lag] + tl.where(own, dpre * xs[lag], 0.0),)
+            dw_rows = updated
+        dw = tl.zeros([BLOCK_C, KERNEL_POW2], dtype=tl.float32)
+        for lag in tl.static_range(KERNEL):
+            dw += tl.where(taps[None, :] == KERNEL - 1 - lag, tl.sum(dw_rows[lag], axis=0)[:, None], 0.0)
+        tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
+                 mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
+
     # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
     _INTERPRETED = not isinstance(_conv_silu_forward_kernel, triton.runtime.JITFunction)
 
@@ -198,9 +272,13 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         blocks = ctx.blocks
         n_rows, n_channels = x.shape
         kernel = weight.shape[1]
+        gather = blocks.backward_kernel == "gather"
+        # Rows a chunk writes: with "gather" the last K-1 rows of its tile are lookahead.
+        chunk_rows = blocks.backward_rows - (kernel - 1) if gather else blocks.backward_rows
         # Few chunks for short streams: no program loops over rows that do not exist.
-        chunks = max(1, min(blocks.backward_chunks, triton.cdiv(max(n_rows, 1), blocks.backward_rows)))
-        row_programs = triton.cdiv(n_rows, blocks.backward_rows * chunks)
+        chunks = max(1, min(blocks.backward_chunks, triton.cdiv(max(n_rows, 1), chunk_rows)))
+        row_programs = triton.cdiv(n_rows, chunk_rows * chunks)
+        backward_kernel = _conv_silu_backward_gather_kernel if gather else _conv_silu_backward_kernel
         dx = torch.empty_like(x)
         dw_partial = torch.empty(row_programs, n_channels, kernel, dtype=torch.float32, device=x.device)
         with _device_guard(x):
@@ -212,7 +290,7 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
                 if n_rows == 0:
                     continue
                 grid = (row_programs, triton.cdiv(size, blocks.backward_channels))
-                _conv_silu_backward_kernel[grid](
+                backward_kernel[grid](
                     x, weight, position_in_doc, grad.contiguous(), dx, dw_partial, n_rows, n_channels, offset, size,
                     KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=blocks.backward_rows,
                     BLOCK_C=blocks.backward_channels, CHUNKS=chunks, num_warps=blocks.backward_warps,
@@ -250,6 +328,12 @@ def causal_conv1d_silu_split(
     if position_in_doc.shape != (n_rows,) or position_in_doc.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"position_in_doc must be an integer tensor [N={n_rows}], got "
                          f"{tuple(position_in_doc.shape)} {position_in_doc.dtype}")  # fmt: skip
+    kernel = weight.shape[1]
+    if blocks.backward_kernel not in ("recompute", "gather"):
+        raise ValueError(f"backward_kernel must be 'recompute' or 'gather', got {blocks.backward_kernel!r}")
+    if blocks.backward_kernel == "gather" and blocks.backward_rows <= kernel - 1:
+        raise ValueError(f"backward_kernel='gather' needs backward_rows > K-1 = {kernel - 1} (the lookahead rows), "
+                         f"got {blocks.backward_rows}")  # fmt: skip
     split_sizes = tuple(int(s) for s in split_sizes)
     if not split_sizes or any(s <= 0 for s in split_sizes) or sum(split_sizes) != n_channels:
         raise ValueError(f"split_sizes {list(split_sizes)} must be positive and sum to C={n_channels}")
