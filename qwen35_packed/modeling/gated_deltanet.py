@@ -12,10 +12,9 @@ sequence, so bf16 rounding of these two vectors would change every later state.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelChoice, causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen
+from .kernels import KernelChoice, causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
@@ -70,17 +69,15 @@ class GatedDeltaNet(nn.Module):
 
         return super()._apply(keep_fp32, *args, **kwargs)
 
-    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor):
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return g, beta
+    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor, choice: KernelChoice | None = None):
+        return gdn_gates(a, b, self.A_log, self.dt_bias, choice)
 
     def forward(self, hidden_states: torch.Tensor, packed, choice: KernelChoice, cache=None) -> torch.Tensor:
         """hidden_states [N, hidden] (packed); cache: the layer's GenerationCache slot, or None."""
         n = hidden_states.shape[0]
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states)
-        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states))
+        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)
 
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
