@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU measurements still open, in stages that each fit one device call (10 minutes) on an H200, writing
+# their logs and JSON under $OUT. Run it on the device machine after the three bundle installs of
+# ../shared/gpu/README.md (a, b, c: one call each, each with its bundle in `carry`):
+#
+#   bash scripts/gpu-measure.sh STAGE
+#
+#   moe          tests/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
+#                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
+#                RL batch (it also times the experts alone)                                          ~6 min
+#   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~4 min
+#   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (both backward kernels)   ~3 min
+#   dense-1p4b   bench_train_step.py, hybrid 1.4B, both batches, ours and the built-in              ~5 min
+#   dense-4b     bench_train_step.py, Qwen3.5-4B, both batches                                       ~8 min
+#   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~8 min
+#   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~2 min
+#   gpu-tests    the whole tests/test_gpu.py                                                         ~5 min
+#
+# Exit 3: the machine went cold and lost the bundles; install them again. The stage times are estimates from
+# earlier runs of the same scripts; the 10-minute limit cuts a stage that runs over, and what it wrote under
+# $OUT still comes back. The commit the tree was sent at is not knowable there (`git rev-parse HEAD` answers the
+# session's first commit): record it on the sending side.
+set -uo pipefail
+stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
+: "${OUT:?OUT must name the folder whose files come back}"
+test -e /tmp/gpu-site/.bundle-a && test -e /tmp/gpu-site/.bundle-b && test -e /tmp/gpu-site/.bundle-c || exit 3
+export PYTHONPATH="/tmp/gpu-site:$PWD" TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
+failed=0
+# step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported and the stage goes on.
+step() {
+  local name=$1
+  shift
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc"
+  tail -n 3 "$OUT/$name.log"
+  [ $rc -eq 0 ] || failed=1
+}
+
+case "$stage" in
+  moe)
+    step gpu-tests-moe env QWEN35_GPU_RESULTS="$OUT/gpu-tests-moe.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k moe
+    step moe-locate python3 benchmarks/moe_batch_invariance.py --model --out "$OUT/moe-locate.json"
+    step moe-lora python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
+      --runs builtin_lora,ours_lora --out "$OUT/moe-lora.json"
+    ;;
+  moe-vocab)
+    step moe-vocab python3 benchmarks/bench_moe.py --vocabs 248320 --runs builtin_correct_packed,ours_packed \
+      --skip-lora --skip-experts --out "$OUT/moe-vocab.json"
+    ;;
+  conv)
+    step gpu-tests-conv env QWEN35_GPU_RESULTS="$OUT/gpu-tests-conv.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "conv or elementwise"
+    step conv python3 benchmarks/bench_conv.py --out "$OUT/conv.json" --best "$OUT/conv-best.json"
+    ;;
+  dense-1p4b | dense-4b | dense-9b)
+    case "$stage" in dense-1p4b) models=hybrid_1p4b ;; dense-4b) models=qwen35_4b ;; *) models=qwen35_9b:16 ;; esac
+    step "$stage" python3 benchmarks/bench_train_step.py --models "$models" \
+      --runs ours_packed,builtin_correct_packed --out "$OUT/$stage.json"
+    ;;
+  trace-0p8b)
+    step trace-0p8b python3 benchmarks/trace_train_step.py --model qwen35_0p8b --batch uniform_128_2048_x8 \
+      --out "$OUT/trace-0p8b.json"
+    ;;
+  gpu-tests)
+    step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+    ;;
+  *)
+    echo "unknown stage '$stage' (see the header of $0)" >&2
+    exit 2
+    ;;
+esac
+exit $failed
