@@ -7,6 +7,8 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
 
   * ours_packed             this project, packed (cu_seqlens), experts as the kernel choice picks (grouped_mm)
   * ours_packed_loop        the same with moe_kernel="loop" (the per-expert reference), first model only
+  * ours_packed_eager_combine   the same with moe_combine_kernel="eager" (the gather and sum instead of the Triton
+                            top-k combine), first model only
   * builtin_correct_packed  the built-in with grouped_mm experts (its default) on its correct packed path:
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
@@ -16,7 +18,8 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
 Rows: real tokens/s, ratio_to_builtin (against builtin_correct_packed), MFU over active parameters (6 x active
 non-embedding parameters + lm_head, x tokens, against the bf16 rate measured in the same run), peak GiB, loss
 difference to the baseline. Then the experts of one layer alone (forward + backward on the RL batch's token count):
-ours grouped, the built-in's grouped_mm, and the bare grouped GEMMs (the floor). Writes
+ours grouped (with the Triton and the eager top-k combine), the built-in's grouped_mm, and the bare grouped GEMMs
+(the floor). Writes
 results/benchmarks/<date>-moe-<tag>.json after every row.
 
     python benchmarks/bench_moe.py [--layers 4] [--vocabs 65536,248320] [--batches B,..] [--runs R,..]
@@ -136,12 +139,17 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
     x = torch.randn(n_tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     with torch.no_grad():
         _, weights, index = block.gate(x)
+    on_cuda = device.type == "cuda"
     choice = kernels.KernelChoice(
-        gdn="torch", attention="sdpa", elementwise="compiled" if device.type == "cuda" else "eager", moe="grouped_mm"
+        gdn="torch",
+        attention="sdpa",
+        elementwise="compiled" if on_cuda else "eager",
+        moe="grouped_mm",
+        combine="triton" if on_cuda and kernels.TRITON_GATHER_SUM_AVAILABLE else "eager",
     )
     rows = {}
 
-    def ours():
+    def ours(choice=choice):
         block.experts(x, index, weights, choice).float().square().mean().backward()
 
     def builtin():
@@ -161,6 +169,7 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
 
     for name, fn in (
         ("experts_ours_grouped", ours),
+        ("experts_ours_grouped_eager_combine", lambda: ours(dataclasses.replace(choice, combine="eager"))),
         ("experts_builtin_grouped_mm", builtin),
         ("grouped_gemms_alone", gemms),
     ):
@@ -271,6 +280,8 @@ def run_vocab(vocab, args, device, rate, results, save):
             measure(batch_name, "builtin_correct_packed_eager", builtin, builtin_step(builtin, "eager"), n_real)
             with config_fields(ours, moe_kernel="loop"):
                 measure(batch_name, "ours_packed_loop", ours, ours_step(ours), n_real)
+            with config_fields(ours, moe_combine_kernel="eager"):
+                measure(batch_name, "ours_packed_eager_combine", ours, ours_step(ours), n_real)
     if not args.skip_experts and vocab == args.first_vocab and "rl_longtail_x16" in inputs:
         only_on(device, ours, models)
         builtin.to(device)

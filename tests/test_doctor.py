@@ -301,13 +301,14 @@ def test_every_kernel_choice_has_a_description():
     # The kernels check describes the selected kernels by name: a choice added to the config without a description
     # would fail the doctor with a KeyError on the machine that selects it.
     from qwen35_packed.configuration.configuration_qwen3_5_packed import KERNEL_FIELDS
-    from qwen35_packed.doctor.environment_checks import ATTENTION, CONV, MOE, PATHS
+    from qwen35_packed.doctor.environment_checks import ATTENTION, COMBINE, CONV, MOE, PATHS
 
     for field, described in (
         ("gdn_kernel", PATHS),
         ("conv_kernel", CONV),
         ("attention_kernel", ATTENTION),
         ("moe_kernel", MOE),
+        ("moe_combine_kernel", COMBINE),
     ):
         assert set(KERNEL_FIELDS[field]) - {"auto"} <= set(described), field
 

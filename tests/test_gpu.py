@@ -470,6 +470,34 @@ def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
         assert errors["grouped_mm"][name] <= 1.5 * errors["loop"][name] + 1e-4, (name, errors)
 
 
+def test_moe_triton_combine_is_the_in_order_sum_bf16():
+    """The Triton top-k combine (the auto choice on CUDA) on the RL batch's shape (26,354 tokens x 8 rows of the
+    35B-A3B hidden size 2048): bit for bit the in-order fp32 sum of each token's rows rounded once, and within one
+    bf16 rounding of the eager gather and sum."""
+    from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows
+
+    tokens, top_k, hidden = 26_354, 8, 2048
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(tokens * top_k, hidden, device="cuda", generator=gen).bfloat16()
+    index = torch.randperm(tokens * top_k, device="cuda", generator=gen)
+    out = gather_sum_rows(src, index, top_k)
+    rows = src[index].float().view(tokens, top_k, hidden)
+    acc = torch.zeros(tokens, hidden, device="cuda")
+    for slot in range(top_k):
+        acc = acc + rows[:, slot]
+    eager = src[index].view(tokens, top_k, hidden).sum(dim=1)
+    RESULTS["moe_triton_combine"] = {
+        "bitwise_in_order": torch.equal(out, acc.bfloat16()),
+        "max_abs_vs_eager": (out.float() - eager.float()).abs().max().item(),
+        "scale": eager.float().abs().max().item(),
+    }
+    print(RESULTS["moe_triton_combine"])
+    assert RESULTS["moe_triton_combine"]["bitwise_in_order"], RESULTS["moe_triton_combine"]
+    assert RESULTS["moe_triton_combine"]["max_abs_vs_eager"] <= 2**-7 * RESULTS["moe_triton_combine"]["scale"]
+    choice = kernels.select_kernels(_model(torch.bfloat16, moe=True).config, torch.device("cuda"), torch.bfloat16)
+    assert choice.combine == "triton"
+
+
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_moe_packed_equals_per_document_bf16(monkeypatch):
     """Grouped-GEMM experts, packed vs each document alone in bf16: the same experts for every token and layer,

@@ -157,6 +157,18 @@ def test_moe_kernel_choice():
         Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="batched")
 
 
+def test_moe_combine_kernel_choice():
+    # The Triton top-k combine is a CUDA kernel (the CPU runs it only in Triton's interpreter, in
+    # tests/test_triton_gather_sum.py): auto picks the eager combine here, forcing Triton raises.
+    config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="grouped_mm")
+    assert select_kernels(config, torch.device("cpu"), torch.float32).combine == "eager"
+    config.moe_combine_kernel = "triton"
+    with pytest.raises(RuntimeError, match="moe_combine_kernel='triton' was forced"):
+        select_kernels(config, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="moe_combine_kernel must be one of"):
+        Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_combine_kernel="atomic")
+
+
 def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode():
     # The answer is cached for the process, and an eval forward or generate() may ask first: under no_grad the
     # probe's backward had no graph, it answered False for good, and the MoE ran the per-expert loop from then on
@@ -348,7 +360,7 @@ def test_compiled_grouped_experts_equal_eager():
 def test_gather_sum_of_a_group_does_not_depend_on_the_others():
     # The combine of the top-k outputs: a token's sum must not depend on how many tokens ran with it, or a packed
     # document's next-layer routing can differ from the same document alone.
-    from qwen35_packed.modeling.moe import gather_sum
+    from qwen35_packed.modeling.kernels import gather_sum
 
     g = torch.Generator().manual_seed(0)
     src = torch.randn(96, 40, generator=g).to(torch.bfloat16) * 10

@@ -36,6 +36,7 @@ CONV = {
 }
 ATTENTION = {"flash_attn": "flash-attn varlen", "torch_varlen": "torch varlen_attn", "sdpa": "SDPA per document"}
 MOE = {"grouped_mm": "one grouped GEMM per projection, no host sync", "loop": "one matmul per expert (host sync)"}
+COMBINE = {"triton": "top-k combine in one Triton pass", "eager": "top-k combine as a gather and a sum"}
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -103,7 +104,11 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "
         f"attention {ATTENTION[choice.attention]}"
         + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
-        + (f"; MoE experts {MOE[choice.moe]}" if getattr(config, "is_moe", False) else "")
+        + (
+            f"; MoE experts {MOE[choice.moe]}" + (f", {COMBINE[choice.combine]}" if choice.moe == "grouped_mm" else "")
+            if getattr(config, "is_moe", False)
+            else ""
+        )
         + (f" (forced: {', '.join(forced)})" if forced else "")
     )
     if device.type == "cuda" and choice.gdn == "torch":

@@ -84,6 +84,7 @@ KERNEL_FIELDS = {
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
     "elementwise_kernel": ("auto", "compiled", "eager"),
     "moe_kernel": ("auto", "grouped_mm", "loop"),  # read by MoE models only
+    "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
 }
 
 
@@ -249,6 +250,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         return_logits_with_loss: bool = True,
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
+        moe_combine_kernel: str = "auto",
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -281,6 +283,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.return_logits_with_loss = return_logits_with_loss
         self.conv_kernel = conv_kernel
         self.moe_kernel = moe_kernel
+        self.moe_combine_kernel = moe_combine_kernel
 
         if layer_types is None:
             interval = 4 if full_attention_interval is None else int(full_attention_interval)

@@ -23,8 +23,9 @@ the CPU copy: the dispatch reads nothing back from the device in any layer.
 `config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
-("auto" | "compiled" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") force a
-path; forcing one that cannot run raises. The choice is logged once per
+("auto" | "compiled" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
+`config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) force a path; forcing
+one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
 """
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
+from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE, gather_sum_rows
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class KernelChoice:
     elementwise: str = "eager"  # "compiled" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
+    combine: str = "eager"  # "triton" | "eager" (the grouped experts' top-k combine; unused elsewhere)
 
 
 def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -155,7 +158,20 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             f"with {dtype} here" + ("" if GROUPED_MM is not None else " (this torch has none)")
         )
 
-    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe)
+    combine = getattr(config, "moe_combine_kernel", "auto") if is_moe else "eager"
+    if combine == "auto":
+        combine = "triton" if (on_cuda and TRITON_GATHER_SUM_AVAILABLE) else "eager"
+    elif combine == "triton" and not (on_cuda and TRITON_GATHER_SUM_AVAILABLE):
+        raise RuntimeError(
+            "moe_combine_kernel='triton' was forced but "
+            + (
+                "Triton is not importable"
+                if not TRITON_GATHER_SUM_AVAILABLE
+                else "the Triton kernel needs a CUDA device"
+            )
+        )
+
+    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe, combine=combine)
     key = (device.type, dtype, choice)
     if first_time(key):
         slow = (
@@ -178,7 +194,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             conv,
             attention,
             elementwise,
-            f", moe={moe}" if is_moe else "",
+            f", moe={moe}, combine={combine}" if is_moe else "",
             slow,
         )
     return choice
@@ -219,6 +235,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     """Rows of x grouped by expert (group e = rows offsets[e-1]:offsets[e]) times weight[e]^T: x [M, in],
     weight [E, out, in] (the nn.Linear layout of the fused expert tensors), offsets int32 [E] ending at M."""
     return GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+
+
+def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int, choice: KernelChoice | None = None) -> torch.Tensor:
+    """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
+    accumulation, src's dtype): the top-k combine of the grouped experts and its transpose's backward. Each group is
+    summed on its own, so a group's result does not depend on the others. choice.combine == "triton": one pass
+    (triton_gather_sum.py, in slot order); else the eager gather and reduction."""
+    if choice is not None and choice.combine == "triton":
+        return gather_sum_rows(src.contiguous(), index, group)
+    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ sigmoid(shared_expert_gate). The (token, expert) pairs are sorted by expert once
   the routing-weight product run as one fused chain, recomputed in the backward instead of kept, and the gathered
   expert inputs are recomputed from the block input. Tokens reach their expert rows and come back through a pair
   of gathers that are each other's backward (`ExpertRows`): no scatter, no index_put, and every token's k rows are
-  summed in a fixed order, so the gradients are deterministic.
+  summed in a fixed order, so the gradients are deterministic. On CUDA the gather-and-sum is one Triton pass
+  (`kernels.gather_sum`, the `combine` kernel choice).
 * `loop` (the reference, the CPU default): one matmul per expert over its tokens, after reading the counts on the
   host.
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, grouped_linear, swiglu, weighted_swiglu
+from .kernels import KernelChoice, gather_sum, grouped_linear, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
@@ -151,7 +152,7 @@ class FusedExperts(nn.Module):
         # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows_of = ExpertRows(order, slot_of, top_k)
+        rows_of = ExpertRows(order, slot_of, top_k, choice)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
@@ -181,9 +182,9 @@ class ExpertRows:
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
     indices and accumulate in an order of their own)."""
 
-    def __init__(self, order, slot_of, top_k):
+    def __init__(self, order, slot_of, top_k, choice=None):
         self.token_of_row = order // top_k
-        self.order, self.slot_of, self.top_k = order, slot_of, top_k
+        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
 
     def expand(self, x):
         return _Move.apply(x, self._to_rows, self._sum_rows)
@@ -198,19 +199,13 @@ class ExpertRows:
         return x[self.token_of_row]
 
     def _sum_rows(self, rows):
-        return gather_sum(rows, self.slot_of, self.top_k)
+        return gather_sum(rows, self.slot_of, self.top_k, self.choice)
 
     def _permute(self, values):
         return values[self.order]
 
     def _unpermute(self, values):
         return values[self.slot_of]
-
-
-def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
-    """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], fp32
-    accumulation). Eager: the form the H200 benchmark timed."""
-    return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 
 class _Move(torch.autograd.Function):
