@@ -307,8 +307,8 @@ def sigmoid_gate(x, gate, choice: KernelChoice | None = None):
 
 def gdn_gates(a, b, a_log, dt_bias, choice: KernelChoice | None = None):
     """The GDN decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log space) and beta = sigmoid(b) in b's
-    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. Compiled, one kernel each way instead of seven small ones
-    forward and more backward, per GDN layer."""
+    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. Compiled, one graph each way instead of seven small eager
+    kernels forward and nine backward, per GDN layer."""
     return _elementwise(_gdn_gates, choice)(a, b, a_log, dt_bias)
 
 
