@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,17 @@ from tiny_folders import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for
 HAS_BUILTIN_QWEN35 = hasattr(transformers, "Qwen3_5ForCausalLM")
 _NO_BUILTIN = f"transformers {transformers.__version__} has no built-in Qwen3.5 to compare with"
 requires_builtin_qwen35 = pytest.mark.skipif(not HAS_BUILTIN_QWEN35, reason=_NO_BUILTIN)
+
+
+def run_triton_interpreted(script: str) -> dict:
+    """Run `script` in a fresh Python with TRITON_INTERPRET=1 set before any kernel is decorated, so that this
+    project's Triton kernels run on CPU tensors; returns the JSON object its last output line prints."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 # The core suite (`pytest -m core`): the model, its configuration and conversion to the remote-code folder, with no
 # training or serving stack. It runs on every transformers version of the compatibility matrix

@@ -9,21 +9,14 @@ truncated sum; tests/test_gpu.py checks the rounded one on the GPU.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_triton_interpreted
 
 pytest.importorskip("triton")
 
 from qwen35_packed.modeling import triton_gather_sum  # noqa: E402
 from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 INTERPRETED_CHECKS = r"""
 import json
@@ -103,11 +96,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED_CHECKS], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_triton_interpreted(INTERPRETED_CHECKS)
 
 
 CASES = {

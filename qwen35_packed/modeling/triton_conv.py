@@ -102,6 +102,35 @@ if TRITON_CONV_AVAILABLE:
                  mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.jit
+    def _taps_by_lag(w_ptr, channels, col_ok, KERNEL: tl.constexpr):
+        # w[lag] = weight[:, K-1-lag] in fp32: the tap applied to the input `lag` rows back.
+        w = ()
+        for lag in tl.static_range(KERNEL):
+            w = w + (tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32),)
+        return w
+
+    @triton.jit
+    def _zero_dw_rows(KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dw_rows[lag]: per-row partial sums of dw[:, K-1-lag], reduced over rows once at the end.
+        dw_rows = ()
+        for lag in tl.static_range(KERNEL):
+            dw_rows = dw_rows + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
+        return dw_rows
+
+    @triton.jit
+    def _store_dw_partial(
+        dw_partial_ptr, dw_rows, pid_t, n_channels, channels, col_ok,
+        KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # The program's [BLOCK_C, K] dw partial: dw_rows reduced over rows.
+        taps = tl.arange(0, KERNEL_POW2)
+        dw = tl.zeros([BLOCK_C, KERNEL_POW2], dtype=tl.float32)
+        for lag in tl.static_range(KERNEL):
+            dw += tl.where(taps[None, :] == KERNEL - 1 - lag, tl.sum(dw_rows[lag], axis=0)[:, None], 0.0)
+        tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
+                 mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
+
+    @triton.jit
     def _conv_silu_backward_kernel(
         x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
         KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -111,15 +140,8 @@ if TRITON_CONV_AVAILABLE:
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < seg_channels
         channels = channel_offset + cols
-        taps = tl.arange(0, KERNEL_POW2)
-        # w[lag] = weight[:, K-1-lag]: the tap applied to the input `lag` rows back.
-        w = ()
-        for lag in tl.static_range(KERNEL):
-            w = w + (tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32),)
-        # dw_rows[lag]: per-row partial sums of dw[:, K-1-lag], reduced over rows once at the end.
-        dw_rows = ()
-        for lag in tl.static_range(KERNEL):
-            dw_rows = dw_rows + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
+        w = _taps_by_lag(w_ptr, channels, col_ok, KERNEL)
+        dw_rows = _zero_dw_rows(KERNEL, BLOCK_T, BLOCK_C)
         first_row = pid_t.to(tl.int64) * (BLOCK_T * CHUNKS)
         for chunk in range(CHUNKS):
             rows = first_row + chunk * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -161,11 +183,7 @@ if TRITON_CONV_AVAILABLE:
                     dw_rows = updated
             tl.store(dx_ptr + rows[:, None] * n_channels + channels[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=(rows < n_rows)[:, None] & col_ok[None, :])  # fmt: skip
-        dw = tl.zeros([BLOCK_C, KERNEL_POW2], dtype=tl.float32)
-        for lag in tl.static_range(KERNEL):
-            dw += tl.where(taps[None, :] == KERNEL - 1 - lag, tl.sum(dw_rows[lag], axis=0)[:, None], 0.0)
-        tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
-                 mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
+        _store_dw_partial(dw_partial_ptr, dw_rows, pid_t, n_channels, channels, col_ok, KERNEL, KERNEL_POW2, BLOCK_C)
 
     @triton.jit
     def _conv_silu_backward_gather_kernel(
@@ -178,15 +196,10 @@ if TRITON_CONV_AVAILABLE:
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < seg_channels
         channels = channel_offset + cols
-        taps = tl.arange(0, KERNEL_POW2)
         lanes = tl.arange(0, BLOCK_T)
         own = (lanes < OWN)[:, None]
-        w = ()
-        for lag in tl.static_range(KERNEL):
-            w = w + (tl.load(w_ptr + channels * KERNEL + (KERNEL - 1 - lag), mask=col_ok, other=0.0).to(tl.float32),)
-        dw_rows = ()
-        for lag in tl.static_range(KERNEL):
-            dw_rows = dw_rows + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
+        w = _taps_by_lag(w_ptr, channels, col_ok, KERNEL)
+        dw_rows = _zero_dw_rows(KERNEL, BLOCK_T, BLOCK_C)
         first_row = pid_t.to(tl.int64) * (OWN * CHUNKS)
         for chunk in range(CHUNKS):
             rows = first_row + chunk * OWN + lanes
@@ -225,11 +238,7 @@ if TRITON_CONV_AVAILABLE:
             for lag in tl.static_range(KERNEL):
                 updated = updated + (dw_rows[lag] + tl.where(own, dpre * xs[lag], 0.0),)
             dw_rows = updated
-        dw = tl.zeros([BLOCK_C, KERNEL_POW2], dtype=tl.float32)
-        for lag in tl.static_range(KERNEL):
-            dw += tl.where(taps[None, :] == KERNEL - 1 - lag, tl.sum(dw_rows[lag], axis=0)[:, None], 0.0)
-        tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
-                 mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
+        _store_dw_partial(dw_partial_ptr, dw_rows, pid_t, n_channels, channels, col_ok, KERNEL, KERNEL_POW2, BLOCK_C)
 
     # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
     _INTERPRETED = not isinstance(_conv_silu_forward_kernel, triton.runtime.JITFunction)
