@@ -10,7 +10,11 @@
 #                RL batch (it also times the experts alone)                                          ~6 min
 #   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~4 min
 #   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (both backward kernels)   ~3 min
-#   dense-1p4b   bench_train_step.py, hybrid 1.4B, both batches, ours and the built-in              ~5 min
+#   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton       ~1 min
+#   dense-0p8b   bench_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound), ours with compiled and
+#                Triton elementwise chains, and the built-in                                         ~4 min
+#   dense-1p4b   bench_train_step.py, hybrid 1.4B, both batches, ours (compiled and Triton chains)
+#                and the built-in                                                                    ~7 min
 #   dense-4b     bench_train_step.py, Qwen3.5-4B, both batches                                       ~8 min
 #   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~8 min
 #   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~2 min
@@ -54,8 +58,19 @@ case "$stage" in
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "conv or elementwise"
     step conv python3 benchmarks/bench_conv.py --out "$OUT/conv.json" --best "$OUT/conv-best.json"
     ;;
-  dense-1p4b | dense-4b | dense-9b)
-    case "$stage" in dense-1p4b) models=hybrid_1p4b ;; dense-4b) models=qwen35_4b ;; *) models=qwen35_9b:16 ;; esac
+  host)
+    step host-overhead python3 benchmarks/host_overhead.py --device cuda --out "$OUT/host-overhead.json"
+    ;;
+  dense-0p8b)
+    step dense-0p8b python3 benchmarks/bench_train_step.py --models qwen35_0p8b --batches uniform_128_2048_x8 \
+      --runs ours_packed,ours_packed_triton_elementwise,builtin_correct_packed --out "$OUT/dense-0p8b.json"
+    ;;
+  dense-1p4b)
+    step dense-1p4b python3 benchmarks/bench_train_step.py --models hybrid_1p4b \
+      --runs ours_packed,ours_packed_triton_elementwise,builtin_correct_packed --out "$OUT/dense-1p4b.json"
+    ;;
+  dense-4b | dense-9b)
+    models=$([ "$stage" = dense-4b ] && echo qwen35_4b || echo qwen35_9b:16)
     step "$stage" python3 benchmarks/bench_train_step.py --models "$models" \
       --runs ours_packed,builtin_correct_packed --out "$OUT/$stage.json"
     ;;

@@ -8,7 +8,10 @@ input (per-document chunked delta rule, boundary-masked conv).
 Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run through
 `torch.compile` on CUDA: one fused kernel each way instead of a chain of fp32 temporaries, and autograd saves only
 the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
-run eagerly; the two compute the same formula.
+run eagerly; the two compute the same formula. `elementwise_kernel="triton"` runs them (and the GDN gates) as this
+project's Triton kernels (`triton_elementwise.py`): the same fusion, with one Function call and one launch each way
+instead of a compiled call's frame evaluation and runtime wrappers (host time; the chains without a kernel of their
+own, the loss's and the MoE's, stay compiled).
 
 The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
 k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
@@ -23,7 +26,7 @@ the CPU copy: the dispatch reads nothing back from the device in any layer.
 `config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
-("auto" | "compiled" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
+("auto" | "compiled" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
 `config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) force a path; forcing
 one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import triton_elementwise
 from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE, gather_sum_rows
@@ -82,7 +86,7 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
-    elementwise: str = "eager"  # "compiled" | "eager"
+    elementwise: str = "eager"  # "compiled" | "triton" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
     combine: str = "eager"  # "triton" | "eager" (the grouped experts' top-k combine; unused elsewhere)
@@ -120,6 +124,15 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         elementwise = "compiled" if (on_cuda and TRITON_AVAILABLE) else "eager"
     elif elementwise == "compiled" and on_cuda and not TRITON_AVAILABLE:
         raise RuntimeError("elementwise_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
+    elif elementwise == "triton" and not (on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE):
+        raise RuntimeError(
+            "elementwise_kernel='triton' was forced but "
+            + (
+                "Triton is not importable"
+                if not triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE
+                else "the Triton kernels need a CUDA device"
+            )
+        )
 
     conv = getattr(config, "conv_kernel", "auto")
     if conv == "auto":
@@ -265,10 +278,6 @@ def _sigmoid_gate(x, gate):
     return x * torch.sigmoid(gate)
 
 
-def _gdn_gates(a, b, a_log, dt_bias):
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
-
-
 def _weighted_swiglu(gate_up, weight):
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
@@ -280,10 +289,21 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
+def _triton_form(fn):
+    """The Triton kernel form of an eager chain (triton_elementwise.py), or None where there is none."""
+    return {
+        _zero_centred_rms_norm: triton_elementwise.rms_norm,
+        _swiglu: triton_elementwise.swiglu,
+        _sigmoid_gate: triton_elementwise.sigmoid_gate,
+    }.get(fn)
+
+
 def _elementwise(fn, choice):
-    if choice is None or choice.elementwise != "compiled":
+    if choice is None or choice.elementwise == "eager":
         return fn
-    compiled = _compiled(fn)
+    if choice.elementwise == "triton" and _triton_form(fn) is not None:
+        return _triton_form(fn)
+    compiled = _compiled(fn)  # "compiled", and "triton" for the chains without a kernel of their own
     # Contiguous inputs: one graph per dtype instead of one per stride pattern (q arrives as a strided view).
     return lambda *args: compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
 
@@ -307,9 +327,12 @@ def sigmoid_gate(x, gate, choice: KernelChoice | None = None):
 
 def gdn_gates(a, b, a_log, dt_bias, choice: KernelChoice | None = None):
     """The GDN decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log space) and beta = sigmoid(b) in b's
-    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. Compiled, one graph each way instead of seven small eager
-    kernels forward and nine backward, per GDN layer."""
-    return _elementwise(_gdn_gates, choice)(a, b, a_log, dt_bias)
+    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. One Triton kernel each way with elementwise="triton"; else
+    eager, "compiled" included: on [N, Hv] the compiled call's host time exceeds its seven small eager kernels'
+    (benchmarks/host_overhead.py)."""
+    if choice is not None and choice.elementwise == "triton":
+        return triton_elementwise.gdn_gates(a, b, a_log, dt_bias)
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
 
 
 def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):

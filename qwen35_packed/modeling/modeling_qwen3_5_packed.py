@@ -52,9 +52,10 @@ from .rope import MRotaryEmbedding
 from .routing_replay import routed_experts_stream
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
-# lines (not what those import): kernels.py needs triton_conv.py and triton_gather_sum.py, so they are named here too
+# lines (not what those import): kernels.py needs the triton_*.py kernel files, so they are named here too
 # (tests/test_remote_code_audit.py checks that nothing is missing).
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
+from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 
 logger = logging.getLogger(__name__)

@@ -64,6 +64,7 @@ from .recompute import recompute_enabled  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
 from .routing_replay import routed_experts_stream  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
+from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .vision import Qwen3_5PackedVisionModel
 

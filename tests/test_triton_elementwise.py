@@ -1,0 +1,184 @@
+"""The Triton elementwise kernels (modeling/triton_elementwise.py) against the eager formulas of kernels.py.
+
+Triton's interpreter runs the kernels on CPU tensors when TRITON_INTERPRET=1 is set before they are decorated, so
+the checks run in a fresh process with it set and report their measured errors as JSON; the tests below assert on
+them. fp32: outputs and every gradient against the eager chain with autograd; bf16: against the fp32 chain on the
+same rounded inputs. Then a whole tiny model, packed, forward and backward with elementwise="triton" against
+"eager".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_triton_interpreted
+
+pytest.importorskip("triton")
+
+from qwen35_packed.modeling import kernels, triton_elementwise  # noqa: E402
+
+INTERPRETED_CHECKS = r"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, "tests")
+from conftest import tiny_kwargs
+from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed, triton_elementwise as te
+
+EAGER = kernels.KernelChoice("torch", "sdpa", "eager")
+TRITON = kernels.KernelChoice("torch", "sdpa", "triton")
+results = {}
+
+
+def compare(name, make_inputs, eager_fn, triton_fn, dtype, seed):
+    # Activations (2-D) in `dtype`, parameters (1-D) in fp32; the eager chain in fp32 on the same rounded values.
+    inputs = make_inputs(torch.Generator().manual_seed(seed))
+    rounded = [t.to(dtype if t.dim() > 1 else torch.float32) for t in inputs]
+    runs = {}
+    for label, fn, leaves in (
+        ("eager", eager_fn, [t.float().clone().requires_grad_() for t in rounded]),
+        ("triton", triton_fn, [t.clone().requires_grad_() for t in rounded]),
+    ):
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        cot = torch.Generator().manual_seed(seed + 1)
+        sum((o.float() * torch.randn(o.shape, generator=cot)).sum() for o in outs).backward()
+        runs[label] = ([o.detach().float() for o in outs], [t.grad.float() for t in leaves], [str(o.dtype) for o in outs])
+    (eo, eg, _), (to, tg, dtypes) = runs["eager"], runs["triton"]
+    results[name] = {
+        "out": max(((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item() for a, b in zip(eo, to)),
+        "grads": [((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item() for a, b in zip(eg, tg)],
+        "dtypes": dtypes,
+    }
+
+
+def norm_inputs(rows, width):
+    return lambda gen: (torch.randn(rows, width, generator=gen) * 3, torch.randn(width, generator=gen) * 0.2)
+
+
+def pair_inputs(rows, width):
+    return lambda gen: (torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen) * 3)
+
+
+def gate_inputs(rows, heads):
+    # a spans both sides of softplus's threshold (20) and far below zero (where log1p keeps the digits)
+    return lambda gen: (torch.randn(rows, heads, generator=gen) * 15, torch.randn(rows, heads, generator=gen) * 4,
+                        torch.rand(heads, generator=gen).mul(16).add(0.01).log(), torch.randn(heads, generator=gen))
+
+
+for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for rows, width in ((37, 64), (5, 100), (300, 256)):  # partial row blocks, a width that is no power of two
+        compare(f"rms_norm_{tag}_{rows}x{width}", norm_inputs(rows, width),
+                lambda x, w: kernels._zero_centred_rms_norm(x, w, 1e-6), lambda x, w: te.rms_norm(x, w, 1e-6),
+                dtype, rows)
+    compare(f"swiglu_{tag}", pair_inputs(41, 96), kernels._swiglu, te.swiglu, dtype, 1)
+    compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), kernels._sigmoid_gate, te.sigmoid_gate, dtype, 2)
+    compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: kernels.gdn_gates(a, b, al, dt),
+            te.gdn_gates, dtype, 3)
+
+# softplus far below zero: log(1 + exp(a)) would round to 0 where log1p keeps exp(a)
+a = torch.tensor([[-30.0, -17.0, 0.0, 19.9, 20.1, 40.0]])
+g, _ = te.gdn_gates(a, torch.zeros_like(a), torch.zeros(6), torch.zeros(6))
+results["softplus_relative"] = ((g + F.softplus(a)).abs() / F.softplus(a)).max().item()
+
+# Rows are computed on their own: a slice of rows gives the same values.
+x, w = torch.randn(50, 64), torch.randn(64)
+full = te.rms_norm(x, w, 1e-6)
+results["rms_norm_rows_independent"] = all(torch.equal(te.rms_norm(x[a:b], w, 1e-6), full[a:b])
+                                           for a, b in ((0, 1), (3, 20), (20, 50)))
+results["empty"] = [list(te.rms_norm(torch.randn(0, 64), w, 1e-6).shape), list(te.swiglu(*pair_inputs(0, 8)(
+    torch.Generator()))[0:0].shape)]
+
+# A whole tiny model, packed, with every chain through the kernels: logits and gradients against eager, both
+# measured against the eager model in fp64 (the GDN decay parameters' gradients are sums with cancellation, where
+# fp32 summation order alone moves them by ~1e-4).
+modeling_qwen3_5_packed.select_kernels = lambda config, device, dtype: CHOICE
+ids = torch.randint(0, tiny_kwargs("dense")["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(5))
+cu = torch.tensor([0, 7, 30, 45], dtype=torch.int32)
+runs = {}
+for label, choice, dtype in (("eager", EAGER, torch.float32), ("triton", TRITON, torch.float32),
+                             ("fp64", EAGER, torch.float64)):
+    CHOICE = choice
+    torch.manual_seed(0)
+    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense"))).train().to(dtype)
+    out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
+    out.loss.backward()
+    runs[label] = (out.logits.detach().double(),
+                   {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None})
+reference_logits, reference_grads = runs["fp64"]
+results["model"] = {
+    label: {
+        "logits": (runs[label][0] - reference_logits).abs().max().item(),
+        "grads": {n: ((g - reference_grads[n]).norm() / (reference_grads[n].norm() + 1e-30)).item()
+                  for n, g in runs[label][1].items()},
+    }
+    for label in ("eager", "triton")
+}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_triton_interpreted(INTERPRETED_CHECKS)
+
+
+CHAINS = [
+    "rms_norm_{}_37x64",
+    "rms_norm_{}_5x100",
+    "rms_norm_{}_300x256",
+    "swiglu_{}",
+    "sigmoid_gate_{}",
+    "gdn_gates_{}",
+]
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_fp32_outputs_and_gradients_match_the_eager_chain(interpreted, chain):
+    result = interpreted[chain.format("fp32")]
+    assert result["out"] <= 1e-6 and max(result["grads"]) <= 1e-5, result
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_bf16_is_the_fp32_chain_rounded(interpreted, chain):
+    # fp32 inside, one rounding of the output (Triton's interpreter truncates to bf16: up to one ulp); gradients
+    # rounded to bf16 once more
+    result = interpreted[chain.format("bf16")]
+    assert result["out"] <= 2**-7 and max(result["grads"]) <= 2**-6, result
+    want = ["torch.float32", "torch.bfloat16"] if chain.startswith("gdn_gates") else ["torch.bfloat16"]
+    assert result["dtypes"] == want, result
+
+
+def test_softplus_keeps_the_digits_far_below_zero(interpreted):
+    assert interpreted["softplus_relative"] <= 1e-6
+
+
+def test_rows_are_computed_on_their_own(interpreted):
+    assert interpreted["rms_norm_rows_independent"] is True
+    assert interpreted["empty"] == [[0, 64], [0, 8]]
+
+
+def test_a_packed_model_with_triton_chains_is_as_close_to_fp64_as_eager(interpreted):
+    eager, triton = interpreted["model"]["eager"], interpreted["model"]["triton"]
+    assert sorted(triton["grads"]) == sorted(eager["grads"])
+    assert triton["logits"] <= 1e-5 and eager["logits"] <= 1e-5, (triton["logits"], eager["logits"])
+    for name, error in triton["grads"].items():
+        assert error <= 2 * eager["grads"][name] + 1e-5, (name, error, eager["grads"][name])
+
+
+def test_triton_chains_are_chosen_only_where_they_run():
+    from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
+
+    with pytest.raises(RuntimeError, match="elementwise_kernel='triton' was forced"):
+        kernels.select_kernels(Qwen3_5PackedConfig(elementwise_kernel="triton"), torch.device("cpu"), torch.float32)
+    assert kernels.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise == "eager"
+
+
+@pytest.mark.skipif(triton_elementwise._INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
+def test_cpu_tensors_need_the_interpreter():
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        triton_elementwise.swiglu(torch.randn(4, 4), torch.randn(4, 4))
