@@ -122,15 +122,12 @@ def test_compiled_elementwise_equals_eager_and_keeps_less_for_backward():
     heads = torch.randn(n, 4, 16, generator=gen)
     head_weight = torch.randn(16, generator=gen) * 0.1
     gate, up = torch.randn(n, 96, generator=gen), torch.randn(n, 96, generator=gen)
-    a, b = torch.randn(n, 8, generator=gen) * 4, torch.randn(n, 8, generator=gen) * 4
-    a_log, dt_bias = torch.rand(8, generator=gen).mul(16).add(0.01).log(), torch.randn(8, generator=gen)
 
     def run(choice, dtype):
         leaves = [
-            t.to(dtype).clone().requires_grad_() for t in (residual, update, weight, heads, head_weight, gate, up, a, b)
+            t.to(dtype).clone().requires_grad_() for t in (residual, update, weight, heads, head_weight, gate, up)
         ]
-        leaves += [t.clone().requires_grad_() for t in (a_log, dt_bias)]  # fp32 in every model dtype
-        r, u, w, x, hw, g, p, ga, gb, al, dt = leaves
+        r, u, w, x, hw, g, p = leaves
 
         def forward():
             return (
@@ -138,7 +135,6 @@ def test_compiled_elementwise_equals_eager_and_keeps_less_for_backward():
                 kernels.zero_centred_rms_norm(x, hw, 1e-6, choice),
                 kernels.swiglu(g, p, choice),
                 kernels.sigmoid_gate(g, p, choice),
-                *kernels.gdn_gates(ga, gb, al, dt, choice),
             )
 
         outs, saved = _saved_bytes(forward)
