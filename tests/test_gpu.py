@@ -152,13 +152,15 @@ def test_torch_varlen_attention_is_causal_per_document():
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
-def test_compiled_elementwise_matches_eager_bf16():
-    """The torch.compile'd elementwise chains (auto on CUDA) against the eager formulas: bf16 training step, packed."""
+@pytest.mark.parametrize("fused", ["compiled", "triton"])
+def test_compiled_elementwise_matches_eager_bf16(fused):
+    """The torch.compile'd elementwise chains (auto on CUDA) and this project's Triton kernels for them against the
+    eager formulas: bf16 training step, packed."""
     docs = _docs(12)
     ids = torch.cat(docs).unsqueeze(0)
     cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
     runs = {}
-    for mode in ("compiled", "eager"):
+    for mode in (fused, "eager"):
         model = _model(torch.bfloat16, elementwise_kernel=mode).train()
         torch.cuda.reset_peak_memory_stats()
         loss = model(ids, labels=ids, cu_seqlens=cu).loss
@@ -168,27 +170,27 @@ def test_compiled_elementwise_matches_eager_bf16():
             {n: p.grad.float() for n, p in model.named_parameters()},
             torch.cuda.max_memory_allocated() / 2**20,
         )
-    loss_diff = abs(runs["compiled"][0] - runs["eager"][0])
+    loss_diff = abs(runs[fused][0] - runs["eager"][0])
     # Per-parameter relative error, over gradients that are not bf16 noise: A_log / dt_bias of a deep layer can
     # have a gradient norm ~1e-7 (measured here), where any two bf16 roundings disagree entirely.
     errors = sorted(
-        (((runs["compiled"][1][n] - g).norm() / g.norm()).item(), n, g.norm().item())
+        (((runs[fused][1][n] - g).norm() / g.norm()).item(), n, g.norm().item())
         for n, g in runs["eager"][1].items()
         if g.norm() > 1e-4
     )
     worst = errors[-1][0]
     # The small ones are compared absolutely: a difference no larger than a few times their own size.
-    small = max(((runs["compiled"][1][n] - g).norm()).item() for n, g in runs["eager"][1].items() if g.norm() <= 1e-4)
-    RESULTS["compiled_vs_eager_bf16"] = {
+    small = max(((runs[fused][1][n] - g).norm()).item() for n, g in runs["eager"][1].items() if g.norm() <= 1e-4)
+    RESULTS[f"{fused}_vs_eager_bf16"] = {
         "loss_abs_diff": loss_diff,
         "worst_grad_relative_norm_error": worst,
         "worst_small_grad_abs_error": small,
         "worst_parameters": errors[-4:],
-        "peak_MiB_compiled": runs["compiled"][2],
+        f"peak_MiB_{fused}": runs[fused][2],
         "peak_MiB_eager": runs["eager"][2],
     }
     print(
-        f"compiled vs eager bf16: loss diff {loss_diff:.3g}, worst grad rel err {worst:.3g}, "
+        f"{fused} vs eager bf16: loss diff {loss_diff:.3g}, worst grad rel err {worst:.3g}, "
         f"peak MiB {runs['compiled'][2]:.0f} vs {runs['eager'][2]:.0f}"
     )
     assert loss_diff <= 5e-4 and worst <= 1e-1 and small <= 3e-4  # measured 1.4e-4, 2.2e-2 to 3.5e-2
