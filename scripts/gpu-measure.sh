@@ -9,6 +9,8 @@
 #                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
 #                RL batch (it also times the experts alone)                                          ~6 min
 #   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~4 min
+#   moe-kernels  bench_moe.py, RL batch: ours with the Triton / the eager top-k combine and with the Triton
+#                elementwise chains                                                                  ~3 min
 #   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (both backward kernels)   ~3 min
 #   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton       ~1 min
 #   dense-0p8b   bench_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound), ours with compiled and
@@ -52,6 +54,11 @@ case "$stage" in
   moe-vocab)
     step moe-vocab python3 benchmarks/bench_moe.py --vocabs 248320 --runs builtin_correct_packed,ours_packed \
       --skip-lora --skip-experts --out "$OUT/moe-vocab.json"
+    ;;
+  moe-kernels)
+    step moe-kernels python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
+      --runs ours_packed,ours_packed_eager_combine,ours_packed_triton_elementwise --skip-lora \
+      --out "$OUT/moe-kernels.json"
     ;;
   conv)
     step gpu-tests-conv env QWEN35_GPU_RESULTS="$OUT/gpu-tests-conv.json" \

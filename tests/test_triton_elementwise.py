@@ -26,11 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, "tests")
 from conftest import tiny_kwargs
-from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,
+                           Qwen3_5PackedForCausalLM)
 from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed, triton_elementwise as te
 
-EAGER = kernels.KernelChoice("torch", "sdpa", "eager")
-TRITON = kernels.KernelChoice("torch", "sdpa", "triton")
 results = {}
 
 
@@ -79,6 +78,9 @@ for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
     compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), kernels._sigmoid_gate, te.sigmoid_gate, dtype, 2)
     compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: kernels.gdn_gates(a, b, al, dt),
             te.gdn_gates, dtype, 3)
+    compare(f"weighted_swiglu_{tag}", lambda gen: (torch.randn(70, 2 * 24, generator=gen) * 3,
+                                                   torch.rand(70, generator=gen)),
+            kernels._weighted_swiglu, te.weighted_swiglu, dtype, 4)
 
 # softplus far below zero: log(1 + exp(a)) would round to 0 where log1p keeps exp(a)
 a = torch.tensor([[-30.0, -17.0, 0.0, 19.9, 20.1, 40.0]])
@@ -97,27 +99,36 @@ results["empty"] = [list(te.rms_norm(torch.randn(0, 64), w, 1e-6).shape), list(t
 # measured against the eager model in fp64 (the GDN decay parameters' gradients are sums with cancellation, where
 # fp32 summation order alone moves them by ~1e-4).
 modeling_qwen3_5_packed.select_kernels = lambda config, device, dtype: CHOICE
-ids = torch.randint(0, tiny_kwargs("dense")["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(5))
 cu = torch.tensor([0, 7, 30, 45], dtype=torch.int32)
-runs = {}
-for label, choice, dtype in (("eager", EAGER, torch.float32), ("triton", TRITON, torch.float32),
-                             ("fp64", EAGER, torch.float64)):
-    CHOICE = choice
-    torch.manual_seed(0)
-    model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense"))).train().to(dtype)
-    out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
-    out.loss.backward()
-    runs[label] = (out.logits.detach().double(),
-                   {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None})
-reference_logits, reference_grads = runs["fp64"]
-results["model"] = {
-    label: {
-        "logits": (runs[label][0] - reference_logits).abs().max().item(),
-        "grads": {n: ((g - reference_grads[n]).norm() / (reference_grads[n].norm() + 1e-30)).item()
-                  for n, g in runs[label][1].items()},
+for kind, model_class, config_class, moe in (
+    ("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, "loop"),
+    # grouped_mm: torch's CPU fallback runs it in fp32; the experts' weighted SwiGLU is a chain there
+    ("moe", Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig, "grouped_mm"),
+):
+    ids = torch.randint(0, tiny_kwargs(kind)["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    # fp64: the per-expert loop (grouped_mm has no fp64 kernel); a route that fp32 flips moves both fp32 runs alike
+    for label, mode, dtype, experts in (("eager", "eager", torch.float32, moe), ("triton", "triton", torch.float32, moe),
+                                        ("fp64", "eager", torch.float64, "loop")):
+        CHOICE = kernels.KernelChoice("torch", "sdpa", mode, moe=experts)
+        torch.manual_seed(0)
+        model = model_class(config_class(**tiny_kwargs(kind))).train().to(dtype)
+        out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
+        out.loss.backward()
+        runs[label] = (out.logits.detach().double(),
+                       {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None})
+    reference_logits, reference_grads = runs["fp64"]
+    every_reference = torch.cat([g.flatten() for g in reference_grads.values()])
+    results[f"model_{kind}"] = {
+        label: {
+            "logits": (runs[label][0] - reference_logits).abs().max().item(),
+            "grads": {n: ((g - reference_grads[n]).norm() / (reference_grads[n].norm() + 1e-30)).item()
+                      for n, g in runs[label][1].items()},
+            "all_grads": ((torch.cat([runs[label][1][n].flatten() for n in reference_grads]) - every_reference).norm()
+                          / every_reference.norm()).item(),
+        }
+        for label in ("eager", "triton")
     }
-    for label in ("eager", "triton")
-}
 print(json.dumps(results))
 """
 
@@ -134,6 +145,7 @@ CHAINS = [
     "swiglu_{}",
     "sigmoid_gate_{}",
     "gdn_gates_{}",
+    "weighted_swiglu_{}",
 ]
 
 
@@ -162,12 +174,17 @@ def test_rows_are_computed_on_their_own(interpreted):
     assert interpreted["empty"] == [[0, 64], [0, 8]]
 
 
-def test_a_packed_model_with_triton_chains_is_as_close_to_fp64_as_eager(interpreted):
-    eager, triton = interpreted["model"]["eager"], interpreted["model"]["triton"]
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_packed_model_with_triton_chains_is_as_close_to_fp64_as_eager(interpreted, kind):
+    eager, triton = interpreted[f"model_{kind}"]["eager"], interpreted[f"model_{kind}"]["triton"]
     assert sorted(triton["grads"]) == sorted(eager["grads"])
     assert triton["logits"] <= 1e-5 and eager["logits"] <= 1e-5, (triton["logits"], eager["logits"])
+    assert triton["all_grads"] <= 2 * eager["all_grads"] + 1e-7, (triton["all_grads"], eager["all_grads"])
+    # Per parameter, fp32 noise reaches ~5e-4 of the GDN decay parameters' gradients (sums over tokens with
+    # cancellation, where an ulp upstream moves them): the bound catches a wrong formula, not that noise, which the
+    # per-chain tests above hold tightly.
     for name, error in triton["grads"].items():
-        assert error <= 2 * eager["grads"][name] + 1e-5, (name, error, eager["grads"][name])
+        assert error <= 2 * eager["grads"][name] + 1e-3, (name, error, eager["grads"][name])
 
 
 def test_triton_chains_are_chosen_only_where_they_run():

@@ -10,8 +10,8 @@ Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run throu
 the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
 run eagerly; the two compute the same formula. `elementwise_kernel="triton"` runs them (and the GDN gates) as this
 project's Triton kernels (`triton_elementwise.py`): the same fusion, with one Function call and one launch each way
-instead of a compiled call's frame evaluation and runtime wrappers (host time; the chains without a kernel of their
-own, the loss's and the MoE's, stay compiled).
+instead of a compiled call's frame evaluation and runtime wrappers (host time; the loss's chunk, which has no kernel
+of its own, stays compiled).
 
 The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
 k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
@@ -295,6 +295,7 @@ def _triton_form(fn):
         _zero_centred_rms_norm: triton_elementwise.rms_norm,
         _swiglu: triton_elementwise.swiglu,
         _sigmoid_gate: triton_elementwise.sigmoid_gate,
+        _weighted_swiglu: triton_elementwise.weighted_swiglu,
     }.get(fn)
 
 

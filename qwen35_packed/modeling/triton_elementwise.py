@@ -10,6 +10,8 @@ one launch each way.
   a 2-D x; keeps x and the per-row rstd (fp32) for the backward. The weight gradient is summed over rows in fixed
   per-program partials, then by torch: deterministic, no atomics.
 - `swiglu(gate, up)`: `silu(gate) * up`; `sigmoid_gate(x, gate)`: `x * sigmoid(gate)`; each keeps its two inputs.
+- `weighted_swiglu(gate_up, weight)`: the MoE experts' `silu(gate) * up * weight` with one routing weight per row;
+  the weight's gradient is each row's own sum.
 - `gdn_gates(a, b, A_log, dt_bias)`: the GDN decay `-exp(A_log) * softplus(a + dt_bias)` (fp32) and
   `beta = sigmoid(b)` (b's dtype), with the A_log / dt_bias gradients summed over rows like the norm's weight.
 
@@ -112,6 +114,39 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         sig = tl.sigmoid(g)
         tl.store(dx_ptr + i, (dy * sig).to(dx_ptr.dtype.element_ty), mask=ok)
         tl.store(dg_ptr + i, (dy * x * sig * (1.0 - sig)).to(dg_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _weighted_swiglu_fwd(gate_up_ptr, weight_ptr, y_ptr, n_rows, inter, BLOCK_M: tl.constexpr,
+                             BLOCK_I: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_I)
+        row_ok = rows < n_rows
+        ok = row_ok[:, None] & (cols < inter)[None, :]
+        gate_at = gate_up_ptr + rows[:, None] * (2 * inter) + cols[None, :]  # row: gate | up
+        g = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_at + inter, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y = g * tl.sigmoid(g) * u * w[:, None]
+        tl.store(y_ptr + rows[:, None] * inter + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _weighted_swiglu_bwd(gate_up_ptr, weight_ptr, dy_ptr, dgate_up_ptr, dweight_ptr, n_rows, inter,
+                             BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_I)
+        row_ok = rows < n_rows
+        ok = row_ok[:, None] & (cols < inter)[None, :]
+        gate_at = rows[:, None] * (2 * inter) + cols[None, :]
+        g = tl.load(gate_up_ptr + gate_at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + gate_at + inter, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * inter + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        dgate = dy * w[:, None] * u * sig * (1.0 + g * (1.0 - sig))
+        tl.store(dgate_up_ptr + gate_at, dgate.to(dgate_up_ptr.dtype.element_ty), mask=ok)
+        tl.store(dgate_up_ptr + gate_at + inter, (dy * w[:, None] * silu).to(dgate_up_ptr.dtype.element_ty), mask=ok)
+        tl.store(dweight_ptr + rows, tl.sum(dy * silu * u, axis=1), mask=row_ok)  # the row's own sum
 
     @triton.jit
     def _softplus(x):
@@ -261,6 +296,44 @@ class _TwoInputElementwise(torch.autograd.Function):
         return dp, dq, None
 
 
+class _WeightedSwiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, weight):
+        n_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        block_m, block_i, warps = _row_tiles(inter)
+        y = gate_up.new_empty(n_rows, inter)
+        if n_rows:
+            with _launching(gate_up):
+                _weighted_swiglu_fwd[(triton.cdiv(n_rows, block_m),)](
+                    gate_up, weight, y, n_rows, inter, block_m, block_i, num_warps=warps
+                )
+        ctx.save_for_backward(gate_up, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate_up, weight = ctx.saved_tensors
+        n_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        block_m, block_i, warps = _row_tiles(inter)
+        dgate_up = torch.empty_like(gate_up)
+        dweight = torch.empty(n_rows, dtype=torch.float32, device=gate_up.device)
+        if n_rows:
+            with _launching(gate_up):
+                _weighted_swiglu_bwd[(triton.cdiv(n_rows, block_m),)](
+                    gate_up,
+                    weight,
+                    dy.contiguous(),
+                    dgate_up,
+                    dweight,
+                    n_rows,
+                    inter,
+                    block_m,
+                    block_i,
+                    num_warps=warps,
+                )
+        return dgate_up, dweight.to(weight.dtype)
+
+
 class _GdnGates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, a_log, dt_bias):
@@ -324,6 +397,13 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) in fp32, x's dtype out (same shapes)."""
     _check(x, gate)
     return _TwoInputElementwise.apply(x.contiguous(), gate.contiguous(), (_sigmoid_gate_fwd, _sigmoid_gate_bwd))
+
+
+def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up * weight in fp32, gate_up's dtype out: gate_up [M, 2I] (gate | up halves), weight [M] (the
+    routing weight of each MoE expert row)."""
+    _check(gate_up, weight)
+    return _WeightedSwiglu.apply(gate_up.contiguous(), weight.contiguous())
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
