@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_kwargs  # noqa: E402
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
-from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed  # noqa: E402
+from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed, triton_elementwise  # noqa: E402
 
 
 def per_call_us(fn, device, reps=300):
@@ -44,19 +44,31 @@ def per_call_us(fn, device, reps=300):
 
 
 def chains(device):
+    """name -> (eager formula, its Triton form, inputs): the chains of kernels.py on tiny leaves."""
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape):
         return torch.randn(*shape, generator=gen).to(device).requires_grad_()
 
-    x, w, g, u, a, b = leaf(8, 64), leaf(64), leaf(8, 64), leaf(8, 64), leaf(8, 8), leaf(8, 8)
-    a_log, dt_bias = leaf(8), leaf(8)
+    x, w, g, u, gate_up, rows_weight = leaf(8, 64), leaf(64), leaf(8, 64), leaf(8, 64), leaf(8, 128), leaf(8)
+    a, b, a_log, dt_bias = leaf(8, 8), leaf(8, 8), leaf(8), leaf(8)
     return {
-        "rms_norm": lambda c: kernels.zero_centred_rms_norm(x, w, 1e-6, c),
-        "swiglu": lambda c: kernels.swiglu(g, u, c),
-        "sigmoid_gate": lambda c: kernels.sigmoid_gate(g, u, c),
-        "gdn_gates": lambda c: kernels.gdn_gates(a, b, a_log, dt_bias, c)[0],
+        "rms_norm": (kernels._zero_centred_rms_norm, triton_elementwise.rms_norm, (x, w, 1e-6)),
+        "swiglu": (kernels._swiglu, triton_elementwise.swiglu, (g, u)),
+        "sigmoid_gate": (kernels._sigmoid_gate, triton_elementwise.sigmoid_gate, (g, u)),
+        "weighted_swiglu": (kernels._weighted_swiglu, triton_elementwise.weighted_swiglu, (gate_up, rows_weight)),
+        # compiled here for the measurement: the model runs the gates eagerly under "compiled"
+        "gdn_gates": (kernels._gdn_gates, triton_elementwise.gdn_gates, (a, b, a_log, dt_bias)),
     }
+
+
+def forms(formula, triton_form, modes):
+    compiled = kernels._elementwise(formula, kernels.KernelChoice("torch", "sdpa", "compiled"))
+    return {mode: {"eager": formula, "compiled": compiled, "triton": triton_form}[mode] for mode in modes}
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 def model_step_ms(choice, device, reps=20):
@@ -91,18 +103,18 @@ def main():
         "tiny_model_step_ms": {},
         "tiny_model_layers": tiny_kwargs("dense")["num_hidden_layers"],
     }
-    print(f"{'chain':<14}{'mode':<10}{'forward us':>12}{'no_grad us':>12}{'fwd+bwd us':>12}")
-    for name, fn in chains(device).items():
-        for mode, choice in choices.items():
+    print(f"{'chain':<17}{'mode':<10}{'forward us':>12}{'no_grad us':>12}{'fwd+bwd us':>12}")
+    for name, (formula, triton_form, inputs) in chains(device).items():
+        for mode, fn in forms(formula, triton_form, modes).items():
             with torch.no_grad():
-                no_grad = per_call_us(lambda: fn(choice), device)
+                no_grad = per_call_us(lambda: fn(*inputs), device)
             row = {
-                "forward": per_call_us(lambda: fn(choice), device),
+                "forward": per_call_us(lambda: fn(*inputs), device),
                 "forward_no_grad": no_grad,
-                "forward_backward": per_call_us(lambda: fn(choice).sum().backward(), device),
+                "forward_backward": per_call_us(lambda: first(fn(*inputs)).sum().backward(), device),
             }
             result["chains_us_per_call"].setdefault(name, {})[mode] = {k: round(v, 1) for k, v in row.items()}
-            print(f"{name:<14}{mode:<10}{row['forward']:>12.1f}{no_grad:>12.1f}{row['forward_backward']:>12.1f}")
+            print(f"{name:<17}{mode:<10}{row['forward']:>12.1f}{no_grad:>12.1f}{row['forward_backward']:>12.1f}")
     for mode, choice in choices.items():
         result["tiny_model_step_ms"][mode] = round(model_step_ms(choice, device), 2)
         print(

@@ -278,6 +278,10 @@ def _sigmoid_gate(x, gate):
     return x * torch.sigmoid(gate)
 
 
+def _gdn_gates(a, b, a_log, dt_bias):
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
+
+
 def _weighted_swiglu(gate_up, weight):
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float() * weight.unsqueeze(-1)).to(gate_up.dtype)
@@ -333,7 +337,7 @@ def gdn_gates(a, b, a_log, dt_bias, choice: KernelChoice | None = None):
     (benchmarks/host_overhead.py)."""
     if choice is not None and choice.elementwise == "triton":
         return triton_elementwise.gdn_gates(a, b, a_log, dt_bias)
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
+    return _gdn_gates(a, b, a_log, dt_bias)
 
 
 def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
