@@ -33,11 +33,13 @@ except ImportError:
     TRITON_ELEMENTWISE_AVAILABLE = False
 
 _BLOCK = 1024  # elements per program of the flat elementwise kernels
+SWIGLU, SIGMOID_GATE = 0, 1  # the two-input chains of _pair_fwd / _pair_bwd (their OP)
 _TILE = 8192  # elements per program of the row kernels (rows x the width rounded up to a power of two)
 _ROW_BLOCKS = 16  # row blocks per program of the row backwards (fewer weight-gradient partials)
 
 
 if TRITON_ELEMENTWISE_AVAILABLE:
+    _SWIGLU_OP = tl.constexpr(SWIGLU)  # what a kernel may read of a global
 
     @triton.jit
     def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, width, eps, BLOCK_M: tl.constexpr,
@@ -78,42 +80,35 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(dw_partial_ptr + pid.to(tl.int64) * width + cols, dw, mask=col_ok)
 
     @triton.jit
-    def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    def _pair_fwd(p_ptr, q_ptr, y_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
+        # OP: SWIGLU, y = silu(p) * q; SIGMOID_GATE, y = p * sigmoid(q)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
-        g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + i, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
+        p = tl.load(p_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        if OP == _SWIGLU_OP:
+            y = p * tl.sigmoid(p) * q
+        else:
+            y = p * tl.sigmoid(q)
+        tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+    def _pair_bwd(p_ptr, q_ptr, dy_ptr, dp_ptr, dq_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
-        g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        tl.store(dg_ptr + i, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=ok)
-        tl.store(du_ptr + i, (dy * g * sig).to(du_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _sigmoid_gate_fwd(x_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + i, (x * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _sigmoid_gate_bwd(x_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        tl.store(dx_ptr + i, (dy * sig).to(dx_ptr.dtype.element_ty), mask=ok)
-        tl.store(dg_ptr + i, (dy * x * sig * (1.0 - sig)).to(dg_ptr.dtype.element_ty), mask=ok)
+        if OP == _SWIGLU_OP:
+            sig = tl.sigmoid(p)
+            dp = dy * q * sig * (1.0 + p * (1.0 - sig))
+            dq = dy * p * sig
+        else:
+            sig = tl.sigmoid(q)
+            dp = dy * sig
+            dq = dy * p * sig * (1.0 - sig)
+        tl.store(dp_ptr + i, dp.to(dp_ptr.dtype.element_ty), mask=ok)
+        tl.store(dq_ptr + i, dq.to(dq_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _weighted_swiglu_fwd(gate_up_ptr, weight_ptr, y_ptr, n_rows, inter, BLOCK_M: tl.constexpr,
@@ -203,7 +198,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(partial_ptr + (pid.to(tl.int64) * 2 + 1) * heads + cols, d_dt_bias, mask=col_ok)
 
     # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
-    _INTERPRETED = not isinstance(_swiglu_fwd, triton.runtime.JITFunction)
+    _INTERPRETED = not isinstance(_pair_fwd, triton.runtime.JITFunction)
 
 
 def _launching(t: torch.Tensor):
@@ -271,18 +266,18 @@ class _RmsNorm(torch.autograd.Function):
 
 
 class _TwoInputElementwise(torch.autograd.Function):
-    """y = f(p, q) elementwise over two same-shape contiguous tensors; the backward kernel writes both gradients."""
+    """y = f(p, q) elementwise over two same-shape contiguous tensors (f: SWIGLU or SIGMOID_GATE); the backward
+    kernel writes both gradients."""
 
     @staticmethod
-    def forward(ctx, p, q, kernels):
-        forward_kernel, _ = kernels
+    def forward(ctx, p, q, op):
         y = torch.empty_like(p)
         n = p.numel()
         if n:
             with _launching(p):
-                forward_kernel[(triton.cdiv(n, _BLOCK),)](p, q, y, n, _BLOCK)
+                _pair_fwd[(triton.cdiv(n, _BLOCK),)](p, q, y, n, op, _BLOCK)
         ctx.save_for_backward(p, q)
-        ctx.backward_kernel = kernels[1]
+        ctx.op = op
         return y
 
     @staticmethod
@@ -292,7 +287,7 @@ class _TwoInputElementwise(torch.autograd.Function):
         n = p.numel()
         if n:
             with _launching(p):
-                ctx.backward_kernel[(triton.cdiv(n, _BLOCK),)](p, q, dy.contiguous(), dp, dq, n, _BLOCK)
+                _pair_bwd[(triton.cdiv(n, _BLOCK),)](p, q, dy.contiguous(), dp, dq, n, ctx.op, _BLOCK)
         return dp, dq, None
 
 
@@ -390,13 +385,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32, gate's dtype out (same shapes)."""
     _check(gate, up)
-    return _TwoInputElementwise.apply(gate.contiguous(), up.contiguous(), (_swiglu_fwd, _swiglu_bwd))
+    return _TwoInputElementwise.apply(gate.contiguous(), up.contiguous(), SWIGLU)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) in fp32, x's dtype out (same shapes)."""
     _check(x, gate)
-    return _TwoInputElementwise.apply(x.contiguous(), gate.contiguous(), (_sigmoid_gate_fwd, _sigmoid_gate_bwd))
+    return _TwoInputElementwise.apply(x.contiguous(), gate.contiguous(), SIGMOID_GATE)
 
 
 def weighted_swiglu(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
