@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements still open, in stages that each fit one device call (10 minutes) on an H200, writing
 # their logs and JSON under $OUT. Run it on the device machine after the three bundle installs of
-# ../shared/gpu/README.md (a, b, c: one call each, each with its bundle in `carry`):
+# ../shared/gpu/README.md (a, b, c: one call each, each with its bundle in `carry`), with GPU_SITE naming the
+# folder those installs filled (the recipe's site folder; each install leaves a .bundle-<name> marker there):
 #
-#   bash scripts/gpu-measure.sh STAGE
+#   GPU_SITE=<site folder> bash scripts/gpu-measure.sh STAGE
 #
 #   moe          tests/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
 #                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
@@ -29,8 +30,10 @@
 set -uo pipefail
 stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
-test -e /tmp/gpu-site/.bundle-a && test -e /tmp/gpu-site/.bundle-b && test -e /tmp/gpu-site/.bundle-c || exit 3
-export PYTHONPATH="/tmp/gpu-site:$PWD" TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
+: "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
+for bundle in a b c; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
+# Triton's compiled kernels beside the bundles: kept while the machine stays warm, reused by the next stage.
+export PYTHONPATH="$GPU_SITE:$PWD" TRITON_CACHE_DIR="$GPU_SITE/.triton-cache" PYTHONUNBUFFERED=1
 failed=0
 # step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported and the stage goes on.
 step() {
