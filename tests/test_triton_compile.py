@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qwen35_packed.modeling import triton_conv, triton_elementwise, triton_gather_sum  # noqa: E402
+from qwen35_packed.modeling import triton_conv, triton_elementwise, triton_gather_sum, triton_support  # noqa: E402
 from qwen35_packed.modeling.triton_conv import DEFAULT_BLOCKS  # noqa: E402
 
 BF16, FP32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
@@ -78,7 +78,7 @@ def test_every_kernel_is_listed():
     assert found == listed
 
 
-@pytest.mark.skipif(triton_elementwise._INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("module, name, signature, constexprs, warps", KERNELS, ids=[row[1] for row in KERNELS])
 def test_kernel_compiles_for_sm90(module, name, signature, constexprs, warps):
     kernel = getattr(module, name)

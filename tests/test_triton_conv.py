@@ -14,7 +14,7 @@ from conftest import run_triton_interpreted
 
 pytest.importorskip("triton")
 
-from qwen35_packed.modeling import triton_conv  # noqa: E402
+from qwen35_packed.modeling import triton_support  # noqa: E402
 from qwen35_packed.modeling.triton_conv import ConvBlocks, causal_conv1d_silu_split  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
@@ -214,7 +214,7 @@ def test_bad_inputs_raise(make, match):
         causal_conv1d_silu_split(*make(x, w, p))
 
 
-@pytest.mark.skipif(triton_conv._INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         causal_conv1d_silu_split(torch.randn(8, 12), torch.randn(12, 4), torch.arange(8), [4, 8])

@@ -15,7 +15,7 @@ from conftest import run_triton_interpreted
 
 pytest.importorskip("triton")
 
-from qwen35_packed.modeling import kernels, triton_elementwise  # noqa: E402
+from qwen35_packed.modeling import kernels, triton_elementwise, triton_support  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
 import json
@@ -195,7 +195,7 @@ def test_triton_chains_are_chosen_only_where_they_run():
     assert kernels.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise == "eager"
 
 
-@pytest.mark.skipif(triton_elementwise._INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="run on CUDA tensors"):
         triton_elementwise.swiglu(torch.randn(4, 4), torch.randn(4, 4))

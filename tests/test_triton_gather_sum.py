@@ -15,7 +15,7 @@ from conftest import run_triton_interpreted
 
 pytest.importorskip("triton")
 
-from qwen35_packed.modeling import triton_gather_sum  # noqa: E402
+from qwen35_packed.modeling import triton_support  # noqa: E402
 from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
@@ -147,7 +147,7 @@ def test_bad_inputs_raise(make, match):
         gather_sum_rows(*make(src, index))
 
 
-@pytest.mark.skipif(triton_gather_sum._INTERPRETED, reason="kernel interpreted in this process (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(triton_support.INTERPRETED, reason="kernel interpreted in this process (TRITON_INTERPRET=1)")
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         gather_sum_rows(torch.randn(16, 16), torch.randperm(16), 8)

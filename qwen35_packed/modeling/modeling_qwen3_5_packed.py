@@ -57,6 +57,7 @@ from .routing_replay import routed_experts_stream
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
+from .triton_support import INTERPRETED  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,7 @@ from .routing_replay import routed_experts_stream  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
+from .triton_support import INTERPRETED  # noqa: F401
 from .vision import Qwen3_5PackedVisionModel
 
 Qwen3_5PackedVLModelOutput = _output_class(

@@ -33,22 +33,15 @@ only when position_in_doc[t] >= K-1-j, so no token reaches another document, and
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-try:  # optional: Triton (the GPU kernel language; also runs on CPU tensors under TRITON_INTERPRET=1)
-    import triton
-    import triton.language as tl
+from .triton_support import INTERPRETED, TRITON_VERSION, launch_device, tl, triton
 
-    # The kernels keep tuples of tiles (Triton's tuple support). Verified with triton 3.6.0 (CPU interpreter, ptxas
-    # for sm_90, the H200); older releases are not offered.
-    TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
-    TRITON_CONV_AVAILABLE = TRITON_VERSION >= (3, 6)
-except ImportError:
-    TRITON_VERSION = None
-    TRITON_CONV_AVAILABLE = False
+# The kernels keep tuples of tiles (Triton's tuple support). Verified with triton 3.6.0 (CPU interpreter, ptxas for
+# sm_90, the H200); older releases are not offered.
+TRITON_CONV_AVAILABLE = TRITON_VERSION is not None and TRITON_VERSION >= (3, 6)
 
 
 @dataclass(frozen=True)
@@ -240,20 +233,12 @@ if TRITON_CONV_AVAILABLE:
             dw_rows = updated
         _store_dw_partial(dw_partial_ptr, dw_rows, pid_t, n_channels, channels, col_ok, KERNEL, KERNEL_POW2, BLOCK_C)
 
-    # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
-    _INTERPRETED = not isinstance(_conv_silu_forward_kernel, triton.runtime.JITFunction)
-
 
 def _segments(split_sizes):
     offset = 0
     for size in split_sizes:
         yield offset, size
         offset += size
-
-
-def _device_guard(x: torch.Tensor):
-    # Triton launches on the current CUDA device; the tensors may live on another one.
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 class _CausalConv1dSiluSplit(torch.autograd.Function):
@@ -263,7 +248,7 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         kernel = weight.shape[1]
         outs = tuple(x.new_empty(n_rows, size) for size in split_sizes)
         if n_rows > 0:
-            with _device_guard(x):
+            with launch_device(x):
                 for out, (offset, size) in zip(outs, _segments(split_sizes)):
                     grid = (triton.cdiv(n_rows, blocks.forward_rows), triton.cdiv(size, blocks.forward_channels))
                     _conv_silu_forward_kernel[grid](
@@ -290,7 +275,7 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         backward_kernel = _conv_silu_backward_gather_kernel if gather else _conv_silu_backward_kernel
         dx = torch.empty_like(x)
         dw_partial = torch.empty(row_programs, n_channels, kernel, dtype=torch.float32, device=x.device)
-        with _device_guard(x):
+        with launch_device(x):
             for grad, (offset, size) in zip(grads, _segments(ctx.split_sizes)):
                 if grad is None:  # this output does not reach the loss
                     dx[:, offset : offset + size].zero_()
@@ -349,6 +334,6 @@ def causal_conv1d_silu_split(
     devices = {x.device, weight.device, position_in_doc.device}
     if len(devices) != 1:
         raise ValueError(f"x, weight and position_in_doc must be on one device, got {sorted(map(str, devices))}")
-    if not x.is_cuda and not _INTERPRETED:
+    if not x.is_cuda and not INTERPRETED:
         raise ValueError(f"causal_conv1d_silu_split runs on CUDA tensors, got {x.device}")
     return _CausalConv1dSiluSplit.apply(x, weight.contiguous(), position_in_doc.contiguous(), split_sizes, blocks)

@@ -20,17 +20,11 @@ Every row is computed on its own, so a packed document gets the same values as a
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-try:  # optional: Triton (the GPU kernel language; also runs on CPU tensors under TRITON_INTERPRET=1)
-    import triton
-    import triton.language as tl
+from .triton_support import INTERPRETED, launch_device, tl, triton
 
-    TRITON_ELEMENTWISE_AVAILABLE = True
-except ImportError:
-    TRITON_ELEMENTWISE_AVAILABLE = False
+TRITON_ELEMENTWISE_AVAILABLE = triton is not None
 
 _BLOCK = 1024  # elements per program of the flat elementwise kernels
 SWIGLU, SIGMOID_GATE = 0, 1  # the two-input chains of _pair_fwd / _pair_bwd (their OP)
@@ -197,20 +191,12 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(partial_ptr + (pid.to(tl.int64) * 2) * heads + cols, d_a_log, mask=col_ok)
         tl.store(partial_ptr + (pid.to(tl.int64) * 2 + 1) * heads + cols, d_dt_bias, mask=col_ok)
 
-    # Interpreted (TRITON_INTERPRET=1 when the kernels were decorated): they run on CPU tensors, for tests.
-    _INTERPRETED = not isinstance(_pair_fwd, triton.runtime.JITFunction)
-
-
-def _launching(t: torch.Tensor):
-    # Triton launches on the current CUDA device; the tensors may live on another one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
 
 def _check(*tensors: torch.Tensor) -> None:
     if not TRITON_ELEMENTWISE_AVAILABLE:
         raise RuntimeError("the Triton elementwise kernels need Triton")
     for t in tensors:
-        if not t.is_cuda and not _INTERPRETED:
+        if not t.is_cuda and not INTERPRETED:
             raise ValueError(f"the Triton elementwise kernels run on CUDA tensors, got {t.device}")
 
 
@@ -230,7 +216,7 @@ class _RmsNorm(torch.autograd.Function):
         y = torch.empty_like(x)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         if n_rows:
-            with _launching(x):
+            with launch_device(x):
                 _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
                     x, weight, y, rstd, n_rows, width, eps, block_m, block_h, num_warps=warps
                 )
@@ -246,7 +232,7 @@ class _RmsNorm(torch.autograd.Function):
         dx = torch.empty_like(x)
         partial = torch.zeros(programs, width, dtype=torch.float32, device=x.device)
         if n_rows:
-            with _launching(x):
+            with launch_device(x):
                 _rms_norm_bwd[(programs,)](
                     x,
                     weight,
@@ -274,7 +260,7 @@ class _TwoInputElementwise(torch.autograd.Function):
         y = torch.empty_like(p)
         n = p.numel()
         if n:
-            with _launching(p):
+            with launch_device(p):
                 _pair_fwd[(triton.cdiv(n, _BLOCK),)](p, q, y, n, op, _BLOCK)
         ctx.save_for_backward(p, q)
         ctx.op = op
@@ -286,7 +272,7 @@ class _TwoInputElementwise(torch.autograd.Function):
         dp, dq = torch.empty_like(p), torch.empty_like(q)
         n = p.numel()
         if n:
-            with _launching(p):
+            with launch_device(p):
                 _pair_bwd[(triton.cdiv(n, _BLOCK),)](p, q, dy.contiguous(), dp, dq, n, ctx.op, _BLOCK)
         return dp, dq, None
 
@@ -298,7 +284,7 @@ class _WeightedSwiglu(torch.autograd.Function):
         block_m, block_i, warps = _row_tiles(inter)
         y = gate_up.new_empty(n_rows, inter)
         if n_rows:
-            with _launching(gate_up):
+            with launch_device(gate_up):
                 _weighted_swiglu_fwd[(triton.cdiv(n_rows, block_m),)](
                     gate_up, weight, y, n_rows, inter, block_m, block_i, num_warps=warps
                 )
@@ -313,7 +299,7 @@ class _WeightedSwiglu(torch.autograd.Function):
         dgate_up = torch.empty_like(gate_up)
         dweight = torch.empty(n_rows, dtype=torch.float32, device=gate_up.device)
         if n_rows:
-            with _launching(gate_up):
+            with launch_device(gate_up):
                 _weighted_swiglu_bwd[(triton.cdiv(n_rows, block_m),)](
                     gate_up,
                     weight,
@@ -337,7 +323,7 @@ class _GdnGates(torch.autograd.Function):
         g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
         beta = torch.empty_like(b)
         if n_rows:
-            with _launching(a):
+            with launch_device(a):
                 _gdn_gates_fwd[(triton.cdiv(n_rows, block_m),)](
                     a, b, a_log, dt_bias, g, beta, n_rows, heads, block_m, block_v, num_warps=warps
                 )
@@ -354,7 +340,7 @@ class _GdnGates(torch.autograd.Function):
         da, db = torch.empty_like(a), torch.empty_like(b)
         partial = torch.zeros(programs, 2, heads, dtype=torch.float32, device=a.device)
         if n_rows:
-            with _launching(a):
+            with launch_device(a):
                 _gdn_gates_bwd[(programs,)](
                     a,
                     b,

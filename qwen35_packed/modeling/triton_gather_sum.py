@@ -15,18 +15,13 @@ A program sums BLOCK_G groups over BLOCK_H columns: per slot it loads the groups
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-try:  # optional: Triton (the GPU kernel language; also runs on CPU tensors under TRITON_INTERPRET=1)
-    import triton
-    import triton.language as tl
+from .triton_support import INTERPRETED, launch_device, tl, triton
 
-    TRITON_GATHER_SUM_AVAILABLE = True
-except ImportError:
-    TRITON_GATHER_SUM_AVAILABLE = False
+TRITON_GATHER_SUM_AVAILABLE = triton is not None
 
 
 @dataclass(frozen=True)
@@ -59,9 +54,6 @@ if TRITON_GATHER_SUM_AVAILABLE:
             acc += tl.load(src_ptr + rows[:, None] * width + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + groups[:, None] * width + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
-    # Interpreted (TRITON_INTERPRET=1 when the kernel was decorated): it runs on CPU tensors, for tests.
-    _INTERPRETED = not isinstance(_gather_sum_kernel, triton.runtime.JITFunction)
-
 
 def gather_sum_rows(
     src: torch.Tensor, index: torch.Tensor, group: int, blocks: GatherSumBlocks = DEFAULT_BLOCKS
@@ -80,14 +72,13 @@ def gather_sum_rows(
                          f"{tuple(index.shape)} {index.dtype}")  # fmt: skip
     if index.device != src.device:
         raise ValueError(f"src and index must be on one device, got {src.device} and {index.device}")
-    if not src.is_cuda and not _INTERPRETED:
+    if not src.is_cuda and not INTERPRETED:
         raise ValueError(f"gather_sum_rows runs on CUDA tensors, got {src.device}")
     n_groups, width = index.numel() // group, src.shape[1]
     out = src.new_empty(n_groups, width)
     if n_groups and width:
         grid = (triton.cdiv(n_groups, blocks.groups), triton.cdiv(width, blocks.columns))
-        # Triton launches on the current CUDA device; the tensors may live on another one.
-        with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        with launch_device(src):
             _gather_sum_kernel[grid](
                 src, index.contiguous(), out, n_groups, width,
                 GROUP=group, BLOCK_G=blocks.groups, BLOCK_H=blocks.columns, num_warps=blocks.warps,
