@@ -1,5 +1,4 @@
-"""GDN short conv on one GPU: our Triton kernel (tile configurations, both backward kernels) against FLA's
-causal_conv1d.
+"""GDN short conv on one GPU: our Triton kernel (tile configurations) against FLA's causal_conv1d.
 
 The RL-shaped batch of bench_train_step.py (16 documents, 26,354 tokens) through the conv of the 1.4B benchmark
 config (C = 8192 = q 2048 | k 2048 | v 4096, K = 4, bf16). Each Triton configuration is first checked against the
@@ -49,19 +48,10 @@ def candidates():
     yield DEFAULT_BLOCKS
     for f_rows, f_ch, f_warps in itertools.product((32, 64), (64, 128, 256), (4, 8)):
         yield dataclasses.replace(DEFAULT_BLOCKS, forward_rows=f_rows, forward_channels=f_ch, forward_warps=f_warps)
-    for b_rows, b_ch, b_chunks, b_warps in itertools.product((8, 16, 32), (32, 64, 128), (16,), (4, 8)):
+    # Backward tiles include the K-1 = 3 lookahead rows, so they start at 16 rows.
+    for b_rows, b_ch, b_chunks, b_warps in itertools.product((16, 32, 64), (32, 64, 128), (8, 16), (4, 8)):
         yield dataclasses.replace(
             DEFAULT_BLOCKS,
-            backward_rows=b_rows,
-            backward_channels=b_ch,
-            backward_chunks=b_chunks,
-            backward_warps=b_warps,
-        )
-    # The gather backward: its tiles include K-1 = 3 lookahead rows, so they start at 16 rows.
-    for b_rows, b_ch, b_chunks, b_warps in itertools.product((16, 32, 64), (64, 128), (8, 16), (4, 8)):
-        yield dataclasses.replace(
-            DEFAULT_BLOCKS,
-            backward_kernel="gather",
             backward_rows=b_rows,
             backward_channels=b_ch,
             backward_chunks=b_chunks,
@@ -194,11 +184,6 @@ def main():
         f"{'triton, fastest checked blocks':<40}{result['best']['forward_ms']:>12.3f}"
         f"{result['best']['forward_backward_ms']:>12.3f}"
     )
-    for kind in ("recompute", "gather"):
-        timed = [r for r in good if r["blocks"]["backward_kernel"] == kind]
-        if timed:
-            fastest = min(timed, key=lambda r: r["backward_ms"])
-            print(f"{'backward ' + kind + ', fastest blocks':<40}{'':>12}{fastest['forward_backward_ms']:>12.3f}")
     if "fla" in result:
         print(
             f"{'FLA causal_conv1d':<40}{result['fla']['forward_ms']:>12.3f}{result['fla']['forward_backward_ms']:>12.3f}"

@@ -34,8 +34,6 @@ KERNELS = [
      {"KERNEL": 4, "KERNEL_POW2": 4, "BLOCK_T": DEFAULT_BLOCKS.backward_rows,
       "BLOCK_C": DEFAULT_BLOCKS.backward_channels, "CHUNKS": DEFAULT_BLOCKS.backward_chunks},
      DEFAULT_BLOCKS.backward_warps),
-    (triton_conv, "_conv_silu_backward_gather_kernel", CONV_BACKWARD,
-     {"KERNEL": 4, "KERNEL_POW2": 4, "BLOCK_T": 32, "BLOCK_C": 64, "CHUNKS": 8}, 8),
     (triton_gather_sum, "_gather_sum_kernel",
      {"src_ptr": BF16, "index_ptr": I64, "out_ptr": BF16, "n_groups": I32, "width": I32},
      {"GROUP": 8, "BLOCK_G": triton_gather_sum.DEFAULT_BLOCKS.groups,

@@ -15,7 +15,7 @@ from conftest import run_triton_interpreted
 pytest.importorskip("triton")
 
 from qwen35_packed.modeling import triton_support  # noqa: E402
-from qwen35_packed.modeling.triton_conv import ConvBlocks, causal_conv1d_silu_split  # noqa: E402
+from qwen35_packed.modeling.triton_conv import causal_conv1d_silu_split  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
 import json, time
@@ -87,28 +87,21 @@ def errors(lengths, splits, kernel, dtype, blocks, seed, skip=None):
 
 
 mix = [1, 2, 3, 1, 9, 4, 1, 5]  # 1-, 2- and 3-token documents; 26 tokens: not a multiple of any row block
-# Both backward kernels; "gather" with 4-row tiles writes 1 to 3 rows per chunk (K = 4 to 2), 8-row tiles 5.
-for name, small, default in (
-    ("recompute", SMALL, DEFAULT_BLOCKS),
-    ("gather", replace(SMALL, backward_kernel="gather"),
-     replace(DEFAULT_BLOCKS, backward_kernel="gather", backward_rows=8, backward_chunks=3)),
-):
-    for kernel in (4, 3, 2, 1):
-        results[f"{name}_fp32_small_blocks_k{kernel}"] = errors(mix, [5, 7, 12], kernel, torch.float32, small,
-                                                               seed=kernel)
-    results[f"{name}_fp32_default_blocks"] = errors([3, 40, 1, 2, 31], [16, 16, 40], 4, torch.float32, default,
-                                                    seed=7)
-    results[f"{name}_fp32_single_document"] = errors([37], [8, 8, 16], 4, torch.float32, small, seed=8)
-    results[f"{name}_fp32_none_gradient_for_k"] = errors(mix, [5, 7, 12], 4, torch.float32, small, seed=9, skip=1)
-    results[f"{name}_fp32_none_gradient_for_v"] = errors(mix, [5, 7, 12], 4, torch.float32, small, seed=10, skip=2)
-    results[f"{name}_bf16"] = errors(mix + [17], [8, 8, 16], 4, torch.bfloat16, small, seed=11)
-    results[f"{name}_fp16"] = errors(mix + [17], [8, 8, 16], 4, torch.float16, small, seed=12)
-
-# The two backward kernels give the same dx bit for bit (same formula and summation order).
-x, weight, cot = inputs(mix + [17], 24, 4, torch.bfloat16, seed=15)
-dxs = [triton_run(x, weight, positions(mix + [17]), [6, 6, 12], cot, replace(SMALL, backward_kernel=k))[1]
-       for k in ("recompute", "gather")]
-results["gather_dx_equals_recompute_dx"] = torch.equal(*dxs)
+# 4-row tiles write 1 to 4 rows per chunk (K = 4 to 1: the last K-1 rows of a tile are lookahead); a tile of 2 rows
+# with K = 4, and K = 6 with 4-row tiles, are raised to the next power of two above K.
+for kernel in (4, 3, 2, 1):
+    results[f"fp32_small_blocks_k{kernel}"] = errors(mix, [5, 7, 12], kernel, torch.float32, SMALL, seed=kernel)
+results["fp32_tile_raised_to_the_kernel"] = errors(mix, [5, 7, 12], 4, torch.float32,
+                                                   replace(SMALL, backward_rows=2), seed=5)
+results["fp32_kernel_longer_than_the_tile"] = errors(mix, [5, 7, 12], 6, torch.float32, SMALL, seed=6)
+results["fp32_default_blocks"] = errors([3, 40, 1, 2, 31], [16, 16, 40], 4, torch.float32, DEFAULT_BLOCKS, seed=7)
+results["fp32_eight_row_tiles"] = errors([3, 40, 1, 2, 31], [16, 16, 40], 4, torch.float32,
+                                         replace(DEFAULT_BLOCKS, backward_rows=8, backward_chunks=3), seed=16)
+results["fp32_single_document"] = errors([37], [8, 8, 16], 4, torch.float32, SMALL, seed=8)
+results["fp32_none_gradient_for_k"] = errors(mix, [5, 7, 12], 4, torch.float32, SMALL, seed=9, skip=1)
+results["fp32_none_gradient_for_v"] = errors(mix, [5, 7, 12], 4, torch.float32, SMALL, seed=10, skip=2)
+results["bf16"] = errors(mix + [17], [8, 8, 16], 4, torch.bfloat16, SMALL, seed=11)
+results["fp16"] = errors(mix + [17], [8, 8, 16], 4, torch.float16, SMALL, seed=12)
 
 # Packed == every document alone.
 x, weight, _ = inputs(mix, 20, 4, torch.float32, seed=13)
@@ -144,35 +137,35 @@ FP32_CASES = [
     "fp32_small_blocks_k3",
     "fp32_small_blocks_k2",
     "fp32_small_blocks_k1",
+    "fp32_tile_raised_to_the_kernel",
+    "fp32_kernel_longer_than_the_tile",
     "fp32_default_blocks",
+    "fp32_eight_row_tiles",
     "fp32_single_document",
     "fp32_none_gradient_for_k",
     "fp32_none_gradient_for_v",
 ]
-BACKWARD_KERNELS = ["recompute", "gather"]
 
 
-@pytest.mark.parametrize("backward", BACKWARD_KERNELS)
 @pytest.mark.parametrize("case", FP32_CASES)
-def test_fp32_outputs_and_gradients_match_the_reference(interpreted, case, backward):
-    result = interpreted[f"{backward}_{case}"]
+def test_fp32_outputs_and_gradients_match_the_reference(interpreted, case):
+    result = interpreted[case]
     assert result["out"] <= 1e-5 and result["dx"] <= 1e-5 and result["dw"] <= 1e-5, result
     assert result["contiguous"] and result["dtypes"] == ["torch.float32"] * 5, result
 
 
 def test_outputs_have_the_split_shapes(interpreted):
-    assert interpreted["recompute_fp32_small_blocks_k4"]["shapes"] == [[26, 5], [26, 7], [26, 12]]
-    assert interpreted["recompute_fp32_default_blocks"]["shapes"] == [[77, 16], [77, 16], [77, 40]]
+    assert interpreted["fp32_small_blocks_k4"]["shapes"] == [[26, 5], [26, 7], [26, 12]]
+    assert interpreted["fp32_default_blocks"]["shapes"] == [[77, 16], [77, 16], [77, 40]]
 
 
-@pytest.mark.parametrize("backward", BACKWARD_KERNELS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_half_precision_forward_is_the_rounded_fp32_result(interpreted, dtype, backward):
+def test_half_precision_forward_is_the_rounded_fp32_result(interpreted, dtype):
     # Accumulated in fp32 and rounded once: within half an ulp of the fp32 reference (plus fp32 summation-order
     # noise, far below that); gradients in the input dtype, close to the fp32 reference's. Triton 3.6's interpreter
     # converts fp32 to bf16 by truncation (under an ulp; fp16 it rounds to nearest), where compiled kernels round to
     # nearest even: the bound here is one ulp for bf16; tests/test_gpu.py checks half an ulp on the GPU.
-    result = interpreted[f"{backward}_{dtype}"]
+    result = interpreted[dtype]
     assert result["out_in_half_ulps"] <= {"bf16": 2.02, "fp16": 1.01}[dtype], result
     name = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
     assert result["dtypes"] == [name] * 5 and result["contiguous"], result
@@ -181,10 +174,6 @@ def test_half_precision_forward_is_the_rounded_fp32_result(interpreted, dtype, b
 
 def test_packed_equals_each_document_alone(interpreted):
     assert interpreted["packed_vs_alone"] <= 1e-6
-
-
-def test_gather_backward_gives_the_recompute_backwards_dx_bit_for_bit(interpreted):
-    assert interpreted["gather_dx_equals_recompute_dx"] is True
 
 
 def test_dispatch_returns_contiguous_splits_equal_to_the_torch_path(interpreted):
@@ -204,8 +193,6 @@ def test_dispatch_returns_contiguous_splits_equal_to_the_torch_path(interpreted)
         (lambda x, w, p: (x, w, p.float(), [4, 8]), "position_in_doc must be"),
         (lambda x, w, p: (x, w, p, [4, 4]), "must be positive and sum to C=12"),
         (lambda x, w, p: (x, w, p, [0, 12]), "must be positive and sum to C=12"),
-        (lambda x, w, p: (x, w, p, [4, 8], ConvBlocks(backward_kernel="fast")), "must be 'recompute' or 'gather'"),
-        (lambda x, w, p: (x, w, p, [4, 8], ConvBlocks(backward_kernel="gather", backward_rows=2)), "rows > K-1 = 3"),
     ],
 )
 def test_bad_inputs_raise(make, match):

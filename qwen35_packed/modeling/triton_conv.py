@@ -15,17 +15,13 @@ write of the outputs.
 
 Backward: dpre = dy * silu'(pre); dx[t] = sum_j weight[c, K-1-j] * dpre[t + j] over the tokens t + j of t's
 document; dw[c, K-1-j] = sum_t dpre[t] * x[t - j]. A program owns BLOCK_C channels of a segment and CHUNKS
-consecutive row chunks, and keeps K fp32 per-row dw tiles that it reduces over rows at the end into its
-[BLOCK_C, K] dw partial. The partials ([row programs, C, K] fp32) are summed with torch: deterministic, no
-atomics. A segment whose gradient is None contributes zeros. No [N, C] temporaries. Two kernels
-(`ConvBlocks.backward_kernel`) differ in how a chunk gets dpre at the K row shifts that its dx reads:
-- "recompute": the chunk is BLOCK_T rows; it loads x at the 2K-1 row offsets its tokens need (once each, kept in
-  registers as a tuple of tiles) and recomputes the pre-activation, and its sigmoid, at each of the K shifts.
-- "gather": the chunk is BLOCK_T rows of which the last K-1 are lookahead (chunks advance by BLOCK_T - (K-1) rows);
-  it computes dpre once per row and reads it at the K shifts through `tl.gather` along the rows. One sigmoid per
-  row and K loads of x per chunk, instead of K sigmoids and 2K-1 loads.
-The two give the same dx bit for bit (same formula, same summation order); dw is summed over rows in a different
-grouping. benchmarks/bench_conv.py checks and times both.
+consecutive row chunks. A chunk is BLOCK_T rows of which the last K-1 are lookahead (chunks advance by
+BLOCK_T - (K-1) rows): it loads x at the K lags once, computes the pre-activation and dpre once per row, and reads
+dpre at the K row shifts its dx needs through `tl.gather` along the rows. The program keeps K fp32 per-row dw
+tiles that it reduces over rows at the end into its [BLOCK_C, K] dw partial. The partials ([row programs, C, K]
+fp32) are summed with torch: deterministic, no atomics. A segment whose gradient is None contributes zeros. No
+[N, C] temporaries. (An earlier backward recomputed the pre-activation and its sigmoid at each of the K shifts from
+2K-1 loads of x; it gave the same dx bit for bit and ran slower on the H200: results/benchmarks/2026-12-01-conv.json.)
 
 Boundaries come from `position_in_doc` (offset of every token from its document start): tap j of token t is read
 only when position_in_doc[t] >= K-1-j, so no token reaches another document, and documents shorter than K work.
@@ -46,24 +42,20 @@ TRITON_CONV_AVAILABLE = TRITON_VERSION is not None and TRITON_VERSION >= (3, 6)
 
 @dataclass(frozen=True)
 class ConvBlocks:
-    """Tile sizes (powers of two), warps per program and the backward kernel ("recompute" | "gather", see the module
-    docstring). A forward program covers forward_rows x forward_channels; a backward program backward_chunks chunks
-    of backward_rows x backward_channels (with "gather", backward_rows includes the K-1 lookahead rows and must
-    exceed them).
+    """Tile sizes (powers of two) and warps per program. A forward program covers forward_rows x forward_channels;
+    a backward program backward_chunks chunks of backward_rows x backward_channels, the K-1 lookahead rows included
+    (a kernel longer than the tile gets a tile of the next power of two above K instead).
 
     The defaults are the fastest of the configurations benchmarks/bench_conv.py checked and timed on an H200 (RL
-    batch, [26,354 x 8192] bf16, q | k | v = 2048 | 2048 | 4096; results/benchmarks/2026-11-30-conv.json):
-    forward 0.34 ms, forward + backward 2.42 ms, against FLA's 0.34 / 2.71 ms (3.41 ms with the copies of its
-    q | k | v views and the concatenation of their gradients, which this kernel does not need)."""
+    batch, q | k | v of the 1.4B config; results/benchmarks/2026-12-01-conv.json, against FLA's causal_conv1d)."""
 
     forward_rows: int = 32
     forward_channels: int = 128
     forward_warps: int = 4
-    backward_rows: int = 8
-    backward_channels: int = 128
+    backward_rows: int = 32
+    backward_channels: int = 64
     backward_chunks: int = 16
-    backward_warps: int = 8
-    backward_kernel: str = "recompute"
+    backward_warps: int = 4
 
 
 DEFAULT_BLOCKS = ConvBlocks()
@@ -125,61 +117,6 @@ if TRITON_CONV_AVAILABLE:
 
     @triton.jit
     def _conv_silu_backward_kernel(
-        x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
-        KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-        CHUNKS: tl.constexpr,
-    ):  # fmt: skip
-        pid_t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        col_ok = cols < seg_channels
-        channels = channel_offset + cols
-        w = _taps_by_lag(w_ptr, channels, col_ok, KERNEL)
-        dw_rows = _zero_dw_rows(KERNEL, BLOCK_T, BLOCK_C)
-        first_row = pid_t.to(tl.int64) * (BLOCK_T * CHUNKS)
-        for chunk in range(CHUNKS):
-            rows = first_row + chunk * BLOCK_T + tl.arange(0, BLOCK_T)
-            # x at row offsets -(K-1) .. K-1 (xs[K-1+d] = x[rows + d]), positions at offsets 0 .. K-1.
-            xs = ()
-            for i in tl.static_range(2 * KERNEL - 1):
-                at = rows + (i - (KERNEL - 1))
-                xs = xs + (
-                    tl.load(
-                        x_ptr + at[:, None] * n_channels + channels[None, :],
-                        mask=((at >= 0) & (at < n_rows))[:, None] & col_ok[None, :],
-                        other=0.0,
-                    ),
-                )
-            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-            # dx[u] = sum_shift w[shift] * dpre[u + shift], over the tokens u + shift of u's document.
-            for shift in tl.static_range(KERNEL):
-                at = rows + shift
-                pos = tl.load(pos_ptr + at, mask=at < n_rows, other=0)
-                pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-                for lag in tl.static_range(KERNEL):  # taps that reach before the document start read zero
-                    x = tl.where((pos >= lag)[:, None], xs[KERNEL - 1 + shift - lag].to(tl.float32), 0.0)
-                    pre += x * w[lag][None, :]
-                # dy of a token whose lag-`shift` tap leaves its document is read as zero: it does not reach u.
-                dy = tl.load(
-                    dy_ptr + at[:, None] * seg_channels + cols[None, :],
-                    mask=((at < n_rows) & (pos >= shift))[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-                sig = tl.sigmoid(pre)
-                dpre = dy.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
-                dx += dpre * w[shift][None, :]
-                if shift == 0:
-                    # dw[:, K-1-lag] gets dpre[t] * x[t - lag] from every token t of the chunk.
-                    updated = ()
-                    for lag in tl.static_range(KERNEL):
-                        x = tl.where((pos >= lag)[:, None], xs[KERNEL - 1 - lag].to(tl.float32), 0.0)
-                        updated = updated + (dw_rows[lag] + dpre * x,)
-                    dw_rows = updated
-            tl.store(dx_ptr + rows[:, None] * n_channels + channels[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=(rows < n_rows)[:, None] & col_ok[None, :])  # fmt: skip
-        _store_dw_partial(dw_partial_ptr, dw_rows, pid_t, n_channels, channels, col_ok, KERNEL, KERNEL_POW2, BLOCK_C)
-
-    @triton.jit
-    def _conv_silu_backward_gather_kernel(
         x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
         KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
         CHUNKS: tl.constexpr,
@@ -266,13 +203,11 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         blocks = ctx.blocks
         n_rows, n_channels = x.shape
         kernel = weight.shape[1]
-        gather = blocks.backward_kernel == "gather"
-        # Rows a chunk writes: with "gather" the last K-1 rows of its tile are lookahead.
-        chunk_rows = blocks.backward_rows - (kernel - 1) if gather else blocks.backward_rows
+        tile_rows = max(blocks.backward_rows, triton.next_power_of_2(kernel))  # more rows than the K-1 lookahead
+        chunk_rows = tile_rows - (kernel - 1)  # the rows a chunk writes
         # Few chunks for short streams: no program loops over rows that do not exist.
         chunks = max(1, min(blocks.backward_chunks, triton.cdiv(max(n_rows, 1), chunk_rows)))
         row_programs = triton.cdiv(n_rows, chunk_rows * chunks)
-        backward_kernel = _conv_silu_backward_gather_kernel if gather else _conv_silu_backward_kernel
         dx = torch.empty_like(x)
         dw_partial = torch.empty(row_programs, n_channels, kernel, dtype=torch.float32, device=x.device)
         with launch_device(x):
@@ -284,9 +219,9 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
                 if n_rows == 0:
                     continue
                 grid = (row_programs, triton.cdiv(size, blocks.backward_channels))
-                backward_kernel[grid](
+                _conv_silu_backward_kernel[grid](
                     x, weight, position_in_doc, grad.contiguous(), dx, dw_partial, n_rows, n_channels, offset, size,
-                    KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=blocks.backward_rows,
+                    KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=tile_rows,
                     BLOCK_C=blocks.backward_channels, CHUNKS=chunks, num_warps=blocks.backward_warps,
                 )  # fmt: skip
         dweight = dw_partial.sum(0).to(weight.dtype)
@@ -322,12 +257,6 @@ def causal_conv1d_silu_split(
     if position_in_doc.shape != (n_rows,) or position_in_doc.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"position_in_doc must be an integer tensor [N={n_rows}], got "
                          f"{tuple(position_in_doc.shape)} {position_in_doc.dtype}")  # fmt: skip
-    kernel = weight.shape[1]
-    if blocks.backward_kernel not in ("recompute", "gather"):
-        raise ValueError(f"backward_kernel must be 'recompute' or 'gather', got {blocks.backward_kernel!r}")
-    if blocks.backward_kernel == "gather" and blocks.backward_rows <= kernel - 1:
-        raise ValueError(f"backward_kernel='gather' needs backward_rows > K-1 = {kernel - 1} (the lookahead rows), "
-                         f"got {blocks.backward_rows}")  # fmt: skip
     split_sizes = tuple(int(s) for s in split_sizes)
     if not split_sizes or any(s <= 0 for s in split_sizes) or sum(split_sizes) != n_channels:
         raise ValueError(f"split_sizes {list(split_sizes)} must be positive and sum to C={n_channels}")
