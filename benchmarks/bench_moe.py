@@ -9,8 +9,6 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
   * ours_packed_loop        the same with moe_kernel="loop" (the per-expert reference), first model only
   * ours_packed_eager_combine   the same with moe_combine_kernel="eager" (the gather and sum instead of the Triton
                             top-k combine), first model only
-  * ours_packed_triton_elementwise   the same with elementwise_kernel="triton" (this project's Triton kernels for
-                            the norms, SwiGLUs and gates instead of torch.compile), first model only
   * builtin_correct_packed  the built-in with grouped_mm experts (its default) on its correct packed path:
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
@@ -56,7 +54,7 @@ from bench_train_step import (
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernels, triton_elementwise
 
 ROOT = Path(__file__).resolve().parent
 
@@ -145,7 +143,7 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
     choice = kernels.KernelChoice(
         gdn="torch",
         attention="sdpa",
-        elementwise="compiled" if on_cuda else "eager",
+        elementwise="triton" if on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE else "eager",
         moe="grouped_mm",
         combine="triton" if on_cuda and kernels.TRITON_GATHER_SUM_AVAILABLE else "eager",
     )
@@ -284,8 +282,6 @@ def run_vocab(vocab, args, device, rate, results, save):
                 measure(batch_name, "ours_packed_loop", ours, ours_step(ours), n_real)
             with config_fields(ours, moe_combine_kernel="eager"):
                 measure(batch_name, "ours_packed_eager_combine", ours, ours_step(ours), n_real)
-            with config_fields(ours, elementwise_kernel="triton"):
-                measure(batch_name, "ours_packed_triton_elementwise", ours, ours_step(ours), n_real)
     if not args.skip_experts and vocab == args.first_vocab and "rl_longtail_x16" in inputs:
         only_on(device, ours, models)
         builtin.to(device)

@@ -68,7 +68,7 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     # Runtime-API launches (cudaLaunchKernel: aten, cuBLAS) and driver-API ones (cuLaunchKernel: Triton, so FLA's,
-    # the compiled chains' and this project's Triton kernels), matched to their kernel by correlation id.
+    # this project's Triton kernels and the compiled loss chunk), matched to their kernel by correlation id.
     launches = {
         e["args"]["correlation"]: e
         for e in events

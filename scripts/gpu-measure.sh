@@ -9,21 +9,19 @@
 #   moe          tests/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
 #                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
 #                RL batch (it also times the experts alone)                                          ~6 min
-#   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~4 min
-#   moe-kernels  bench_moe.py, RL batch: ours with the Triton / the eager top-k combine and with the Triton
-#                elementwise chains                                                                  ~3 min
-#   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (both backward kernels)   ~3 min
-#   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton       ~1 min
-#   dense-0p8b   bench_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound), ours with compiled and
-#                Triton elementwise chains, and the built-in                                         ~4 min
-#   dense-1p4b   bench_train_step.py, hybrid 1.4B, both batches, ours (compiled and Triton chains)
-#                and the built-in                                                                    ~7 min
-#   dense-4b     bench_train_step.py, Qwen3.5-4B, both batches                                       ~8 min
-#   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~8 min
-#   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~2 min
+#   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~2 min
+#   moe-kernels  bench_moe.py, RL batch: ours with the Triton / the eager top-k combine              ~3 min
+#   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (tile configurations)    ~3 min
+#   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton        ~1 min
+#   dense-0p8b   bench_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound), ours with fused and
+#                eager elementwise chains, and the built-in                                          ~4 min
+#   dense-1p4b   bench_train_step.py, hybrid 1.4B, both batches, ours and the built-in               ~3 min
+#   dense-4b     bench_train_step.py, Qwen3.5-4B, both batches                                       ~2 min
+#   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~2 min
+#   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~1 min
 #   gpu-tests    the whole tests/test_gpu.py                                                         ~5 min
 #
-# Exit 3: the machine went cold and lost the bundles; install them again. The stage times are estimates from
+# Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
 # earlier runs of the same scripts; the 10-minute limit cuts a stage that runs over, and what it wrote under
 # $OUT still comes back. The commit the tree was sent at is not knowable there (`git rev-parse HEAD` answers the
 # session's first commit): record it on the sending side.
@@ -60,7 +58,7 @@ case "$stage" in
     ;;
   moe-kernels)
     step moe-kernels python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
-      --runs ours_packed,ours_packed_eager_combine,ours_packed_triton_elementwise --skip-lora \
+      --runs ours_packed,ours_packed_eager_combine --skip-lora \
       --out "$OUT/moe-kernels.json"
     ;;
   conv)
@@ -73,11 +71,11 @@ case "$stage" in
     ;;
   dense-0p8b)
     step dense-0p8b python3 benchmarks/bench_train_step.py --models qwen35_0p8b --batches uniform_128_2048_x8 \
-      --runs ours_packed,ours_packed_triton_elementwise,builtin_correct_packed --out "$OUT/dense-0p8b.json"
+      --runs ours_packed,ours_packed_eager_elementwise,builtin_correct_packed --out "$OUT/dense-0p8b.json"
     ;;
   dense-1p4b)
     step dense-1p4b python3 benchmarks/bench_train_step.py --models hybrid_1p4b \
-      --runs ours_packed,ours_packed_triton_elementwise,builtin_correct_packed --out "$OUT/dense-1p4b.json"
+      --runs ours_packed,builtin_correct_packed --out "$OUT/dense-1p4b.json"
     ;;
   dense-4b | dense-9b)
     models=$([ "$stage" = dense-4b ] && echo qwen35_4b || echo qwen35_9b:16)

@@ -95,6 +95,37 @@ results["rms_norm_rows_independent"] = all(torch.equal(te.rms_norm(x[a:b], w, 1e
 results["empty"] = [list(te.rms_norm(torch.randn(0, 64), w, 1e-6).shape), list(te.swiglu(*pair_inputs(0, 8)(
     torch.Generator()))[0:0].shape)]
 
+# What autograd keeps for the backward: the kernels keep their bf16 inputs (and the norm's fp32 row scales), the
+# eager chains their fp32 temporaries as well.
+def saved_bytes(fn, *inputs):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.untyped_storage().nbytes()
+        return t
+
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return total
+
+
+gen = torch.Generator().manual_seed(6)
+x, w = torch.randn(64, 256, generator=gen).bfloat16(), torch.randn(256, generator=gen).bfloat16()
+p, q = torch.randn(64, 256, generator=gen).bfloat16(), torch.randn(64, 256, generator=gen).bfloat16()
+gu, rw = torch.randn(64, 512, generator=gen).bfloat16(), torch.rand(64, generator=gen)
+results["saved_bytes"] = {
+    name: {"eager": saved_bytes(eager, *args), "triton": saved_bytes(fused, *args)}
+    for name, eager, fused, args in (
+        ("rms_norm", lambda a, b: kernels._zero_centred_rms_norm(a, b, 1e-6), lambda a, b: te.rms_norm(a, b, 1e-6),
+         (x, w)),
+        ("swiglu", kernels._swiglu, te.swiglu, (p, q)),
+        ("sigmoid_gate", kernels._sigmoid_gate, te.sigmoid_gate, (p, q)),
+        ("weighted_swiglu", kernels._weighted_swiglu, te.weighted_swiglu, (gu, rw)),
+    )
+}
+
 # A whole tiny model, packed, with every chain through the kernels: logits and gradients against eager, both
 # measured against the eager model in fp64 (the GDN decay parameters' gradients are sums with cancellation, where
 # fp32 summation order alone moves them by ~1e-4).
@@ -128,6 +159,30 @@ for kind, model_class, config_class, moe in (
                           / every_reference.norm()).item(),
         }
         for label in ("eager", "triton")
+    }
+
+# Recomputed chain outputs (modeling/recompute.py) rerun the same kernels in the backward: bf16 gradients equal
+# those of keeping the outputs, bit for bit, for a dense and a MoE model.
+import contextlib
+for kind, model_class, config_class, moe in (
+    ("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, "loop"),
+    ("moe", Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig, "grouped_mm"),
+):
+    CHOICE = kernels.KernelChoice("torch", "sdpa", "triton", moe=moe)
+    torch.manual_seed(0)
+    model = model_class(config_class(**tiny_kwargs(kind))).train().to(torch.bfloat16)
+    ids = torch.randint(0, tiny_kwargs(kind)["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(7))
+    grads = {}
+    original = modeling_qwen3_5_packed.RecomputedActivations
+    for mode in ("recomputed", "kept"):
+        modeling_qwen3_5_packed.RecomputedActivations = original if mode == "recomputed" else contextlib.nullcontext
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    modeling_qwen3_5_packed.RecomputedActivations = original
+    results[f"recompute_bitwise_{kind}"] = {
+        "parameters": len(grads["kept"]),
+        "unequal": sorted(n for n, g in grads["kept"].items() if not torch.equal(g, grads["recomputed"][n])),
     }
 print(json.dumps(results))
 """
@@ -185,6 +240,18 @@ def test_a_packed_model_with_triton_chains_is_as_close_to_fp64_as_eager(interpre
     # per-chain tests above hold tightly.
     for name, error in triton["grads"].items():
         assert error <= 2 * eager["grads"][name] + 1e-3, (name, error, eager["grads"][name])
+
+
+@pytest.mark.parametrize("chain", ["rms_norm", "swiglu", "sigmoid_gate", "weighted_swiglu"])
+def test_the_kernels_keep_less_for_the_backward_than_the_eager_chain(interpreted, chain):
+    saved = interpreted["saved_bytes"][chain]
+    assert 0 < saved["triton"] < 0.75 * saved["eager"], saved
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_recomputed_outputs_give_the_kept_outputs_gradients_bit_for_bit(interpreted, kind):
+    result = interpreted[f"recompute_bitwise_{kind}"]
+    assert result["parameters"] > 10 and result["unequal"] == [], result
 
 
 def test_triton_chains_are_chosen_only_where_they_run():

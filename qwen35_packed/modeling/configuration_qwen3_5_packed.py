@@ -82,7 +82,7 @@ KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "fla", "torch"),
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
-    "elementwise_kernel": ("auto", "compiled", "triton", "eager"),
+    "elementwise_kernel": ("auto", "triton", "eager"),
     "moe_kernel": ("auto", "grouped_mm", "loop"),  # read by MoE models only
     "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
 }

@@ -5,13 +5,13 @@ cu_seqlens, FLA's fused gated RMSNorm; attention through flash-attn varlen when 
 `varlen_attn`, else SDPA per document. CPU (or `gdn_kernel="torch"`): pure-PyTorch paths below, exact for packed
 input (per-document chunked delta rule, boundary-masked conv).
 
-Elementwise chains (zero-centred RMSNorm, SwiGLU, sigmoid output gate) run through
-`torch.compile` on CUDA: one fused kernel each way instead of a chain of fp32 temporaries, and autograd saves only
-the bf16 inputs (the fp32 intermediates of the eager chain were a large share of activation memory). Elsewhere they
-run eagerly; the two compute the same formula. `elementwise_kernel="triton"` runs them (and the GDN gates) as this
-project's Triton kernels (`triton_elementwise.py`): the same fusion, with one Function call and one launch each way
-instead of a compiled call's frame evaluation and runtime wrappers (host time; the loss's chunk, which has no kernel
-of its own, stays compiled).
+Elementwise chains (zero-centred RMSNorm, SwiGLU, the MoE experts' weighted SwiGLU, the sigmoid output gate, the
+GDN gates) run on CUDA as this project's Triton kernels (`triton_elementwise.py`): one launch each way inside an
+autograd Function, fp32 inside, and autograd keeps only the bf16 inputs (the fp32 intermediates of the eager chain
+were a large share of activation memory). Elsewhere they run eagerly; the two compute the same formula. The loss's
+per-chunk math, which has no kernel of its own, runs through `torch.compile` on CUDA. (The chains ran through
+`torch.compile` before the Triton kernels; those were faster on the H200 in every measured step,
+results/benchmarks/2026-12-01-train-step-h200-v7.json, and the compiled form of the chains went.)
 
 The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
 k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
@@ -26,7 +26,7 @@ the CPU copy: the dispatch reads nothing back from the device in any layer.
 `config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
-("auto" | "compiled" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
+("auto" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
 `config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) force a path; forcing
 one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
@@ -78,7 +78,7 @@ try:
 except Exception:
     TORCH_VARLEN_AVAILABLE = False
 
-# torch.compile needs Triton on CUDA (the compiled elementwise chains and conv formula).
+# torch.compile needs Triton on CUDA (the compiled loss chunk and conv formula).
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
@@ -86,7 +86,7 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 class KernelChoice:
     gdn: str  # "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
-    elementwise: str = "eager"  # "compiled" | "triton" | "eager"
+    elementwise: str = "eager"  # "triton" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
     combine: str = "eager"  # "triton" | "eager" (the grouped experts' top-k combine; unused elsewhere)
@@ -121,9 +121,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
 
     elementwise = getattr(config, "elementwise_kernel", "auto")
     if elementwise == "auto":
-        elementwise = "compiled" if (on_cuda and TRITON_AVAILABLE) else "eager"
-    elif elementwise == "compiled" and on_cuda and not TRITON_AVAILABLE:
-        raise RuntimeError("elementwise_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
+        elementwise = "triton" if (on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE) else "eager"
     elif elementwise == "triton" and not (on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE):
         raise RuntimeError(
             "elementwise_kernel='triton' was forced but "
@@ -143,7 +141,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         elif gdn == "fla":
             conv = "fla"
         else:
-            conv = "compiled" if (on_cuda and TRITON_AVAILABLE and elementwise == "compiled") else "torch"
+            conv = "compiled" if (on_cuda and TRITON_AVAILABLE) else "torch"
     elif conv == "fla" and not (on_cuda and FLA_AVAILABLE):
         raise RuntimeError(
             "conv_kernel='fla' was forced but flash-linear-attention "
@@ -261,7 +259,7 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int, choice: Kerne
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Elementwise chains: eager formulas, compiled on CUDA
+# Elementwise chains: eager formulas, Triton kernels on CUDA
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -306,16 +304,16 @@ def _triton_form(fn):
 def _elementwise(fn, choice):
     if choice is None or choice.elementwise == "eager":
         return fn
-    if choice.elementwise == "triton" and _triton_form(fn) is not None:
+    if _triton_form(fn) is not None:
         return _triton_form(fn)
-    compiled = _compiled(fn)  # "compiled", and "triton" for the chains without a kernel of their own
-    # Contiguous inputs: one graph per dtype instead of one per stride pattern (q arrives as a strided view).
+    compiled = _compiled(fn)  # a chain without a kernel of its own (the loss chunk)
+    # Contiguous inputs: one graph per dtype instead of one per stride pattern.
     return lambda *args: compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
 
 
 def zero_centred_rms_norm(x, weight, eps: float, choice: KernelChoice | None = None):
-    """rmsnorm(x) * (1 + weight), in fp32, cast back to x's dtype. Inputs are flattened to 2-D so one compiled
-    graph serves the hidden-size norms and the per-head q/k norms."""
+    """rmsnorm(x) * (1 + weight), in fp32, cast back to x's dtype. Inputs are flattened to 2-D: one kernel serves
+    the hidden-size norms and the per-head q/k norms."""
     shape = x.shape
     return _elementwise(_zero_centred_rms_norm, choice)(x.reshape(-1, shape[-1]), weight, eps).reshape(shape)
 
@@ -332,9 +330,8 @@ def sigmoid_gate(x, gate, choice: KernelChoice | None = None):
 
 def gdn_gates(a, b, a_log, dt_bias, choice: KernelChoice | None = None):
     """The GDN decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log space) and beta = sigmoid(b) in b's
-    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. One Triton kernel each way with elementwise="triton"; else
-    eager, "compiled" included: on [N, Hv] the compiled call's host time exceeds its seven small eager kernels'
-    (benchmarks/host_overhead.py)."""
+    dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. One Triton kernel each way with elementwise="triton", else
+    eager."""
     if choice is not None and choice.elementwise == "triton":
         return triton_elementwise.gdn_gates(a, b, a_log, dt_bias)
     return _gdn_gates(a, b, a_log, dt_bias)

@@ -8,9 +8,9 @@ of floating-point sums.
 Per chunk, `chunk_cross_entropy` computes the fp32 log-softmax (logit - logsumexp) once and derives both the loss
 (-log_softmax[target]) and the logits' gradient (its exp minus onehot(target)) from it. Ignored targets are masked
 with gather / where, never selected with `nonzero`, so the loop runs without a device-to-host sync. When the kernel
-choice compiles elementwise chains (`KernelChoice.elementwise == "compiled"`, the CUDA default) it goes through the
-same `torch.compile` helper as the other chains: the fp32 temporaries then live in registers, not in
-[chunk x vocab] buffers. The returned logits (hidden dtype, detached) are written chunk by chunk into one
+choice fuses the elementwise chains (`KernelChoice.elementwise == "triton"`, the CUDA default) it goes through
+`torch.compile` (kernels._elementwise; it has no kernel of its own): the fp32 temporaries then live in registers,
+not in [chunk x vocab] buffers. The returned logits (hidden dtype, detached) are written chunk by chunk into one
 preallocated tensor, optionally straight into the caller's padded layout, so they are never copied again.
 
 The lm_head weight gradient is an fp32 sum over chunks. On CUDA each chunk's product accumulates into it inside
@@ -175,7 +175,7 @@ def chunked_linear_cross_entropy(
     detached, or None when `keep_logits` is False). The logits are [N, V]; with `logits_index` (long [N]) they are
     [logits_rows, V] instead, token i in row logits_index[i] and zeros elsewhere (a caller's padded layout,
     filled without a second copy). `choice` (see kernels.select_kernels) decides whether the per-chunk
-    cross-entropy runs compiled; None runs it eagerly.
+    cross-entropy runs compiled (elementwise "triton") or eagerly ("eager", or None).
     """
     targets = targets.to(hidden.device)
     if num_items_in_batch is not None:

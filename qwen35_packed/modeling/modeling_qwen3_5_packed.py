@@ -596,7 +596,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         [batch, seq, V], or None when `keep_logits` is False).
 
         With a plain nn.Linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
-        exist in full, the per-chunk cross-entropy runs compiled when the elementwise chains do, and the returned
+        exist in full, the per-chunk cross-entropy runs compiled when the elementwise chains are fused, and the returned
         logits are detached (they carry no gradient; the loss does) and written straight into the caller's layout.
         A wrapped head (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
         """
