@@ -25,6 +25,20 @@ MARKDOWN_FILES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
 
+def run_label(run: str, row: dict) -> str:
+    """The run's name, with the elementwise mode of an `ours_packed` row that says it: what the default ran changed
+    (compiled chains before the Triton kernels, see the result files' provenance)."""
+    if run == "ours_packed" and "elementwise_kernel" in row:
+        return f"{run} ({row['elementwise_kernel']} chains)"
+    return run
+
+
+def ours_rate(row: dict) -> str:
+    return f"{row['real_tok_per_s']:,}" + (
+        f" ({row['elementwise_kernel']} chains)" if "elementwise_kernel" in row else ""
+    )
+
+
 def rows(newest_only: bool = True):
     paths = sorted(RESULTS.glob("*-train-step*.json"), key=by_date_and_version)
     newest = {}
@@ -56,6 +70,7 @@ def render(newest_only: bool = True) -> str:
         size = f"{batch} ({entry['real_tokens']:,} / {entry['padded_tokens']:,})"
         if "source" in row:  # a row this file copies from an earlier file (see its provenance)
             name = f"{name} ({row['source']})"
+        run = run_label(run, row)
         if "wrong" in row:  # e.g. the built-in's leaking path: listed, never a baseline
             run = f"{run} (wrong: {row['wrong']})"
         if "error" in row:
@@ -83,13 +98,13 @@ def render_dense_summary() -> str:
         if entry.get("baseline") is None:  # no built-in run finished: say why the first one did not
             failed = next((r for n, r in entry["runs"].items() if n.startswith("builtin") and "error" in r), {})
             lines.append(
-                f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+                f"| {model} | {batch} ({entry['real_tokens']:,}) | {ours_rate(row)} | "
                 f"{failed.get('error', 'not run')} | | {row['peak_GiB']} / {failed.get('peak_GiB', '')} | {name} |"
             )
             continue
         base = entry["runs"][entry["baseline"]]
         lines.append(
-            f"| {model} | {batch} ({entry['real_tokens']:,}) | {row['real_tok_per_s']:,} | "
+            f"| {model} | {batch} ({entry['real_tokens']:,}) | {ours_rate(row)} | "
             f"{base['real_tok_per_s']:,} ({entry['baseline']}) | {row['ratio_to_builtin']} | "
             f"{row['peak_GiB']} / {base['peak_GiB']} | {name} |"
         )
@@ -118,6 +133,7 @@ def render_moe() -> str:
         if "error" in row:
             lines.append(f"| {model} | {batch} ({entry['real_tokens']:,}) | {run} | {row['error']} | | | | |")
             continue
+        run = run_label(run, row)
         if "source" in row:  # a row copied from an earlier run (see the file's provenance)
             run = f"{run} ({row['source']})"
         lines.append(
@@ -151,9 +167,10 @@ def render_moe_summary() -> str:
         if lora and "source" in lora_row:
             lora = f"{lora} ({lora_row['source']})"
         copied = f" (copied from {row['source']})" if "source" in row else ""
+        base_copied = f" (copied from {base['source']})" if "source" in base else ""
         lines.append(
-            f"| {model} | {batch} ({entry['real_tokens']:,}){copied} | {row['real_tok_per_s']:,} | "
-            f"{base['real_tok_per_s']:,} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
+            f"| {model} | {batch} ({entry['real_tokens']:,}){copied} | {ours_rate(row)} | "
+            f"{base['real_tok_per_s']:,}{base_copied} | {row['ratio_to_builtin']} | {row['peak_GiB']} / "
             f"{base['peak_GiB']} | {lora} |"
         )
     return "\n".join(lines) + f"\n\n({name})"
