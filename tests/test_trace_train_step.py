@@ -24,7 +24,7 @@ def _op(name, ts, dur, tid=1):
 
 
 def test_gaps_are_attributed_to_the_operator_around_runtime_and_driver_launches():
-    # Triton kernels (FLA's, the compiled chains') are launched through the driver API: a gap before one of them
+    # Triton kernels (FLA's, this project's) are launched through the driver API: a gap before one of them
     # belongs to the operator around its cuLaunchKernel, not to "(unknown)".
     events = [
         _op("aten::mm", 0, 10),

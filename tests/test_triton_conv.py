@@ -88,7 +88,7 @@ def errors(lengths, splits, kernel, dtype, blocks, seed, skip=None):
 
 mix = [1, 2, 3, 1, 9, 4, 1, 5]  # 1-, 2- and 3-token documents; 26 tokens: not a multiple of any row block
 # 4-row tiles write 1 to 4 rows per chunk (K = 4 to 1: the last K-1 rows of a tile are lookahead); a tile of 2 rows
-# with K = 4, and K = 6 with 4-row tiles, are raised to the next power of two above K.
+# with K = 4, and K = 6 with 4-row tiles, are raised to the smallest power of two >= K.
 for kernel in (4, 3, 2, 1):
     results[f"fp32_small_blocks_k{kernel}"] = errors(mix, [5, 7, 12], kernel, torch.float32, SMALL, seed=kernel)
 results["fp32_tile_raised_to_the_kernel"] = errors(mix, [5, 7, 12], 4, torch.float32,

@@ -44,7 +44,7 @@ TRITON_CONV_AVAILABLE = TRITON_VERSION is not None and TRITON_VERSION >= (3, 6)
 class ConvBlocks:
     """Tile sizes (powers of two) and warps per program. A forward program covers forward_rows x forward_channels;
     a backward program backward_chunks chunks of backward_rows x backward_channels, the K-1 lookahead rows included
-    (a kernel longer than the tile gets a tile of the next power of two above K instead).
+    (a kernel longer than the tile gets a tile of the smallest power of two >= K instead).
 
     The defaults are the fastest of the configurations benchmarks/bench_conv.py checked and timed on an H200 (RL
     batch, q | k | v of the 1.4B config; results/benchmarks/2026-12-01-conv.json, against FLA's causal_conv1d)."""
