@@ -25,18 +25,19 @@ MARKDOWN_FILES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
 
-def run_label(run: str, row: dict) -> str:
-    """The run's name, with the elementwise mode of an `ours_packed` row that says it: what the default ran changed
+def chains(row: dict) -> str:
+    """The suffix ' (<mode> chains)' for a row that records its elementwise mode, else '': what the default ran changed
     (compiled chains before the Triton kernels, see the result files' provenance)."""
-    if run == "ours_packed" and "elementwise_kernel" in row:
-        return f"{run} ({row['elementwise_kernel']} chains)"
-    return run
+    return f" ({row['elementwise_kernel']} chains)" if "elementwise_kernel" in row else ""
+
+
+def run_label(run: str, row: dict) -> str:
+    """The run's name, with the elementwise mode of an `ours_packed` row."""
+    return run + chains(row) if run == "ours_packed" else run
 
 
 def ours_rate(row: dict) -> str:
-    return f"{row['real_tok_per_s']:,}" + (
-        f" ({row['elementwise_kernel']} chains)" if "elementwise_kernel" in row else ""
-    )
+    return f"{row['real_tok_per_s']:,}{chains(row)}"
 
 
 def rows(newest_only: bool = True):

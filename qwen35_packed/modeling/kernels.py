@@ -298,14 +298,16 @@ def _triton_form(fn):
         _swiglu: triton_elementwise.swiglu,
         _sigmoid_gate: triton_elementwise.sigmoid_gate,
         _weighted_swiglu: triton_elementwise.weighted_swiglu,
+        _gdn_gates: triton_elementwise.gdn_gates,
     }.get(fn)
 
 
 def _elementwise(fn, choice):
     if choice is None or choice.elementwise == "eager":
         return fn
-    if _triton_form(fn) is not None:
-        return _triton_form(fn)
+    triton_form = _triton_form(fn)
+    if triton_form is not None:
+        return triton_form
     compiled = _compiled(fn)  # a chain without a kernel of its own (the loss chunk)
     # Contiguous inputs: one graph per dtype instead of one per stride pattern.
     return lambda *args: compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
@@ -332,9 +334,7 @@ def gdn_gates(a, b, a_log, dt_bias, choice: KernelChoice | None = None):
     """The GDN decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log space) and beta = sigmoid(b) in b's
     dtype: a, b [N, Hv]; A_log, dt_bias [Hv] fp32. One Triton kernel each way with elementwise="triton", else
     eager."""
-    if choice is not None and choice.elementwise == "triton":
-        return triton_elementwise.gdn_gates(a, b, a_log, dt_bias)
-    return _gdn_gates(a, b, a_log, dt_bias)
+    return _elementwise(_gdn_gates, choice)(a, b, a_log, dt_bias)
 
 
 def weighted_swiglu(gate_up, weight, choice: KernelChoice | None = None):
