@@ -19,7 +19,7 @@
 #   dense-4b     bench_train_step.py, Qwen3.5-4B, both batches                                       ~2 min
 #   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~2 min
 #   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~1 min
-#   trace-1p4b   trace_train_step.py, hybrid 1.4B, RL batch (kernel-bound: where the kernels go)     ~1 min
+#   trace-1p4b   trace_train_step.py, hybrid 1.4B, RL batch (kernel-bound: where the kernels go)     ~3 min
 #   gpu-tests    the whole tests/test_gpu.py                                                         ~5 min
 #
 # Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
@@ -83,13 +83,10 @@ case "$stage" in
     step "$stage" python3 benchmarks/bench_train_step.py --models "$models" \
       --runs ours_packed,builtin_correct_packed --out "$OUT/$stage.json"
     ;;
-  trace-0p8b)
-    step trace-0p8b python3 benchmarks/trace_train_step.py --model qwen35_0p8b --batch uniform_128_2048_x8 \
-      --out "$OUT/trace-0p8b.json"
-    ;;
-  trace-1p4b)
-    step trace-1p4b python3 benchmarks/trace_train_step.py --model hybrid_1p4b --batch rl_longtail_x16 \
-      --out "$OUT/trace-1p4b.json"
+  trace-0p8b | trace-1p4b)
+    target=$([ "$stage" = trace-0p8b ] && echo "qwen35_0p8b uniform_128_2048_x8" || echo "hybrid_1p4b rl_longtail_x16")
+    read -r model batch <<< "$target"
+    step "$stage" python3 benchmarks/trace_train_step.py --model "$model" --batch "$batch" --out "$OUT/$stage.json"
     ;;
   gpu-tests)
     step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
