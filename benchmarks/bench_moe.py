@@ -9,6 +9,8 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
   * ours_packed_loop        the same with moe_kernel="loop" (the per-expert reference), first model only
   * ours_packed_eager_combine   the same with moe_combine_kernel="eager" (the gather and sum instead of the Triton
                             top-k combine), first model only
+  * ours_packed_plain_gemms the same with the router, shared expert and its gate as plain GEMMs instead of
+                            fixed row blocks (not batch-invariant: the cost of invariance), first model only
   * builtin_correct_packed  the built-in with grouped_mm experts (its default) on its correct packed path:
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
@@ -31,6 +33,7 @@ results/benchmarks/<date>-moe-<tag>.json after every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -54,7 +57,7 @@ from bench_train_step import (
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
-from qwen35_packed.modeling import kernels, triton_elementwise
+from qwen35_packed.modeling import kernels, moe, triton_elementwise
 
 ROOT = Path(__file__).resolve().parent
 
@@ -124,6 +127,17 @@ def active_parameters(config) -> int:
         total += model.lm_head.weight.numel()
     unused = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
     return total - unused
+
+
+@contextlib.contextmanager
+def plain_gemms():
+    """The router, shared expert and shared-expert gate as one plain GEMM each instead of fixed row blocks
+    (moe.ROW_BLOCK = 0): what batch invariance costs."""
+    saved, moe.ROW_BLOCK = moe.ROW_BLOCK, 0
+    try:
+        yield
+    finally:
+        moe.ROW_BLOCK = saved
 
 
 def lora(model, reference):
@@ -282,6 +296,8 @@ def run_vocab(vocab, args, device, rate, results, save):
                 measure(batch_name, "ours_packed_loop", ours, ours_step(ours), n_real)
             with config_fields(ours, moe_combine_kernel="eager"):
                 measure(batch_name, "ours_packed_eager_combine", ours, ours_step(ours), n_real)
+            with plain_gemms():
+                measure(batch_name, "ours_packed_plain_gemms", ours, ours_step(ours), n_real)
     if not args.skip_experts and vocab == args.first_vocab and "rl_longtail_x16" in inputs:
         only_on(device, ours, models)
         builtin.to(device)

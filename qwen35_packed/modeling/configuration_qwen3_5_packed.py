@@ -79,7 +79,7 @@ def text_config_dict(config_dict: dict) -> dict:
 
 # Project-only kernel choices (modeling/kernels.py) and the values each accepts.
 KERNEL_FIELDS = {
-    "gdn_kernel": ("auto", "fla", "torch"),
+    "gdn_kernel": ("auto", "flash_qla", "fla", "torch"),
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
     "elementwise_kernel": ("auto", "triton", "eager"),

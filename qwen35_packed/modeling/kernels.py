@@ -23,7 +23,14 @@ cu_seqlens object and a CPU copy in every layer (its index helpers are memoised 
 otherwise copy the boundaries to the host in every layer's forward and backward), per-document loops iterate over
 the CPU copy: the dispatch reads nothing back from the device in any layer.
 
-`config.gdn_kernel` ("auto" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
+GDN recurrence backends: "flash_qla" (FlashQLA's fused TileLang forward and backward, called directly with its
+intra-card split `auto_cp` off: FlashQLA decides that split from the whole batch's lengths, so a long document
+would be computed in other pieces alone than packed; with it off a document's result depends on itself only),
+"fla" (FLA's Triton kernels, called behind FLA's backend dispatcher so that no other backend is picked silently),
+"torch" (the per-document reference below). "auto" takes the first that runs here, in that order; FlashQLA
+needs Hopper or Blackwell, bf16 / fp16 and key and value head dims of 128 (every Qwen3.5 GDN).
+
+`config.gdn_kernel` ("auto" | "flash_qla" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
 ("auto" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -50,7 +58,7 @@ from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE, gather_sum_rows
 logger = logging.getLogger(__name__)
 
 try:  # optional: flash-linear-attention
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_dispatched_gated_delta_rule
 
     try:
         from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
@@ -60,9 +68,20 @@ try:  # optional: flash-linear-attention
         from fla.modules.norm.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
     except ImportError:
         from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
+    # FLA's entry point dispatches to another backend where one is installed (FlashQLA, with its own intra-card
+    # split of long sequences chosen from the whole batch); this project picks the GDN backend itself
+    # (gdn_kernel), so "fla" means FLA's own Triton kernels: the function behind the dispatcher.
+    _fla_chunk_gated_delta_rule = inspect.unwrap(_fla_dispatched_gated_delta_rule)
     FLA_AVAILABLE = True
 except Exception:  # ImportError, or FLA failing to import its Triton parts
     FLA_AVAILABLE = False
+
+try:  # optional: FlashQLA (the Qwen team's TileLang GDN kernels; imports only where tilelang finds a GPU target)
+    from flash_qla import chunk_gated_delta_rule as _flash_qla_chunk_gated_delta_rule
+
+    FLASH_QLA_AVAILABLE = True
+except Exception:
+    FLASH_QLA_AVAILABLE = False
 
 try:  # optional: flash-attn 2/3
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
@@ -84,12 +103,31 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 @dataclass(frozen=True)
 class KernelChoice:
-    gdn: str  # "fla" | "torch"
+    gdn: str  # "flash_qla" | "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
     elementwise: str = "eager"  # "triton" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
     combine: str = "eager"  # "triton" | "eager" (the grouped experts' top-k combine; unused elsewhere)
+
+
+def flash_qla_refusal(config, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FlashQLA cannot run this model here, or None when it can. It comes with FLA (the gated norm and conv
+    stay FLA's), runs on Hopper and Blackwell data-centre GPUs in bf16 / fp16, with key and value head dims 128."""
+    if not FLASH_QLA_AVAILABLE:
+        return "flash-qla is not importable"
+    if not FLA_AVAILABLE:
+        return "flash-linear-attention is not importable (its gated norm and conv serve the GDN layer)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) not in ((9, 0), (10, 0), (10, 3)):
+        return "FlashQLA runs its forward and backward on sm_90 / sm_100 / sm_103 GPUs only"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashQLA runs in bf16 / fp16, not {dtype}"
+    if config.linear_key_head_dim != 128 or config.linear_value_head_dim != 128:
+        return (
+            f"FlashQLA needs key and value head dims of 128, not {config.linear_key_head_dim} / "
+            f"{config.linear_value_head_dim}"
+        )
+    return None
 
 
 def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -99,7 +137,12 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     half = dtype in (torch.float16, torch.bfloat16)
     gdn = config.gdn_kernel
     if gdn == "auto":
-        gdn = "fla" if (on_cuda and FLA_AVAILABLE) else "torch"
+        if flash_qla_refusal(config, device, dtype) is None:
+            gdn = "flash_qla"
+        else:
+            gdn = "fla" if (on_cuda and FLA_AVAILABLE) else "torch"
+    elif gdn == "flash_qla" and (why := flash_qla_refusal(config, device, dtype)) is not None:
+        raise RuntimeError(f"gdn_kernel='flash_qla' was forced but {why}")
     elif gdn == "fla" and not (on_cuda and FLA_AVAILABLE):
         raise RuntimeError(
             "gdn_kernel='fla' was forced but flash-linear-attention "
@@ -138,7 +181,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         # q | k | v views (results/benchmarks/2026-11-30-conv.json times both), then the compiled formula.
         if on_cuda and TRITON_CONV_AVAILABLE:
             conv = "triton"
-        elif gdn == "fla":
+        elif gdn in ("fla", "flash_qla"):
             conv = "fla"
         else:
             conv = "compiled" if (on_cuda and TRITON_AVAILABLE) else "torch"
@@ -190,6 +233,10 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             if (on_cuda and gdn == "torch")
             else ""
         )
+        if on_cuda and gdn == "fla":
+            slow += (
+                f" (FlashQLA not used: {flash_qla_refusal(config, device, dtype) or 'gdn_kernel=fla was asked for'})"
+            )
         if on_cuda and is_moe and moe == "loop":
             why = (
                 "moe_kernel='loop' was asked for"
@@ -499,6 +546,20 @@ def gated_delta_rule_varlen(
     q, k, v, g, beta, packed, choice: KernelChoice, initial_state=None, output_final_state=False
 ):
     """Dispatch; returns (o [N, Hv, Dv], final_state [n_docs, Hv, Dk, Dv] fp32 or None)."""
+    if choice.gdn == "flash_qla":
+        o, final = _flash_qla_chunk_gated_delta_rule(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.unsqueeze(0),
+            beta.unsqueeze(0),
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=packed.cu_seqlens_int64(),
+            auto_cp=False,
+        )
+        return o.squeeze(0), (final.float() if final is not None else None)
     if choice.gdn == "fla":
         o, final = _fla_chunk_gated_delta_rule(
             q.unsqueeze(0),
@@ -523,7 +584,7 @@ def gated_delta_rule_varlen(
 
 def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
     """weight * rmsnorm(x) * silu(gate): norm in fp32, gate in fp32, as the reference computes it."""
-    if choice.gdn == "fla":
+    if choice.gdn in ("fla", "flash_qla"):
         shape = x.shape
         out = _fla_rms_norm_gated(
             x=x.reshape(-1, shape[-1]),

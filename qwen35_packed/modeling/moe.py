@@ -30,11 +30,14 @@ from .routing_replay import replayed_top_k
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, config, intermediate_size: int):
+    """gate_proj / up_proj / down_proj with SwiGLU; `linear` builds the three projections (nn.Linear, or
+    RowBlockedLinear for the MoE block's shared expert)."""
+
+    def __init__(self, config, intermediate_size: int, linear=nn.Linear):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
         self.is_swiglu = config.hidden_act == "silu"
 
@@ -57,7 +60,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
     def forward(self, x: torch.Tensor, routed_experts: torch.Tensor | None = None):
-        logits = RouterLogits.apply(x, self.weight)
+        logits = FixedBlockLinear.apply(x, self.weight, torch.float32)
         probs = logits.softmax(dim=-1)
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         if routed_experts is not None:
@@ -66,39 +69,42 @@ class TopKRouter(nn.Module):
         return logits, top_weights, top_index
 
 
-ROUTER_ROWS = 2048
+ROW_BLOCK = 2048
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear over blocks of ROUTER_ROWS rows, the last one zero-padded, so every row goes through a GEMM of the
-    same shape. BLAS libraries pick their algorithm (and with it the summation order) by the row count: a token's
-    router logits then depended on how many tokens ran with it, a document packed with others got logits an fp32
-    ulp away from the same document alone, and near-tie tokens went to other experts
-    (benchmarks/moe_batch_invariance.py locates it). Routing is a discrete choice, so it must be exact per token.
-    Each block's product is written straight into its rows of the result; only the last, partial block is copied
-    to be padded. The block size trades launches on long streams against padding on short ones: a decode step of a
-    few tokens multiplies one whole block. Not differentiable itself (out= products): RouterLogits is its autograd
-    form."""
+    """x [N, in] @ weight [out, in]^T over blocks of ROW_BLOCK rows, the last one zero-padded, so every row goes
+    through a GEMM of the same shape. BLAS libraries pick their algorithm (tiles, split-K, stream-K: with it the
+    summation order) by the shape, the row count included: a token's result then depended on how many tokens ran
+    with it, a document packed with others got results an ulp away from the same document alone, and near-tie
+    tokens went to other experts (benchmarks/moe_batch_invariance.py locates it). Each block's product is written
+    straight into its rows of the result; only the last, partial block is copied to be padded. The block size
+    trades launches on long streams against padding on short ones: a decode step of a few tokens multiplies one
+    whole block. Not differentiable itself (out= products): FixedBlockLinear is its autograd form. ROW_BLOCK = 0
+    turns the blocks off (one plain product: how benchmarks measure what the invariance costs)."""
+    if not ROW_BLOCK:
+        return x @ weight.t()
     n = x.shape[0]
-    out = x.new_empty((-(-n // ROUTER_ROWS) * ROUTER_ROWS, weight.shape[0]))
-    for start in range(0, n, ROUTER_ROWS):
-        block = x[start : start + ROUTER_ROWS]
-        if block.shape[0] < ROUTER_ROWS:
-            block = F.pad(block, (0, 0, 0, ROUTER_ROWS - block.shape[0]))
-        torch.mm(block, weight.t(), out=out[start : start + ROUTER_ROWS])
+    out = x.new_empty((-(-n // ROW_BLOCK) * ROW_BLOCK, weight.shape[0]))
+    for start in range(0, n, ROW_BLOCK):
+        block = x[start : start + ROW_BLOCK]
+        if block.shape[0] < ROW_BLOCK:
+            block = F.pad(block, (0, 0, 0, ROW_BLOCK - block.shape[0]))
+        torch.mm(block, weight.t(), out=out[start : start + ROW_BLOCK])
     return out[:n]
 
 
-class RouterLogits(torch.autograd.Function):
-    """fp32 router logits x @ weight^T through `batch_invariant_linear`. Only the forward picks experts, so only it
-    needs the fixed row blocks: the backward is two plain GEMMs (not two per block). They run in the parameters'
-    dtype when x has it too (bf16 training: tensor-core GEMMs with fp32 accumulation, as autograd through a bf16
-    F.linear would), else in fp32; what the backward keeps is x in its own dtype, not an fp32 copy."""
+class FixedBlockLinear(torch.autograd.Function):
+    """x [N, in] @ weight^T computed in `dtype` through `batch_invariant_linear`: the router's fp32 logits, and the
+    shared expert's bf16 products (RowBlockedLinear). Only the forward decides a token's result (and its experts),
+    so only it needs the fixed row blocks: the backward is two plain GEMMs (not two per block). They run in the
+    parameters' dtype when x has it too (bf16 training: tensor-core GEMMs with fp32 accumulation, as autograd
+    through a bf16 F.linear would), else in fp32; what the backward keeps is x in its own dtype, not a cast copy."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, dtype):
         ctx.save_for_backward(x, weight)
-        return batch_invariant_linear(x.float(), weight.float())
+        return batch_invariant_linear(x.to(dtype), weight.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,7 +113,27 @@ class RouterLogits(torch.autograd.Function):
         grad = grad.to(dtype)  # the incoming gradient's dtype is the caller's (bf16 where it cast the logits)
         grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight
+        return grad_x, grad_weight, None
+
+
+class RowBlockedLinear(nn.Linear):
+    """A bias-free nn.Linear (same parameter, same state-dict key, a PEFT LoRA target like any nn.Linear) whose
+    forward multiplies fixed-size row blocks (FixedBlockLinear), so a token's output does not depend on how many
+    tokens share the call. The MoE block's shared expert and its [hidden -> 1] gate use it: at Qwen3.5-35B-A3B's
+    shapes a plain bf16 GEMM of theirs rounded a document's rows differently alone than packed. Under autocast the
+    product runs in the autocast dtype, as nn.Linear's would."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        if bias:
+            raise ValueError("RowBlockedLinear has no bias (the MoE block's projections have none)")
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        rows = x.reshape(-1, self.in_features)
+        return FixedBlockLinear.apply(rows, self.weight, dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class FusedExperts(nn.Module):
@@ -227,8 +253,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(config)
         self.experts = FusedExperts(config)
-        self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        # The shared expert and its gate multiply fixed row blocks like the router (RowBlockedLinear): packed ==
+        # per-document bit for bit at the real shapes. The routed experts' grouped GEMMs are row-count invariant.
+        self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size, linear=RowBlockedLinear)
+        self.shared_expert_gate = RowBlockedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None, routed_experts: torch.Tensor | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
