@@ -1,8 +1,7 @@
 """Packed vs per-document logits of the whole Qwen3.5-35B-A3B (all 40 layers, vocab 248,320, its official config),
 ours and transformers' built-in on its correct packed path, on one GPU in bf16.
 
-The RL batch of bench_train_step.py (16 documents, 26,354 tokens) plus documents of 1, 7 and 64 tokens, packed in
-one row, against each document run alone through the same model; random weights (seed 0, built by this project's
+The RL batch of bench_train_step.py (16 documents, 26,354 tokens), packed in one row, against each document run alone through the same model; random weights (seed 0, built by this project's
 class on the GPU: 68 GiB), shared with the built-in model (its parameters are assigned ours, no copy). For each
 model: the largest |logit difference|, the mean KL(alone || packed) over tokens, the share of tokens whose argmax
 agrees, and the rows that are not bitwise equal. The built-in runs its correct packed path (cu_seq_lens + seq_idx,
@@ -28,7 +27,7 @@ from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernels
 
 ROOT = Path(__file__).resolve().parent
-LENGTHS = batches()["rl_longtail_x16"] + [1, 7, 64]
+LENGTHS = batches()["rl_longtail_x16"]
 
 
 def official_text_config(layers: int) -> dict:

@@ -28,10 +28,11 @@ again with plain GEMMs.
 
 --shapes small: hidden 512, 32 experts, top-4 and ten documents of 1 to 1,030 tokens (tests/test_gpu.py's small
 config). --shapes 35b-a3b: Qwen3.5-35B-A3B's layer shapes (hidden 2048, 256 experts, top-8, moe_intermediate and
-shared expert 512, the real vocab in the model) and the RL batch of bench_train_step.py (16 documents, 26,354
-tokens) plus documents of 1, 7 and 64 tokens.
+shared expert 512; vocab 65,536 in the model) and the RL batch of bench_train_step.py (16 documents, 26,354
+tokens). --extra-docs 1,7,64 appends documents of those lengths. The model's packed outputs are kept on the host
+and each document's compared as it runs.
 
-    python benchmarks/moe_batch_invariance.py [--shapes small|35b-a3b] [--model] [--out FILE]
+    python benchmarks/moe_batch_invariance.py [--shapes small|35b-a3b] [--model] [--extra-docs N,..] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import json
 from pathlib import Path
 
@@ -105,11 +105,11 @@ TRACED_FUNCTIONS = {
 }
 
 
-def _token_rows(value, n_tokens: int):
+def _token_rows(value, n_tokens: int, device=None):
     """The first tensor of a module's output with one row per token ([N, ...] or [1, N, ...]) as [N, -1]."""
     if isinstance(value, (tuple, list)):
         for item in value:
-            rows = _token_rows(item, n_tokens)
+            rows = _token_rows(item, n_tokens, device)
             if rows is not None:
                 return rows
         return None
@@ -121,18 +121,19 @@ def _token_rows(value, n_tokens: int):
         value = value[0]
     if value.shape[0] != n_tokens:
         return None
-    return value.reshape(n_tokens, -1).detach().clone()
+    return value.reshape(n_tokens, -1).detach().to(device, copy=True)
 
 
 @contextlib.contextmanager
-def recording(model, n_tokens: int):
+def recording(model, n_tokens: int, device=None):
     """Yields an ordered dict name -> [N, -1] outputs of every module and traced kernel function of one forward
-    (a name called more than once gets #1, #2, ... for its later calls)."""
+    (a name called more than once gets #1, #2, ... for its later calls), kept on `device` (default: where they
+    are)."""
     outputs: dict[str, torch.Tensor] = {}
     calls = collections.Counter()
 
     def keep(name, value):
-        rows = _token_rows(value, n_tokens)
+        rows = _token_rows(value, n_tokens, device)
         if rows is not None:
             calls[name] += 1
             outputs[name if calls[name] == 1 else f"{name}#{calls[name] - 1}"] = rows
@@ -171,73 +172,55 @@ def compare_rows(whole: torch.Tensor, per_doc: torch.Tensor) -> dict:
 
 
 def locate_in_model(config, lengths, plain: bool) -> dict:
-    """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order."""
+    """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order. The packed
+    outputs wait on the host; each document's are compared as it runs."""
     torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = Qwen3_5MoePackedForCausalLM(config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen3_5MoePackedForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
-    model = model.to(DEVICE, torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(DEVICE) for n in lengths]
     ids = torch.cat(docs)[None]
     cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
+    rows: dict[str, dict] = {}
     with torch.no_grad(), plain_gemms(plain):
-        with recording(model, ids.shape[1]) as packed:
+        with recording(model, ids.shape[1], device="cpu") as packed:
             model(ids, cu_seqlens=cu, use_cache=False)
-        alone = []
+        start = 0
         for doc in docs:
             with recording(model, doc.shape[0]) as outputs:
                 model(doc[None], use_cache=False)
-            alone.append(outputs)
-    report = {
-        "choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__,
-        "plain_gemms": plain,
-        "rows": {},
-    }
+            for name, whole in packed.items():
+                row = rows.setdefault(name, {"rows_not_bitwise_equal": 0, "max_abs_diff": 0.0})
+                if name not in outputs or outputs[name].shape[1:] != whole.shape[1:]:
+                    row["missing_alone"] = True
+                    continue
+                part = compare_rows(whole[start : start + doc.shape[0]].to(DEVICE), outputs[name])
+                row["rows_not_bitwise_equal"] += part["rows_not_bitwise_equal"]
+                row["max_abs_diff"] = max(row["max_abs_diff"], part["max_abs_diff"])
+            start += doc.shape[0]
     print(f"--- model, {'plain GEMMs' if plain else 'as it runs (fixed row blocks)'}")
-    first = None
-    for name, whole in packed.items():
-        if not all(name in outputs for outputs in alone):
-            report["rows"][name] = {"missing_alone": True}
-            continue
-        per_doc = torch.cat([outputs[name] for outputs in alone])
-        if per_doc.shape != whole.shape:
-            report["rows"][name] = {"shape_packed": list(whole.shape), "shape_alone": list(per_doc.shape)}
-            continue
-        row = report["rows"][name] = compare_rows(whole, per_doc)
-        if row["rows_not_bitwise_equal"] and first is None:
-            first = name
+    first = next((name for name, row in rows.items() if row["rows_not_bitwise_equal"]), None)
+    for name, row in rows.items():
         print(
-            f"{name:<60} {row['rows_not_bitwise_equal']:>5} / {whole.shape[0]}   max |diff| {row['max_abs_diff']:.3g}",
+            f"{name:<60} {row['rows_not_bitwise_equal']:>5} / {ids.shape[1]}   max |diff| {row['max_abs_diff']:.3g}",
             flush=True,
         )
-    report["first_differing"] = first
     print("first output that differs:", first)
-    if first is not None and ".mlp" in first:  # inside an MoE block: its router weights and expert stages
-        layer = first.split(".mlp")[0]
-        block = model.get_submodule(f"{layer}.mlp")
-        name = f"{layer}.post_attention_layernorm"
-        choice = dataclasses.replace(
-            kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16), moe="grouped_mm"
-        )
-        with torch.no_grad(), plain_gemms(plain):
-            _, weights, index = block.gate(packed[name])
-            stages = expert_stages(block.experts, packed[name], index, weights, choice)
-            stages["router_weights"] = weights
-            alone_stages = []
-            for outputs in alone:
-                _, doc_weights, doc_index = block.gate(outputs[name])
-                alone_stages.append(expert_stages(block.experts, outputs[name], doc_index, doc_weights, choice))
-                alone_stages[-1]["router_weights"] = doc_weights
-        for stage, whole in stages.items():
-            row = report["rows"][f"{layer}.mlp.experts:{stage}"] = compare_rows(
-                whole, torch.cat([a[stage] for a in alone_stages])
-            )
-            print(f"{layer}.mlp.experts:{stage:<20} {row['rows_not_bitwise_equal']:>5} / {whole.shape[0]}", flush=True)
-    return report
+    return {
+        "choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__,
+        "plain_gemms": plain,
+        "first_differing": first,
+        "rows": rows,
+    }
 
 
 def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tensor]:
@@ -336,9 +319,12 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--shapes", choices=("small", "35b-a3b"), default="small")
     parser.add_argument("--model", action="store_true", help="locate the first differing output of a whole model")
+    parser.add_argument("--extra-docs", default="", help="document lengths appended to the batch, e.g. 1,7,64")
     args = parser.parse_args()
+    extra = [int(n) for n in args.extra_docs.split(",") if n]
     if args.model:
         config, lengths = shapes_of(args.shapes, layers=4)
+        lengths = lengths + extra
         report = {
             "shapes": args.shapes,
             "documents": lengths,
@@ -347,6 +333,7 @@ def main():
         }
     else:
         config, lengths = shapes_of(args.shapes, layers=1)
+        lengths = lengths + extra
         report = {"shapes": args.shapes, **locate_in_block(config, lengths)}
     report["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     report["torch"] = torch.__version__
