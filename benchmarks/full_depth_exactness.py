@@ -85,7 +85,8 @@ def builtin_sharing_weights(ours, kwargs):
         builtin = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs))
     builtin.load_state_dict(ours.state_dict(), strict=True, assign=True)
     rotary = builtin.model.rotary_emb
-    builtin.model.rotary_emb = type(rotary)(config=builtin.config, device="cuda")
+    with torch.device("cuda"):
+        builtin.model.rotary_emb = type(rotary)(config=builtin.config)
     if hasattr(builtin, "set_experts_implementation"):
         builtin.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
     left = [n for n, t in [*builtin.named_parameters(), *builtin.named_buffers()] if t.is_meta]
