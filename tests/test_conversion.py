@@ -303,6 +303,45 @@ def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
     assert_loads_with_builtin(out, "moe", model)
 
 
+def test_verify_compares_per_expert_experts_as_the_fused_tensors_they_convert_to(
+    moe_per_expert, moe_fused, tmp_path, capsys
+):
+    """`convert --verify` of a per-expert source against its conversion: identical, because the per-expert tensors
+    are checksummed as the fused tensors they make (against the fused folder's own bytes too); a swapped gate / up
+    in one expert, or an incomplete expert group, is a difference."""
+    from qwen35_packed.conversion.verify import verify_folders
+
+    _, src = moe_per_expert
+    _, fused_src = moe_fused
+    out = tmp_path / "out"
+    assert run_cli(src, out) == 0
+    capsys.readouterr()
+    assert main(["convert", "--verify", str(src), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "its 48 per-expert tensors are compared as the 8 fused tensors `convert` makes of them" in printed
+    assert "identical: the same 72 keys" in printed and "NOT identical" not in printed
+    result, _ = verify_folders(fused_src, src)  # the per-expert folder on the B side, fused from 3-shard headers
+    assert result.identical and result.fused_b == (48, 8) and result.fused_a == (0, 0), result.lines()
+
+    tensors = read_folder(src)
+    p = "model.layers.1.mlp.experts"
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    shutil.copy(src / "config.json", swapped)
+    gate, up = tensors[f"{p}.2.gate_proj.weight"], tensors[f"{p}.2.up_proj.weight"]
+    save_file({**tensors, f"{p}.2.gate_proj.weight": up, f"{p}.2.up_proj.weight": gate}, swapped / "model.safetensors")
+    result, _ = verify_folders(swapped, out)
+    assert result.different == [f"{p}.gate_up_proj: bytes differ"] and not result.only_in_a, result.lines()
+
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    shutil.copy(src / "config.json", incomplete)
+    save_file({k: v for k, v in tensors.items() if k != f"{p}.3.down_proj.weight"}, incomplete / "model.safetensors")
+    result, _ = verify_folders(incomplete, out)
+    assert not result.identical and f"{p}.0.gate_proj.weight" in result.only_in_a, result.lines()
+    assert f"{p}.gate_up_proj" in result.only_in_b
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_composite_text_only(kind, tmp_path, capsys):
     """Official composite layout (prefix, vision tower, MTP head with per-expert MoE), tie only at the top level."""
