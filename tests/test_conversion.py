@@ -303,6 +303,45 @@ def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
     assert_loads_with_builtin(out, "moe", model)
 
 
+def test_verify_compares_per_expert_experts_as_the_fused_tensors_they_convert_to(
+    moe_per_expert, moe_fused, tmp_path, capsys
+):
+    """`convert --verify` of a per-expert source against its conversion: identical, because the per-expert tensors
+    are checksummed as the fused tensors they make (against the fused folder's own bytes too); a swapped gate / up
+    in one expert, or an incomplete expert group, is a difference."""
+    from qwen35_packed.conversion.verify import verify_folders
+
+    _, src = moe_per_expert
+    _, fused_src = moe_fused
+    out = tmp_path / "out"
+    assert run_cli(src, out) == 0
+    capsys.readouterr()
+    assert main(["convert", "--verify", str(src), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "its 48 per-expert tensors are compared as the 8 fused tensors `convert` makes of them" in printed
+    assert "identical: the same 72 keys" in printed and "NOT identical" not in printed
+    result, _ = verify_folders(fused_src, src)  # the per-expert folder on the B side, fused from 3-shard headers
+    assert result.identical and result.fused_b == (48, 8) and result.fused_a == (0, 0), result.lines()
+
+    tensors = read_folder(src)
+    p = "model.layers.1.mlp.experts"
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    shutil.copy(src / "config.json", swapped)
+    gate, up = tensors[f"{p}.2.gate_proj.weight"], tensors[f"{p}.2.up_proj.weight"]
+    save_file({**tensors, f"{p}.2.gate_proj.weight": up, f"{p}.2.up_proj.weight": gate}, swapped / "model.safetensors")
+    result, _ = verify_folders(swapped, out)
+    assert result.different == [f"{p}.gate_up_proj: bytes differ"] and not result.only_in_a, result.lines()
+
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    shutil.copy(src / "config.json", incomplete)
+    save_file({k: v for k, v in tensors.items() if k != f"{p}.3.down_proj.weight"}, incomplete / "model.safetensors")
+    result, _ = verify_folders(incomplete, out)
+    assert not result.identical and f"{p}.0.gate_proj.weight" in result.only_in_a, result.lines()
+    assert f"{p}.gate_up_proj" in result.only_in_b
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_composite_text_only(kind, tmp_path, capsys):
     """Official composite layout (prefix, vision tower, MTP head with per-expert MoE), tie only at the top level."""
@@ -503,8 +542,9 @@ def test_plan_reads_as_a_result_rules_only_with_verbose(moe_per_expert, tmp_path
 
 
 def test_rope_table_says_a_disagreement_is_resolved(tmp_path, capsys):
-    """A source whose readers disagree: the table says whether that is expected (a value stated once, other readers
-    falling back to their defaults) or a contradiction, and that the written config resolves it."""
+    """A source whose readers disagree: a value stated once (readers of v4-style keys falling back to their
+    defaults, what transformers 5 saves) is the normal case, one line under the written table; a contradiction
+    prints SRC's table and says that the written config resolves it."""
     model = build_builtin("dense", seed=3)
     for name, top_level in (
         ("absent", {}),
@@ -519,11 +559,13 @@ def test_rope_table_says_a_disagreement_is_resolved(tmp_path, capsys):
         assert run_cli(src, tmp_path / f"{name}-out", "--dry-run") == 0
         printed = capsys.readouterr().out
         source_table, written_table = printed.split("rope as each reader sees the written config.json:")
-        assert "! readers disagree on" in source_table and "!" not in written_table
-        explanation = source_table.rstrip().splitlines()[-1]
-        if name == "absent":
-            assert explanation.startswith("    expected: SRC states ") and "resolves it" in explanation
+        assert "!" not in written_table
+        if name == "absent":  # the normal case, what transformers 5 saves: quiet, no table of SRC
+            assert "!" not in source_table and "rope as each reader sees SRC" not in source_table, printed
+            assert "once, as transformers 5 saves configs; the written config.json also states them" in written_table
         else:
+            assert "! readers disagree on" in source_table
+            explanation = source_table.rstrip().splitlines()[-1]
             assert "states partial_rotary_factor twice with different values" in explanation
             assert "resolves it" in explanation
 

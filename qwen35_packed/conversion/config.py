@@ -14,7 +14,14 @@ from ..modeling.configuration_qwen3_5_packed import (
     resolve_rope_parameters,
 )
 from .errors import ConversionError
-from .rope_readers import disagreements, normalized_rope_keys, resolution_line, rope_table, rope_views
+from .rope_readers import (
+    disagreements,
+    normalized_rope_keys,
+    number_changing_disagreements,
+    resolution_line,
+    rope_table,
+    rope_views,
+)
 
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # model_type -> is MoE
 COMPOSITE_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
@@ -184,6 +191,14 @@ def _normalize_text(
         raise AssertionError(f"normalised rope keys still disagree: {rope_table(written_views, '')}")
     if not disagreements(source_views) and source_views == written_views:
         rope_lines.extend(rope_table(written_views, "rope as each reader sees it (SRC and the written config.json):"))
+    elif disagreements(source_views) and not number_changing_disagreements(source_text, source_views, True):
+        # the normal case (every config transformers 5 saves): stated once, only legacy readers use their defaults
+        rope_lines.extend(rope_table(written_views, "rope as each reader sees the written config.json:"))
+        rope_lines.append(
+            f"    (SRC states {', '.join(disagreements(source_views))} once, as transformers 5 saves configs; the "
+            "written config.json also states them where readers of v4-style keys look: `qwen35-packed rope SRC` "
+            "shows SRC's view)"
+        )
     else:
         rope_lines.extend(rope_table(source_views, "rope as each reader sees SRC's config.json:"))
         if disagreements(source_views):

@@ -97,6 +97,27 @@ def disagreements(views: dict[str, dict]) -> list[str]:
     return fields
 
 
+# Readers of transformers 4 style keys only; a value a config states once in `rope_parameters` (as transformers 5
+# saves every config) leaves them with their defaults. No loader of this model reads it their way today, and the
+# config `convert` writes states every value where they look: a disagreement of theirs alone is expected, not loud.
+LEGACY_READERS = ("v4 getattr", "vLLM + transformers 4")
+# Fields that change a text model's numbers (its positions are 1-D: the mrope sections and their order only matter
+# for the 3-D positions of images and videos).
+TEXT_FIELDS = ("rope_theta", "partial_rotary_factor")
+
+
+def number_changing_disagreements(text: dict, views: dict[str, dict], multimodal: bool) -> list[str]:
+    """The disagreements that change numbers: fields the config states twice with different values, and fields on
+    which the readers that load this model today (all but LEGACY_READERS) disagree, the mrope fields only for a
+    `multimodal` model."""
+    current = {reader: view for reader, view in views.items() if reader not in LEGACY_READERS}
+    relevant = ROPE_FIELDS if multimodal else TEXT_FIELDS
+    disagreeing = disagreements(views)
+    among_current = set(disagreements(current)) & set(relevant)
+    contradicted = set(contradicted_fields(text, disagreeing))
+    return [name for name in disagreeing if name in contradicted or name in among_current]
+
+
 def _fmt(value) -> str:
     if value is MISSING:
         return "-"
@@ -164,11 +185,13 @@ def normalized_rope_keys(rope: dict) -> dict:
 
 __all__ = [
     "READERS",
+    "LEGACY_READERS",
     "contradicted_fields",
     "ROPE_FIELDS",
     "V4_DEFAULTS",
     "disagreements",
     "normalized_rope_keys",
+    "number_changing_disagreements",
     "resolution_line",
     "rope_table",
     "rope_views",

@@ -201,6 +201,19 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors, dim=0)
 
 
+def per_expert_groups(keys: Iterable[str], scope: str | None = None) -> dict[str, dict[str, dict[int, str]]]:
+    """`{experts prefix: {"gate_proj" | "up_proj" | "down_proj": {expert index: key}}}` of the per-expert MoE keys
+    among `keys` (those matching the regex `scope`, re.search, when given): the layout `FuseExperts` fuses, and what
+    `convert --verify` and the doctor read as the fused tensors it becomes."""
+    groups: dict[str, dict[str, dict[int, str]]] = {}
+    for key in keys:
+        m = _PER_EXPERT.match(key)
+        if m and (scope is None or re.search(scope, key) is not None):
+            projs = groups.setdefault(m["prefix"], {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
+            projs[m["proj"]][int(m["idx"])] = key
+    return groups
+
+
 @dataclass(frozen=True)
 class FuseExperts(Rule):
     """Per-expert MoE weights -> the fused 3-D parameters of transformers' MoE experts module.
@@ -223,15 +236,15 @@ class FuseExperts(Rule):
         return self.scope is None or re.search(self.scope, key) is not None
 
     def apply(self, tensors, report):
-        groups: dict[str, dict[str, dict[int, tuple[str, LazyTensor]]]] = {}
+        groups = {
+            prefix: {proj: {e: (key, tensors[key]) for e, key in experts.items()} for proj, experts in projs.items()}
+            for prefix, projs in per_expert_groups(tensors, self.scope).items()
+        }
         first_member: dict[str, str] = {}
-        for key, value in tensors.items():
+        for key in tensors:
             m = _PER_EXPERT.match(key) if self._in_scope(key) else None
             if m:
-                prefix = m["prefix"]
-                groups.setdefault(prefix, {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
-                groups[prefix][m["proj"]][int(m["idx"])] = (key, value)
-                first_member.setdefault(prefix, key)
+                first_member.setdefault(m["prefix"], key)
                 report.consumed.append(key)
         if not groups:
             return dict(tensors)
@@ -290,6 +303,18 @@ class FuseExperts(Rule):
 
     def label(self) -> str:
         return "per-expert expert tensors fused"
+
+
+def fused_view(tensors: dict[str, LazyTensor], fused_keys) -> dict[str, LazyTensor]:
+    """`tensors` with each per-expert group whose fused keys (`<p>.gate_up_proj` / `<p>.down_proj`) are among
+    `fused_keys` replaced by the fused tensors `FuseExperts` makes of it, the rest as given: a per-expert folder
+    as the fused one it converts to. Raises ConversionError for an incomplete or inconsistent group."""
+    fused_keys = set(fused_keys)
+    prefixes = sorted(p for p in per_expert_groups(tensors) if {f"{p}.gate_up_proj", f"{p}.down_proj"} & fused_keys)
+    if not prefixes:
+        return dict(tensors)
+    scope = "^(?:" + "|".join(re.escape(p) for p in prefixes) + r")\.\d+\."
+    return FuseExperts(scope).apply(tensors, RuleReport("fused view"))
 
 
 @dataclass(frozen=True)
@@ -453,5 +478,7 @@ __all__ = [
     "RuleReport",
     "SplitExperts",
     "StripPrefix",
+    "fused_view",
     "materialize",
+    "per_expert_groups",
 ]

@@ -4,6 +4,10 @@ A tensor's checksum is the SHA-256 of its raw bytes as stored in the safetensors
 two folders hold bit-identical weights exactly when every key has the same (dtype, shape, sha256). The bytes are
 read straight from the file in bounded chunks (the header gives each tensor's byte range), so checking costs no
 more memory than a chunk, whatever the model size, and needs no dtype support from torch.
+
+MoE experts stored one by one (transformers' `save_pretrained`) in one folder and fused in the other are compared
+as `convert` maps them: a fused tensor's bytes are the per-expert tensors' bytes in `FuseExperts`' order, so the
+checksum of the fused tensor they make is computed from the stored bytes, without building it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError
-from .rules import DTYPE_SIZES
+from .rules import DTYPE_SIZES, LazyTensor, fused_view
 
 CHUNK = 16 * 2**20
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
@@ -94,33 +98,73 @@ def shard_files(folder: Path) -> list[str]:
     return names
 
 
-def folder_digests(folder) -> dict[str, TensorDigest]:
-    """`key -> TensorDigest` over every shard of a checkpoint folder (streamed, bounded memory)."""
+@dataclass(frozen=True)
+class _StoredTensor:
+    path: Path
+    offset: int  # of the first byte in the file
+    size: int
+    info: TensorDigest  # dtype and shape (sha256 unset)
+
+
+def _stored_tensors(folder) -> dict[str, _StoredTensor]:
+    """`key -> where its bytes are` over every shard of a checkpoint folder (headers only)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder} is not a folder")
-    digests: dict[str, TensorDigest] = {}
+    stored: dict[str, _StoredTensor] = {}
     for name in shard_files(folder):
         path = folder / name
         if not path.is_file():
             raise ConversionError(f"{folder}: the index names {name}, which does not exist")
         header, base = read_header(path)
-        with open(path, "rb") as handle:
-            for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                if key in digests:
-                    raise ConversionError(f"{folder}: {key!r} is stored twice")
-                start, end = info["data_offsets"]
-                handle.seek(base + start)
-                h = hashlib.sha256()
-                remaining = end - start
-                while remaining:
-                    chunk = handle.read(min(CHUNK, remaining))
-                    if not chunk:
-                        raise ConversionError(f"{name}: unexpected end of file in {key!r} (truncated)")
-                    h.update(chunk)
-                    remaining -= len(chunk)
-                digests[key] = TensorDigest(info["dtype"], tuple(info["shape"]), h.hexdigest())
+        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if key in stored:
+                raise ConversionError(f"{folder}: {key!r} is stored twice")
+            start, end = info["data_offsets"]
+            stored[key] = _StoredTensor(
+                path, base + start, end - start, TensorDigest(info["dtype"], tuple(info["shape"]), "")
+            )
+    return stored
+
+
+def _sha256(pieces: list[_StoredTensor]) -> str:
+    """SHA-256 of the pieces' bytes one after another, read in bounded chunks."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        with open(piece.path, "rb") as handle:
+            handle.seek(piece.offset)
+            remaining = piece.size
+            while remaining:
+                chunk = handle.read(min(CHUNK, remaining))
+                if not chunk:
+                    raise ConversionError(f"{piece.path.name}: unexpected end of file (truncated)")
+                h.update(chunk)
+                remaining -= len(chunk)
+    return h.hexdigest()
+
+
+def _digests(stored: dict[str, _StoredTensor], fused_keys=()) -> dict[str, TensorDigest]:
+    """`key -> TensorDigest`; per-expert groups whose fused keys are among `fused_keys` are digested as the fused
+    tensors `convert` writes from them. Fusing stacks the experts along the first dimension and puts gate before
+    up in each: the fused tensor's bytes are the per-expert tensors' bytes in the order `FuseExperts` takes them,
+    so its checksum is computed from the stored bytes without building it."""
+    sources = {key: LazyTensor.source(key, t.info.shape, t.info.dtype) for key, t in stored.items()}
+    try:
+        view = fused_view(sources, fused_keys)
+    except ConversionError:  # an incomplete group: compared per expert, its keys then differ
+        view = sources
+    digests = {}
+    for key, node in view.items():
+        pieces = [node] if node.op == "source" else list(node.inputs)
+        if not all(piece.op == "source" for piece in pieces):
+            raise AssertionError(f"{key}: a fused view of nested operations ({node.op})")
+        digests[key] = TensorDigest(node.dtype, node.shape, _sha256([stored[piece.key] for piece in pieces]))
     return digests
+
+
+def folder_digests(folder) -> dict[str, TensorDigest]:
+    """`key -> TensorDigest` over every shard of a checkpoint folder (streamed, bounded memory)."""
+    return _digests(_stored_tensors(folder))
 
 
 def combined_digest(digests: dict[str, TensorDigest]) -> str:
@@ -143,6 +187,9 @@ class VerifyResult:
     different: list[str] = field(default_factory=list)  # "key: what differs"
     digest_a: str = ""
     digest_b: str = ""
+    # per-expert tensors of A / B compared as the fused tensors of the other folder (what `convert` writes)
+    fused_a: tuple[int, int] = (0, 0)  # (per-expert tensors, fused tensors they make)
+    fused_b: tuple[int, int] = (0, 0)
 
     @property
     def identical(self) -> bool:
@@ -153,6 +200,12 @@ class VerifyResult:
             f"A {self.a}: {self.tensors_a} tensors, digest {self.digest_a[:16]}",
             f"B {self.b}: {self.tensors_b} tensors, digest {self.digest_b[:16]}",
         ]
+        for side, (per_expert, fused) in (("A", self.fused_a), ("B", self.fused_b)):
+            if per_expert:
+                out.append(
+                    f"{side} stores experts one by one: its {per_expert} per-expert tensors are compared as the "
+                    f"{fused} fused tensors `convert` makes of them (the other folder stores those fused)"
+                )
         for title, items in (("only in A", self.only_in_a), ("only in B", self.only_in_b),
                              ("different", self.different)):  # fmt: skip
             if items:
@@ -173,9 +226,14 @@ class VerifyResult:
 
 
 def verify_folders(a, b) -> tuple[VerifyResult, dict[str, TensorDigest]]:
-    """Compare the tensors of two checkpoint folders by (dtype, shape, sha256); configs are not compared."""
-    da, db = folder_digests(a), folder_digests(b)
+    """Compare the tensors of two checkpoint folders by (dtype, shape, sha256); configs are not compared. MoE experts
+    stored one by one in one folder and fused in the other are compared as `convert` maps them: the per-expert
+    tensors as the fused ones they make. Returns the result and A's digests as compared."""
+    sa, sb = _stored_tensors(a), _stored_tensors(b)
+    da, db = _digests(sa, fused_keys=sb), _digests(sb, fused_keys=sa)
     result = VerifyResult(str(a), str(b), len(da), len(db), digest_a=combined_digest(da), digest_b=combined_digest(db))
+    result.fused_a = (len(set(sa) - set(da)), len(set(da) - set(sa)))
+    result.fused_b = (len(set(sb) - set(db)), len(set(db) - set(sb)))
     result.only_in_a = sorted(set(da) - set(db))
     result.only_in_b = sorted(set(db) - set(da))
     for key in sorted(set(da) & set(db)):

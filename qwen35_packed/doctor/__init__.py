@@ -1,6 +1,6 @@
 """`qwen35-packed doctor MODEL_DIR`: checks that find silent train / inference mismatches before a run starts.
 
-One module per concern: `folder` reads the folder once, `config_checks`, `loading_checks`, `environment_checks`
+One module per concern: `folder` reads the folder once, `adapter_checks` (PEFT adapter folders), `config_checks`, `loading_checks`, `environment_checks`
 (kernels, versions), `numerics` (packed == per-document on the real weights) and `vllm_check` (vLLM's log-probs
 against this model's, in vLLM's own environment); `report` holds the results, prints the table and writes the JSON
 the model card reads.
@@ -13,10 +13,12 @@ from .report import FAIL, PASS, SKIP, WARN, Check, DoctorReport
 
 
 def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) -> DoctorReport:
-    """Run every check on MODEL_DIR; `device` "cpu" or "cuda" (default: cuda when available). Raises DoctorError
-    when the folder has no readable config.json or the device does not exist."""
+    """Run every check on MODEL_DIR; `device` "cpu" or "cuda" (default: cuda when available). A PEFT adapter folder
+    gets the adapter checks, then every check of its base model folder when that is local. Raises DoctorError when
+    the folder has no readable config.json (nor adapter_config.json) or the device does not exist."""
     import torch
 
+    from .adapter_checks import check_adapter_against_base, is_adapter_folder, run_adapter_checks
     from .config_checks import run_config_checks
     from .environment_checks import run_environment_checks
     from .folder import read_folder
@@ -29,8 +31,16 @@ def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) ->
         raise DoctorError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise DoctorError("--device cuda, but torch sees no CUDA device")
-    folder = read_folder(model_dir)
     report = DoctorReport(str(model_dir), device)
+    adapter = None
+    if is_adapter_folder(model_dir):  # a PEFT adapter: its own checks, then those of its base model folder
+        base = run_adapter_checks(model_dir, report)
+        if base is None:
+            return report
+        adapter, model_dir = model_dir, base
+    folder = read_folder(model_dir)
+    if adapter is not None:
+        check_adapter_against_base(adapter, folder.headers, report)
     if not folder.is_qwen35:  # every other check would only list the ways another model differs from Qwen3.5
         types = (
             " / ".join(

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import copy
 
-from ..conversion.rope_readers import ROPE_FIELDS, contradicted_fields, disagreements, rope_views
+from ..conversion.errors import ConversionError
+from ..conversion.rope_readers import (
+    LEGACY_READERS,
+    ROPE_FIELDS,
+    TEXT_FIELDS,
+    contradicted_fields,
+    disagreements,
+    number_changing_disagreements,
+    rope_views,
+)
 from ..conversion.schema import expected_text_tensors, expected_vision_tensors
 from ..modeling.configuration_qwen3_5_packed import LAYER_TYPES
 from .environment_checks import builtin_qwen35_available
@@ -75,17 +84,18 @@ def _rope(folder: ModelFolder, report: DoctorReport) -> None:
         rope = folder.packed_config.rope_parameters
         views["qwen35_packed config"] = {name: rope[name] for name in ROPE_FIELDS}
     disagreeing = disagreements(views)
-    for name in disagreeing:
+    loud = number_changing_disagreements(folder.text, views, multimodal=folder.composite)
+    for name in loud:
         seen = ", ".join(f"{reader} {_fmt(view[name])}" for reader, view in views.items())
         problems.append(f"readers disagree on {name}: {seen}")
     if (
         problems
-        and len(problems) == len(disagreeing)
-        and not contradicted_fields(folder.text, disagreeing)
+        and len(problems) == len(loud)
+        and not contradicted_fields(folder.text, loud)
         and (folder.packed_config is not None)
     ):
-        # stated once (or not at all), readers differ only in their defaults: usual for a folder `convert` did
-        # not write, and what it resolves
+        # stated once (or not at all), readers differ only in their defaults: a folder `convert` did not write,
+        # and what it resolves
         report.add(
             "config.rope",
             WARN,
@@ -96,10 +106,19 @@ def _rope(folder: ModelFolder, report: DoctorReport) -> None:
     if problems:
         report.add("config.rope", FAIL, "; ".join(problems), ROPE_FIX)
         return
-    first = next(iter(views.values()))
-    values = ", ".join(f"{name}={_fmt(first[name])}" for name in ROPE_FIELDS)
+    current = [reader for reader in views if reader not in LEGACY_READERS]
+    fields = ROPE_FIELDS if folder.composite else TEXT_FIELDS
+    values = ", ".join(f"{name}={_fmt(views[current[0]][name])}" for name in fields)
     absent = "" if builtin_qwen35_available() else " (this transformers has no built-in Qwen3.5 to ask)"
-    report.add("config.rope", PASS, f"{len(views)} readers agree: {values}{absent}")
+    quiet = sorted(set(disagreeing) - set(loud))
+    note = (
+        f"; {', '.join(quiet)} stated once or not at all: only readers of v4-style keys fall back to their defaults "
+        "(a folder `convert` writes states every value where they look)"
+        + ("" if folder.composite else ", and mrope fields change nothing in a text model (1-D positions)")
+        if quiet
+        else ""
+    )
+    report.add("config.rope", PASS, f"{len(current)} readers agree: {values}{absent}{note}")
 
 
 def _mrope_section(folder: ModelFolder, report: DoctorReport) -> None:
@@ -176,18 +195,25 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
                 "fix vision_config (convert copies the official one)",
             )
             return
-    missing = sorted(k for k in expected if k not in folder.headers)
-    wrong = sorted(f"{k} {list(folder.headers[k][1])} (expected {list(s)})"
-                   for k, s in expected.items() if k in folder.headers and folder.headers[k][1] != s)  # fmt: skip
+    try:
+        stored = {key: node.shape for key, node in folder.as_loaded(expected).items()}
+    except ConversionError as exc:
+        report.add("config.weights", FAIL, f"{exc} (this package's classes refuse to load it)",
+                   "the checkpoint is incomplete: re-save or re-convert it from the source")  # fmt: skip
+        return
+    missing = sorted(k for k in expected if k not in stored)
+    wrong = sorted(f"{k} {list(stored[k])} (expected {list(s)})"
+                   for k, s in expected.items() if k in stored and stored[k] != s)  # fmt: skip
     other = ("mtp.", "model.visual.")
-    unexpected = sorted(k for k in folder.headers if k not in expected and not k.startswith(other))
+    unexpected = sorted(k for k in stored if k not in expected and not k.startswith(other))
     if missing or wrong:
         parts = [f"{len(items)} {what}: {', '.join(items[:4])}" + (" ..." if len(items) > 4 else "")
                  for what, items in (("missing", missing), ("with another shape", wrong)) if items]  # fmt: skip
         report.add(
             "config.weights",
             FAIL,
-            "; ".join(parts) + " (missing tensors load as random initialisation)",
+            "; ".join(parts) + " (this package's classes refuse to load the folder with a ValueError naming them; "
+            "transformers' built-in classes load it with them randomly initialised)",
             "the checkpoint is incomplete or does not match config.json: re-convert from the source",
         )
     elif unexpected:
@@ -195,7 +221,14 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
                    f"{len(unexpected)} tensors no model reads: {', '.join(unexpected[:5])}",
                    "remove them or fix config.json (they are dropped silently on load)")  # fmt: skip
     else:
-        report.add("config.weights", PASS, f"all {len(expected)} tensors of the config present with their shapes")
+        per_expert = sum(k not in stored for k in folder.headers)
+        fused = sum(k not in folder.headers for k in stored)
+        how = (
+            f" ({fused} of them stored as {per_expert} per-expert tensors, which the classes fuse on load)"
+            if fused
+            else ""
+        )
+        report.add("config.weights", PASS, f"all {len(expected)} tensors of the config present with their shapes{how}")
 
 
 def _mtp(folder: ModelFolder, report: DoctorReport) -> None:

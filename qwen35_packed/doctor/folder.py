@@ -50,6 +50,15 @@ class ModelFolder:
         """tie_word_embeddings as loaders read it (a composite config's top level decides for its model)."""
         return bool(self.config.get("tie_word_embeddings", self.text.get("tie_word_embeddings", False)))
 
+    def as_loaded(self, expected_keys) -> dict:
+        """`key -> LazyTensor` of the stored tensors as the classes load them: MoE experts stored one by one
+        (transformers' `save_pretrained` writes them so) as the fused tensors of `expected_keys` they are fused into
+        on load. Raises ConversionError for an incomplete or inconsistent per-expert group."""
+        from ..conversion.rules import LazyTensor, fused_view
+
+        sources = {key: LazyTensor.source(key, shape, dtype) for key, (dtype, shape, _) in self.headers.items()}
+        return fused_view(sources, expected_keys)
+
     def text_key(self, key: str) -> str:
         """A text-model key (`model.layers.0...`, `lm_head.weight`) as this folder stores it."""
         if self.composite and key.startswith("model."):

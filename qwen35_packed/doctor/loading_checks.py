@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+from pathlib import Path
 
 from .environment_checks import builtin_qwen35_available
 from .folder import ModelFolder
@@ -109,13 +110,34 @@ def _digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _imported_remote_code(folder: ModelFolder) -> set[str]:
+    """The files of this package's bundle that the folder's `auto_map` classes import, directly or through each
+    other: what transformers copies when it saves a remote-code model (TRL's final save of a text model, for one,
+    leaves out the vision-language files, which a text folder does not need)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from ..conversion.remote_code import BUNDLE
+
+    needed = set()
+    for reference in (folder.config.get("auto_map") or {}).values():
+        reference = reference[0] if isinstance(reference, (list, tuple)) else reference
+        if not isinstance(reference, str):
+            continue
+        path = BUNDLE / (reference.split("--")[-1].rsplit(".", 1)[0] + ".py")
+        if path.is_file():
+            needed |= {path.name, *(Path(p).name for p in get_relative_import_files(path))}
+    return needed
+
+
 def _remote_code_files(folder: ModelFolder, report: DoctorReport) -> None:
     from ..conversion.remote_code import remote_code_files
 
     ours = remote_code_files()
-    missing = [p.name for p in ours if not (folder.path / p.name).is_file()]
-    differ = [p.name for p in ours if p.name not in missing and _digest(p) != _digest(folder.path / p.name)]
-    if missing and len(missing) == len(ours):
+    present = [p for p in ours if (folder.path / p.name).is_file()]
+    needed = _imported_remote_code(folder)
+    missing = sorted(needed - {p.name for p in present})
+    differ = [p.name for p in present if _digest(p) != _digest(folder.path / p.name)]
+    if not present:
         report.add("loading.remote_code_files", SKIP, "no remote-code files in the folder (official layout?)")
     elif missing or differ:
         report.add("loading.remote_code_files", WARN,
@@ -124,7 +146,10 @@ def _remote_code_files(folder: ModelFolder, report: DoctorReport) -> None:
                    "copy this version's files (`qwen35-packed convert` does) or run the doctor of the version that "
                    "wrote them")  # fmt: skip
     else:
-        report.add("loading.remote_code_files", PASS, f"the {len(ours)} remote-code files equal this package's")
+        unused = len(ours) - len(present)
+        more = f"; the other {unused} of the bundle are not imported by its classes" if unused else ""
+        report.add("loading.remote_code_files", PASS,
+                   f"the {len(present)} remote-code files equal this package's{more}")  # fmt: skip
 
 
 def trl_resolved_class(folder: ModelFolder):

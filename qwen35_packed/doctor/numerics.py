@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..conversion.rules import materialize
 from ..conversion.schema import expected_text_tensors
 from .folder import ModelFolder
 from .report import FAIL, PASS, SKIP, DoctorReport, Measurement
@@ -45,15 +46,14 @@ def load_first_layers(folder: ModelFolder, n_layers: int, device: torch.device, 
     model_class = Qwen3_5MoePackedForCausalLM if folder.is_moe else Qwen3_5PackedForCausalLM
     with torch.device("meta"):
         model = model_class(config)
-    keys = list(expected_text_tensors(config))
-    by_file: dict[str, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(folder.headers[folder.text_key(key)][2], []).append(key)
-    state = {}
-    for name, file_keys in by_file.items():
-        with safe_open(folder.path / name, framework="pt") as handle:
-            for key in file_keys:
-                state[key] = handle.get_tensor(folder.text_key(key))
+    keys = {folder.text_key(key): key for key in expected_text_tensors(config)}
+    stored = folder.as_loaded(keys)  # experts stored one by one are fused as the classes fuse them
+
+    def load(key: str) -> torch.Tensor:
+        with safe_open(folder.path / folder.headers[key][2], framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    state = {keys[key]: tensor for key, tensor in materialize(((k, stored[k]) for k in keys), load)}
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
