@@ -1,8 +1,8 @@
 """Reward modelling with TRL 1.16's RewardTrainer on a converted folder: `AutoModelForSequenceClassification` with
 trust_remote_code builds this project's head from the folder's auto_map (the score head newly initialised and
 reported, the backbone from the causal-LM checkpoint), the trainer's loss on its padded chosen / rejected batch is
-the loss of the built-in head on the same weights (dense) or of each sequence scored alone (MoE), and training
-moves the score head."""
+the loss of the built-in head on the same weights (dense) or of each sequence scored alone (MoE), training moves
+the score head, and the saved reward model reloads with the same scores (ours, and dense the built-in head)."""
 
 import logging
 
@@ -93,3 +93,23 @@ def test_reward_trainer_trains_our_head_with_the_reference_loss(kind, folders, t
     assert abs(losses[0] - reference[0]) <= 1e-5
     assert losses[-1] < losses[0]  # the same batch every step: SGD lowers its loss
     assert not torch.equal(trainer.model.score.weight.detach(), initial_head)
+
+    # The trained reward model's folder: ours again through its auto_map, and (dense) transformers' built-in head
+    # without trust_remote_code, with the trained scores.
+    trainer.save_model(str(tmp_path / "reward"))
+    trained = trainer.model.eval()
+    ids = torch.tensor([[5, 9, 14, 3, 1], [7, 22, 1, 0, 0]])
+    mask = (torch.arange(5) < torch.tensor([[5], [3]])).long()
+    loaders = [
+        lambda path: transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True)
+    ]
+    if kind == "dense":
+        loaders.append(transformers.AutoModelForSequenceClassification.from_pretrained)
+    with torch.no_grad():
+        expected = trained(ids, attention_mask=mask, use_cache=False).logits
+        for load, name in zip(loaders, (expected_class, "Qwen3_5TextForSequenceClassification")):
+            reloaded = load(tmp_path / "reward").eval()
+            assert type(reloaded).__name__ == name
+            assert reloaded.config.num_labels == 1 and reloaded.config.pad_token_id == trained.config.pad_token_id
+            got = reloaded(ids, attention_mask=mask, use_cache=False).logits
+            assert (got - expected).abs().max().item() <= 1e-5, type(reloaded).__name__
