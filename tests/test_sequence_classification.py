@@ -279,3 +279,23 @@ def test_moe_router_logits_on_request_without_an_aux_loss():
     assert len(routed.router_logits) == model.config.num_hidden_layers
     assert routed.router_logits[0].shape == (ids.numel(), model.config.num_experts)
     assert routed.loss.item() == plain.loss.item()
+
+
+@requires_builtin_qwen35
+def test_builtin_composite_head_folder_loads_into_the_text_class(tmp_path):
+    """A folder of transformers' vision-language `Qwen3_5ForSequenceClassification` (keys `model.language_model.*`,
+    `model.visual.*`, `score.weight`): the text class reads its text model and head, with its scores on text."""
+    from vl_tiny import composite_kwargs
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(**composite_kwargs("dense"))
+    config.text_config.pad_token_id, config.num_labels = PAD, 2
+    ref = transformers.Qwen3_5ForSequenceClassification(config).eval()
+    ref.save_pretrained(tmp_path)
+    ours = Qwen3_5PackedForSequenceClassification.from_pretrained(tmp_path).eval()
+    ids, mask = _right_padded(_docs(seed=11)[:4])
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask, use_cache=False).logits
+        got = ours(ids, attention_mask=mask, use_cache=False).logits
+    assert got.shape == expected.shape == (4, 2)
+    assert (got - expected).abs().max().item() <= 1e-5
