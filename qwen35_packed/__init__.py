@@ -4,10 +4,12 @@ from .modeling import (
     Qwen3_5MoePackedConfig,
     Qwen3_5MoePackedForCausalLM,
     Qwen3_5MoePackedForConditionalGeneration,
+    Qwen3_5MoePackedForSequenceClassification,
     Qwen3_5MoePackedVLConfig,
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedForConditionalGeneration,
+    Qwen3_5PackedForSequenceClassification,
     Qwen3_5PackedVLConfig,
 )
 
@@ -17,9 +19,11 @@ __all__ = [
     "Qwen3_5MoePackedConfig",
     "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5MoePackedForSequenceClassification",
     "Qwen3_5MoePackedVLConfig",
     "Qwen3_5PackedConfig",
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5PackedForConditionalGeneration",
+    "Qwen3_5PackedForSequenceClassification",
     "Qwen3_5PackedVLConfig",
 ]

@@ -237,6 +237,7 @@ def test_dense_config(dense, tmp_path):
         "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5PackedConfig",
         "AutoModel": "modeling_qwen3_5_packed.Qwen3_5PackedTextModel",
         "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5PackedForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_qwen3_5_packed.Qwen3_5PackedForSequenceClassification",
     }
     assert data["rope_parameters"] == {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -295,6 +296,7 @@ def test_moe_conversion(layout, moe_per_expert, moe_fused, tmp_path, capsys):
         "AutoConfig": "configuration_qwen3_5_packed.Qwen3_5MoePackedConfig",
         "AutoModel": "modeling_qwen3_5_packed.Qwen3_5MoePackedTextModel",
         "AutoModelForCausalLM": "modeling_qwen3_5_packed.Qwen3_5MoePackedForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_qwen3_5_packed.Qwen3_5MoePackedForSequenceClassification",
     }
     assert type(transformers.AutoConfig.from_pretrained(out)) is transformers.Qwen3_5MoeTextConfig
     assert type(transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)).__name__ == (

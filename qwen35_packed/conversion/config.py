@@ -31,6 +31,11 @@ CONFIG_MODULE = "configuration_qwen3_5_packed"
 MODELING_MODULE = "modeling_qwen3_5_packed"
 ARCHITECTURES = {False: "Qwen3_5PackedForCausalLM", True: "Qwen3_5MoePackedForCausalLM"}
 TEXT_BASE_MODELS = {False: "Qwen3_5PackedTextModel", True: "Qwen3_5MoePackedTextModel"}  # what AutoModel gives
+# what AutoModelForSequenceClassification gives (a reward / value model, TRL's RewardTrainer)
+SEQUENCE_CLASSIFIERS = {
+    False: "Qwen3_5PackedForSequenceClassification",
+    True: "Qwen3_5MoePackedForSequenceClassification",
+}
 OFFICIAL_TEXT_ARCHITECTURES = {False: "Qwen3_5ForCausalLM", True: "Qwen3_5MoeForCausalLM"}
 OFFICIAL_COMPOSITE_ARCHITECTURES = {
     False: "Qwen3_5ForConditionalGeneration",
@@ -90,6 +95,7 @@ def auto_map(is_moe: bool) -> dict:
         "AutoConfig": f"{CONFIG_MODULE}.{CONFIG_CLASSES[is_moe].__name__}",
         "AutoModel": f"{MODELING_MODULE}.{TEXT_BASE_MODELS[is_moe]}",
         "AutoModelForCausalLM": f"{MODELING_MODULE}.{arch}",
+        "AutoModelForSequenceClassification": f"{MODELING_MODULE}.{SEQUENCE_CLASSIFIERS[is_moe]}",
     }
 
 

@@ -6,9 +6,11 @@ from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedC
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .modeling_qwen3_5_packed import (
     Qwen3_5MoePackedForCausalLM,
+    Qwen3_5MoePackedForSequenceClassification,
     Qwen3_5MoePackedTextModel,
     Qwen3_5PackedCache,
     Qwen3_5PackedForCausalLM,
+    Qwen3_5PackedForSequenceClassification,
     Qwen3_5PackedPreTrainedModel,
     Qwen3_5PackedTextModel,
 )
@@ -24,12 +26,14 @@ __all__ = [
     "Qwen3_5MoePackedConfig",
     "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5MoePackedForSequenceClassification",
     "Qwen3_5MoePackedTextModel",
     "Qwen3_5MoePackedVLConfig",
     "Qwen3_5PackedCache",
     "Qwen3_5PackedConfig",
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5PackedForConditionalGeneration",
+    "Qwen3_5PackedForSequenceClassification",
     "Qwen3_5PackedPreTrainedModel",
     "Qwen3_5PackedTextModel",
     "Qwen3_5PackedVLConfig",

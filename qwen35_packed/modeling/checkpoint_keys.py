@@ -10,12 +10,15 @@ its own classes, never to remote code, so these classes map the keys themselves,
     `save_pretrained` writes) are fused after loading into `experts.gate_up_proj [E, 2I, H]` (gate_up[e] =
     cat(gate_e, up_e)) and `experts.down_proj [E, H, I]`, as transformers' loader does for its own classes;
   * every parameter must come from the checkpoint (weights tied to one that does count as given): a missing one
-    raises ValueError naming it, never leaves random weights behind a load report.
+    raises ValueError naming it, never leaves random weights behind a load report. The one exception is a task head
+    a class adds to the backbone (its `new_task_head_modules`, e.g. a reward model's `score` loaded from a causal-LM
+    folder): transformers initialises it as a new head, and it is reported in one log line and in `missing_keys`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 
 import torch
@@ -31,6 +34,8 @@ TEXT_KEY_MAPPING = {r"^model\.language_model\.": "model."}
 IGNORED_UNEXPECTED_EXPERT_KEYS = (r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$",)
 IGNORED_MISSING_EXPERT_KEYS = (r"\.experts\.(gate_up_proj|down_proj)$",)
 _SHOWN = 8
+
+logger = logging.getLogger(__name__)
 
 
 def fuse_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -222,13 +227,24 @@ def from_official_layout(cls, load, name_or_path, args: tuple, kwargs: dict, key
         missing = _fill_and_account(model, files, key_mapping or {}, where)
     else:  # a format whose keys cannot be listed here: transformers' own report (fused experts unchecked)
         missing = set(info["missing_keys"])
+    # A task head the class adds to the backbone (a reward model's `score` from a causal-LM folder) cannot be in the
+    # checkpoint: transformers initialised it as a new head; report it, refuse every other missing tensor.
+    new_head = {name for name in missing if name.split(".")[0] in getattr(cls, "new_task_head_modules", ())}
+    missing -= new_head
     if missing:
         raise ValueError(
             f"{where} lacks {len(missing)} tensors that {cls.__name__} needs: {_shown(missing)}. They would stay "
             "randomly initialised. Is this the right class for the folder (text classes read `model.*` or a "
             "composite folder's `model.language_model.*`; vision-language classes also need `model.visual.*`)?"
         )
-    info["missing_keys"] = type(info["missing_keys"])()
+    if new_head:
+        logger.warning(
+            "%s: %s not in %s, newly initialised (a new task head; train it before use)",
+            cls.__name__,
+            _shown(new_head),
+            name_or_path,
+        )
+    info["missing_keys"] = type(info["missing_keys"])(sorted(new_head))
     return (model, info) if want_info else model
 
 

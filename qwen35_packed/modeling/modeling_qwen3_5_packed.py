@@ -661,9 +661,126 @@ class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM):
     config_class = Qwen3_5MoePackedConfig
 
 
+Qwen3_5PackedSequenceClassifierOutput = _output_class(
+    "Qwen3_5PackedSequenceClassifierOutput",
+    "Sequence-classification output: `logits` [documents, num_labels], one row per document in stream order (for a "
+    "padded batch with one document per row: one per row, like the built-in's [batch, num_labels]).",
+    ["loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits"],
+)
+
+
+def document_score_index(packed: PackedSequence, input_ids, pad_token_id) -> torch.Tensor:
+    """The stream index [num_docs] of the token each document is scored at: its last real token, or with
+    `pad_token_id` set and `input_ids` given, its last token whose id is not the pad id (its first token if all are).
+
+    This is the built-in's rule (the rightmost non-pad token of a row) applied to each document: the same
+    position as the built-in for any row whose pad positions hold the pad id, and for a packed row the position the
+    built-in picks for each document alone. No host synchronisation."""
+    starts = packed.cu_seqlens[:-1].long()
+    if pad_token_id is None or input_ids is None:
+        return packed.cu_seqlens[1:].long() - 1
+    ids = packed.pack(input_ids.unsqueeze(-1)).squeeze(-1)
+    stream = torch.arange(ids.numel(), device=ids.device)
+    candidates = torch.where(ids != pad_token_id, stream, starts[packed.doc_index()])
+    return starts.scatter_reduce(0, packed.doc_index(), candidates, "amax", include_self=True)
+
+
+class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
+    """A score head on the packed text backbone (reward / value models: TRL's RewardTrainer, PPO), one score per
+    document: `logits` [documents, num_labels], read at each document's last token (`document_score_index`).
+
+    Keys and loss are those of transformers' `Qwen3_5TextForSequenceClassification` (`model.*` + `score.weight`;
+    `self.loss_function`, i.e. regression / single-label / multi-label by `config.problem_type`), so folders are
+    interchangeable. Loaded from a causal-LM folder, the `score` head is the one tensor allowed to be missing: it is
+    initialised as transformers initialises a new head and reported (checkpoint_keys.py)."""
+
+    config_class = Qwen3_5PackedConfig
+    # Modules the checkpoint of a causal LM cannot hold; every other tensor must come from it (checkpoint_keys.py).
+    new_task_head_modules = ("score",)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = Qwen3_5PackedTextModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_hidden_states=None,
+        output_router_logits=None,
+        cu_seqlens=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        seq_idx=None,
+        cache=None,
+        return_dict=None,
+        routed_experts=None,
+        **kwargs,
+    ):
+        """`labels`: one per document ([documents] or [documents, num_labels]), in the order of `logits`."""
+        _check_kwargs(kwargs, self.config)
+        hidden, packed, cache, all_hidden, router_logits = self.model.run_packed(
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=_wants_hidden_states(self.config, output_hidden_states),
+            output_router_logits=_wants_router_logits(self.config, output_router_logits),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+        )
+        scored = document_score_index(packed, input_ids, self.config.get_text_config().pad_token_id)
+        logits = self.score(hidden.index_select(0, scored))
+        loss = None
+        if labels is not None:
+            if (labels.shape[0] if labels.dim() else 1) != packed.num_docs:
+                raise ValueError(
+                    f"labels hold {labels.shape[0] if labels.dim() else 1} entries for {packed.num_docs} documents: "
+                    "a sequence-classification head scores every document of the batch, labels need one per document"
+                )
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        output = Qwen3_5PackedSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden is not None else None,
+            router_logits=router_logits_in_caller_layout(router_logits, packed),
+            **{_CACHE_KWARG: cache},
+        )
+        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
+
+
+class Qwen3_5MoePackedForSequenceClassification(Qwen3_5PackedForSequenceClassification):
+    config_class = Qwen3_5MoePackedConfig
+
+
 __all__ = [
     "Qwen3_5PackedForCausalLM",
     "Qwen3_5MoePackedForCausalLM",
+    "Qwen3_5PackedForSequenceClassification",
+    "Qwen3_5MoePackedForSequenceClassification",
     "Qwen3_5PackedTextModel",
     "Qwen3_5MoePackedTextModel",
     "Qwen3_5PackedPreTrainedModel",
