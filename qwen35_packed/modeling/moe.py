@@ -14,7 +14,8 @@ sigmoid(shared_expert_gate). The (token, expert) pairs are sorted by expert once
 * `loop` (the reference, the CPU default): one matmul per expert over its tokens, after reading the counts on the
   host.
 
-The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them.
+The forward reads the expert tensors through `expert_weight`: PEFT's `target_parameters` can wrap them, and its
+LoRA runs as two low-rank products on the expert rows, not as a rebuilt adapted weight (expert_lora.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, gather_sum, grouped_linear, swiglu, weighted_swiglu
+from .expert_lora import expert_weight
+from .kernels import KernelChoice, gather_sum, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
@@ -127,21 +129,21 @@ class FusedExperts(nn.Module):
         """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype."""
         if choice is not None and choice.moe == "grouped_mm":
             return self.grouped(x, top_index, top_weights, choice)
-        return self.looped(x, top_index, top_weights)
+        return self.looped(x, top_index, top_weights, choice)
 
-    def looped(self, x, top_index, top_weights):
+    def looped(self, x, top_index, top_weights, choice=None):
         top_k = top_index.shape[-1]
         flat_expert = top_index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token = order // top_k
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up, down = expert_weight(self, "gate_up_proj", choice), expert_weight(self, "down_proj", choice)
         outputs = []
         for expert, chunk in enumerate(torch.split(x[token], counts)):
             if chunk.shape[0] == 0:
                 continue
-            gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+            gate, up = gate_up.linear(chunk, expert).chunk(2, dim=-1)
+            outputs.append(down.linear(self.act_fn(gate) * up, expert))
         routed = torch.cat(outputs) * top_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
@@ -160,14 +162,14 @@ class FusedExperts(nn.Module):
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
         rows = remember(rows_of.expand(x), rows_of.expand, x)
-        gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
+        gate_up = expert_weight(self, "gate_up_proj", choice).grouped_linear(rows, offsets)
         weight = rows_of.permute(top_weights.reshape(-1).float())
         if self.is_swiglu:
             hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
-        out = grouped_linear(hidden, self.down_proj, offsets)
+        out = expert_weight(self, "down_proj", choice).grouped_linear(hidden, offsets)
         return rows_of.combine(out).to(x.dtype)
 
 
