@@ -15,7 +15,10 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
   * ours_lora / builtin_lora       PEFT LoRA r=16 on GDN, attention and the experts (target_parameters), same
-                                   config for both, base frozen
+                                   config for both, base frozen; ours applies the expert adapters as low-rank
+                                   products on the expert rows (modeling/expert_lora.py)
+  * ours_lora_peft_fold     ours_lora with moe_lora_kernel="peft": PEFT's own path, the adapted expert weights
+                            rebuilt every forward (what ours_lora ran before expert_lora.py), first model only
 
 Rows: real tokens/s, ratio_to_builtin (against builtin_correct_packed), MFU over active parameters (6 x active
 non-embedding parameters + lm_head, x tokens, against the bf16 rate measured in the same run), peak GiB, loss
@@ -318,6 +321,9 @@ def run_vocab(vocab, args, device, rate, results, save):
         for batch_name, (lengths, flat, cu, builtin_packing) in inputs.items():
             measure(batch_name, "builtin_lora", builtin_lora, builtin_step(builtin_lora, "grouped_mm"), sum(lengths))
             measure(batch_name, "ours_lora", ours_lora, ours_step(ours_lora), sum(lengths))
+            if vocab == args.first_vocab:
+                with config_fields(ours_lora, moe_lora_kernel="peft"):
+                    measure(batch_name, "ours_lora_peft_fold", ours_lora, ours_step(ours_lora), sum(lengths))
     builtin = ours = models = None  # release the GPU memory before the next model (the closures above are done)
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import attention, gated_deltanet, kernels, moe
+from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernels, moe
 from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,8 +227,9 @@ def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tens
     """The grouped experts' intermediate results for these tokens, one row per token (its k expert rows side by
     side in slot order): the first GEMM, the SwiGLU x routing weight, the second GEMM and the combined output."""
     seen, maps = collections.defaultdict(list), []
-    wrapped = ("grouped_linear", "weighted_swiglu", "gather_sum")
-    originals = {name: getattr(moe, name) for name in wrapped}
+    # where each is looked up: the expert GEMMs run through expert_lora's ExpertWeight
+    wrapped = {"grouped_linear": expert_lora, "weighted_swiglu": moe, "gather_sum": moe}
+    originals = {name: getattr(module, name) for name, module in wrapped.items()}
     original_rows = moe.ExpertRows
 
     class RecordedRows(original_rows):
@@ -244,14 +245,14 @@ def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tens
 
         return fn
 
-    for name in wrapped:
-        setattr(moe, name, recorder(name))
+    for name, module in wrapped.items():
+        setattr(module, name, recorder(name))
     moe.ExpertRows = RecordedRows
     try:
         experts(rows, index, weights, choice)
     finally:
-        for name in wrapped:
-            setattr(moe, name, originals[name])
+        for name, module in wrapped.items():
+            setattr(module, name, originals[name])
         moe.ExpertRows = original_rows
     n, k = index.shape
 

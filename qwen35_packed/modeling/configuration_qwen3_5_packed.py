@@ -85,6 +85,7 @@ KERNEL_FIELDS = {
     "elementwise_kernel": ("auto", "triton", "eager"),
     "moe_kernel": ("auto", "grouped_mm", "loop"),  # read by MoE models only
     "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
+    "moe_lora_kernel": ("auto", "low_rank", "peft"),  # read by MoE models only: PEFT LoRA on the experts
 }
 
 
@@ -251,6 +252,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
+        moe_lora_kernel: str = "auto",
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -284,6 +286,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.conv_kernel = conv_kernel
         self.moe_kernel = moe_kernel
         self.moe_combine_kernel = moe_combine_kernel
+        self.moe_lora_kernel = moe_lora_kernel
 
         if layer_types is None:
             interval = 4 if full_attention_interval is None else int(full_attention_interval)

@@ -34,8 +34,9 @@ needs Hopper or Blackwell, bf16 / fp16 and key and value head dims of 128 (every
 "torch"),
 `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
 ("auto" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
-`config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) force a path; forcing
-one that cannot run raises. The choice is logged once per
+`config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) and
+`config.moe_lora_kernel` ("auto" | "low_rank" | "peft": PEFT LoRA on the experts, see expert_lora.py) force a path;
+forcing one that cannot run raises. The choice is logged once per
 distinct (device, choice). A missing kernel may cost speed, never correctness.
 """
 
@@ -109,6 +110,9 @@ class KernelChoice:
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
     combine: str = "eager"  # "triton" | "eager" (the grouped experts' top-k combine; unused elsewhere)
+    # "auto" | "low_rank" | "peft": PEFT LoRA on the experts (expert_lora.py), resolved per expert tensor in the
+    # forward, where PEFT's adapter state is known
+    expert_lora: str = "auto"
 
 
 def flash_qla_refusal(config, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -225,7 +229,16 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             )
         )
 
-    choice = KernelChoice(gdn=gdn, attention=attention, elementwise=elementwise, conv=conv, moe=moe, combine=combine)
+    expert_lora = getattr(config, "moe_lora_kernel", "auto") if is_moe else "auto"
+    choice = KernelChoice(
+        gdn=gdn,
+        attention=attention,
+        elementwise=elementwise,
+        conv=conv,
+        moe=moe,
+        combine=combine,
+        expert_lora=expert_lora,
+    )
     key = (device.type, dtype, choice)
     if first_time(key):
         slow = (
@@ -252,7 +265,9 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             conv,
             attention,
             elementwise,
-            f", moe={moe}, combine={combine}" if is_moe else "",
+            f", moe={moe}, combine={combine}" + (f", expert_lora={expert_lora}" if expert_lora != "auto" else "")
+            if is_moe
+            else "",
             slow,
         )
     return choice

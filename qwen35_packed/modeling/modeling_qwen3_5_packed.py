@@ -40,6 +40,7 @@ from .configuration_qwen3_5_packed import (
     Qwen3_5PackedConfig,
     log_once,
 )
+from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
@@ -52,8 +53,8 @@ from .rope import MRotaryEmbedding
 from .routing_replay import routed_experts_stream
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
-# lines (not what those import): kernels.py needs the triton_*.py kernel files, so they are named here too
-# (tests/test_remote_code_audit.py checks that nothing is missing).
+# lines (not what those import): kernels.py needs the triton_*.py kernel files (and moe.py expert_lora.py, named
+# above), so they are named here too (tests/test_remote_code_audit.py checks that nothing is missing).
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401

@@ -40,6 +40,7 @@ from .configuration_qwen3_5_packed import (
     Qwen3_5PackedConfig,  # noqa: F401
 )
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
+from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import FP32_PARAMETERS
 from .kernels import select_kernels  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401

@@ -14,7 +14,8 @@ sigmoid(shared_expert_gate). The (token, expert) pairs are sorted by expert once
 * `loop` (the reference, the CPU default): one matmul per expert over its tokens, after reading the counts on the
   host.
 
-The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them.
+The forward reads the expert tensors as module attributes, so PEFT's `target_parameters` can wrap them; its LoRA
+then runs as two low-rank products on the expert rows, not through a rebuilt adapted weight (expert_lora.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kernels import KernelChoice, gather_sum, grouped_linear, swiglu, weighted_swiglu
+from .expert_lora import ExpertWeight, low_rank_plan
+from .kernels import KernelChoice, gather_sum, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
@@ -148,30 +150,41 @@ class FusedExperts(nn.Module):
         self.is_swiglu = config.hidden_act == "silu"
 
     def forward(
-        self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor, choice: KernelChoice | None = None
+        self,
+        x: torch.Tensor,
+        top_index: torch.Tensor,
+        top_weights: torch.Tensor,
+        choice: KernelChoice | None = None,
+        lora: dict | None = None,
     ) -> torch.Tensor:
-        """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype."""
+        """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype. `lora`: LoRA
+        factors per tensor name (expert_lora.low_rank_plan), applied on the expert rows."""
         if choice is not None and choice.moe == "grouped_mm":
-            return self.grouped(x, top_index, top_weights, choice)
-        return self.looped(x, top_index, top_weights)
+            return self.grouped(x, top_index, top_weights, choice, lora)
+        return self.looped(x, top_index, top_weights, lora)
 
-    def looped(self, x, top_index, top_weights):
+    def expert_weight(self, name: str, lora: dict | None) -> ExpertWeight:
+        # not `weight`: PEFT reads `weight` off a wrapped module to find its device
+        factors = lora.get(name, ()) if lora else ()
+        return ExpertWeight(getattr(self, name), *factors)
+
+    def looped(self, x, top_index, top_weights, lora=None):
         top_k = top_index.shape[-1]
         flat_expert = top_index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token = order // top_k
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up, down = self.expert_weight("gate_up_proj", lora), self.expert_weight("down_proj", lora)
         outputs = []
         for expert, chunk in enumerate(torch.split(x[token], counts)):
             if chunk.shape[0] == 0:
                 continue
-            gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+            gate, up = gate_up.linear(chunk, expert).chunk(2, dim=-1)
+            outputs.append(down.linear(self.act_fn(gate) * up, expert))
         routed = torch.cat(outputs) * top_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
-    def grouped(self, x, top_index, top_weights, choice):
+    def grouped(self, x, top_index, top_weights, choice, lora=None):
         n, top_k = top_index.shape
         flat_expert = top_index.reshape(-1)
         # order: the (token, slot) pairs sorted by expert = which pair each expert row holds; slot_of: the row each
@@ -186,14 +199,14 @@ class FusedExperts(nn.Module):
         # The first grouped GEMM keeps its input for the weight gradient: [N * k, H], k times the block input.
         # Recomputed from x in the backward instead (recompute.py).
         rows = remember(rows_of.expand(x), rows_of.expand, x)
-        gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
+        gate_up = self.expert_weight("gate_up_proj", lora).grouped_linear(rows, offsets)
         weight = rows_of.permute(top_weights.reshape(-1).float())
         if self.is_swiglu:
             hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
-        out = grouped_linear(hidden, self.down_proj, offsets)
+        out = self.expert_weight("down_proj", lora).grouped_linear(hidden, offsets)
         return rows_of.combine(out).to(x.dtype)
 
 
@@ -261,7 +274,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None, routed_experts: torch.Tensor | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
         logits, top_weights, top_index = self.gate(x, routed_experts)
-        routed = self.experts(x, top_index, top_weights, choice)
+        plan = low_rank_plan(self.experts, choice)  # PEFT LoRA on the experts: the bare experts and its factors
+        if plan is None:
+            routed = self.experts(x, top_index, top_weights, choice)
+        else:
+            experts, lora = plan
+            routed = experts(x, top_index, top_weights, choice, lora)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
         return routed + shared, logits
 
