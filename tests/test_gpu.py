@@ -591,8 +591,8 @@ def test_moe_grouped_experts_sync_free_and_deterministic():
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("rank", [4, 16], ids=["r4_padded", "r16"])
 def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
-    """PEFT LoRA on the fused experts in bf16 on the GPU: the low-rank products on the expert rows (the auto path,
-    grouped_mm with the rank padded to a multiple of 8) against PEFT's own adapted-weight path, the same model and
+    """PEFT LoRA on the fused experts in bf16 on the GPU: the low-rank products on the expert rows
+    (moe_lora_kernel="low_rank", grouped_mm with the rank padded to a multiple of 8) against PEFT's own adapted-weight path, the same model and
     adapter (nonzero A and B), forward and every LoRA gradient. Two bf16 roundings of the same function: PEFT's
     path rounds the adapted weight W + s B A to bf16, the low-rank path rounds x A and (x A) B instead."""
     peft = pytest.importorskip("peft")
@@ -607,7 +607,7 @@ def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.1)
     docs, ids, cu = _moe_batch(8)
     runs = {}
-    for path in ("auto", "peft"):
+    for path in ("low_rank", "peft"):
         model.config.moe_lora_kernel = path
         wrapped.zero_grad(set_to_none=True)
         out = wrapped(ids, labels=ids, cu_seqlens=cu, use_cache=False)
