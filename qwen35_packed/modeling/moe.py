@@ -121,9 +121,11 @@ class FixedBlockLinear(torch.autograd.Function):
 class RowBlockedLinear(nn.Linear):
     """A bias-free nn.Linear (same parameter, same state-dict key, a PEFT LoRA target like any nn.Linear) whose
     forward multiplies fixed-size row blocks (FixedBlockLinear), so a token's output does not depend on how many
-    tokens share the call. The MoE block's shared expert and its [hidden -> 1] gate use it: at Qwen3.5-35B-A3B's
-    shapes a plain bf16 GEMM of theirs rounded a document's rows differently alone than packed. Under autocast the
-    product runs in the autocast dtype, as nn.Linear's would."""
+    tokens share the call. The MoE block's [hidden -> 1] shared-expert gate uses it (at Qwen3.5-35B-A3B's shapes its
+    plain bf16 product rounded a document's rows differently alone than packed), and so do the shared expert's
+    three projections: cuBLAS promises no row-count invariance for any shape, and the blocks cost these small GEMMs
+    little (bench_moe.py's ours_packed_plain_gemms row). Under autocast the product runs in the autocast dtype, as
+    nn.Linear's would."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
         if bias:
