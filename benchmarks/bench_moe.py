@@ -15,10 +15,12 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
   * ours_lora / builtin_lora       PEFT LoRA r=16 on GDN, attention and the experts (target_parameters), same
-                                   config for both, base frozen; ours applies the expert adapters as low-rank
-                                   products on the expert rows (modeling/expert_lora.py)
+                                   config for both, base frozen; ours with moe_lora_kernel="auto"
+  * ours_lora_low_rank      ours_lora with moe_lora_kernel="low_rank": the expert adapters as low-rank products on
+                            the expert rows (modeling/expert_lora.py; auto's choice on CPU, opt-in on CUDA until
+                            measured there), first model only
   * ours_lora_peft_fold     ours_lora with moe_lora_kernel="peft": PEFT's own path, the adapted expert weights
-                            rebuilt every forward (what ours_lora ran before expert_lora.py), first model only
+                            rebuilt every forward, first model only
 
 Rows: real tokens/s, ratio_to_builtin (against builtin_correct_packed), MFU over active parameters (6 x active
 non-embedding parameters + lm_head, x tokens, against the bf16 rate measured in the same run), peak GiB, loss
@@ -322,6 +324,8 @@ def run_vocab(vocab, args, device, rate, results, save):
             measure(batch_name, "builtin_lora", builtin_lora, builtin_step(builtin_lora, "grouped_mm"), sum(lengths))
             measure(batch_name, "ours_lora", ours_lora, ours_step(ours_lora), sum(lengths))
             if vocab == args.first_vocab:
+                with config_fields(ours_lora, moe_lora_kernel="low_rank"):
+                    measure(batch_name, "ours_lora_low_rank", ours_lora, ours_step(ours_lora), sum(lengths))
                 with config_fields(ours_lora, moe_lora_kernel="peft"):
                     measure(batch_name, "ours_lora_peft_fold", ours_lora, ours_step(ours_lora), sum(lengths))
     builtin = ours = models = None  # release the GPU memory before the next model (the closures above are done)

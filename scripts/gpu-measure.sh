@@ -20,7 +20,12 @@
 #   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~2 min
 #   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~1 min
 #   trace-1p4b   trace_train_step.py, hybrid 1.4B, RL batch (kernel-bound: where the kernels go)     ~3 min
-#   gpu-tests    the whole tests/test_gpu.py                                                         ~5 min
+#   gpu-tests    the whole tests/test_gpu.py                                                         ~8 min
+#   real-shapes  tests/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise)    ~4 min
+#   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
+#   moe-locate   moe_batch_invariance.py --shapes 35b-a3b, block and model level (+ short documents) ~3 min
+#   expert-lora  tests/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
+#                bench_moe.py's LoRA rows with the low-rank products and with PEFT's path            ~6 min
 #
 # Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
 # earlier runs of the same scripts; the 10-minute limit cuts a stage that runs over, and what it wrote under
@@ -87,6 +92,25 @@ case "$stage" in
     target=$([ "$stage" = trace-0p8b ] && echo "qwen35_0p8b uniform_128_2048_x8" || echo "hybrid_1p4b rl_longtail_x16")
     read -r model batch <<< "$target"
     step "$stage" python3 benchmarks/trace_train_step.py --model "$model" --batch "$batch" --out "$OUT/$stage.json"
+    ;;
+  real-shapes)
+    step real-shapes env QWEN35_GPU_RESULTS="$OUT/real-shapes.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_real_shapes.py
+    ;;
+  full-depth)
+    step full-depth python3 benchmarks/full_depth_exactness.py --out "$OUT/full-depth.json"
+    ;;
+  moe-locate)
+    step moe-locate-block python3 benchmarks/moe_batch_invariance.py --shapes 35b-a3b --out "$OUT/moe-locate-block.json"
+    step moe-locate-model python3 benchmarks/moe_batch_invariance.py --shapes 35b-a3b --model --extra-docs 1,7,64 \
+      --out "$OUT/moe-locate-model.json"
+    ;;
+  expert-lora)
+    step gpu-tests-expert-lora env QWEN35_GPU_RESULTS="$OUT/gpu-tests-expert-lora.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k expert_lora
+    step moe-expert-lora python3 benchmarks/bench_moe.py --vocabs 65536 \
+      --batches rl_longtail_x16 --runs builtin_lora,ours_lora_low_rank,ours_lora_peft_fold --skip-experts \
+      --out "$OUT/moe-expert-lora.json"
     ;;
   gpu-tests)
     step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
