@@ -1,11 +1,12 @@
 """Rope as transformers' built-in Qwen3.5 reads it: a config without `mrope_section` (dense, MoE, vision-language)
-and every scaled rope type the built-in implements, logits equal to the built-in's (CPU, fp32, tiny models)."""
+and every scaled rope type the built-in implements, logits equal to the built-in's (CPU, fp32, tiny models); and the
+positions and angles the rotary embedding gets for packed documents in every packing form, written out."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import builtin_pair, requires_builtin_qwen35, tiny_kwargs
+from conftest import builtin_pair, packed_model, requires_builtin_qwen35, tiny_kwargs
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 from qwen35_packed import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
@@ -99,3 +100,80 @@ def test_scaled_rope_packed_equals_per_document():
         packed = model(input_ids=torch.cat(docs)[None], cu_seqlens=cu).logits[0]
         alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
     assert (packed - alone).abs().max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ positions of packed documents
+
+# One row of three documents (3, 1 and 4 tokens) in every packing form, and a padded batch (left and right padding, a
+# row of two documents by restarting position_ids): the positions rope gets on the packed stream, written out.
+ROW_POSITIONS = [0, 1, 2, 0, 0, 1, 2, 3]
+PADDED_POSITIONS = [0, 1, 2, 3, 4] + [0, 1, 2, 0, 1, 2, 3]
+PACKING_FORMS = {
+    "cu_seqlens": dict(cu_seqlens=torch.tensor([0, 3, 4, 8])),
+    "cu_seq_lens_q/k": dict(
+        cu_seq_lens_q=torch.tensor([0, 3, 4, 8]), cu_seq_lens_k=torch.tensor([0, 3, 4, 8]), max_length_q=4
+    ),
+    "position_ids": dict(position_ids=torch.tensor([ROW_POSITIONS])),
+    "seq_idx": dict(seq_idx=torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]])),
+    "padded": dict(
+        attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]]),
+        position_ids=torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3, 0]]),
+    ),
+}
+
+
+def _rope_call(model, rotary, **inputs):
+    """(positions, cos, sin) of the one call of the rotary embedding `rotary` in a forward of `model`."""
+    seen = []
+    hook = rotary.register_forward_hook(lambda module, args, out: seen.append((args[0].clone(), *out)))
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        hook.remove()
+    (call,) = seen
+    return call
+
+
+def _packing_inputs(form):
+    kwargs = dict(PACKING_FORMS[form])
+    rows = kwargs["attention_mask"].shape[0] if "attention_mask" in kwargs else 1
+    ids = torch.randint(0, 100, (rows, 8), generator=torch.Generator().manual_seed(0))
+    return dict(input_ids=ids, **kwargs), PADDED_POSITIONS if form == "padded" else ROW_POSITIONS
+
+
+def _document_lengths(positions):
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+
+@pytest.mark.parametrize("form", sorted(PACKING_FORMS))
+def test_rope_positions_restart_at_every_document(form):
+    """Under the default rope, which is relative (a document whose positions do not restart still gets the logits of
+    a lone document, so logits alone cannot tell), the rotary embedding gets positions counting from 0 in every
+    document, and each document the cos / sin it gets alone: angle 0 (cos 1, sin 0) at each document start."""
+    model = packed_model("dense")
+    assert model.config.rope_parameters["rope_type"] == "default"
+    rotary = model.model.rotary_emb
+    inputs, expected = _packing_inputs(form)
+    positions, cos, sin = _rope_call(model, rotary, **inputs)
+    assert positions.tolist() == expected
+    starts = torch.tensor(expected) == 0
+    assert torch.equal(cos[starts], torch.ones_like(cos[starts])) and not sin[starts].any()
+    offset = 0
+    for length in _document_lengths(expected):
+        _, alone_cos, alone_sin = _rope_call(model, rotary, input_ids=torch.zeros(1, length, dtype=torch.long))
+        assert torch.equal(cos[offset : offset + length], alone_cos), (offset, length)
+        assert torch.equal(sin[offset : offset + length], alone_sin), (offset, length)
+        offset += length
+
+
+@pytest.mark.parametrize("form", ["cu_seqlens", "padded"])
+def test_vision_language_rope_positions_restart_at_every_document(form):
+    """The composite model's 3D (t, h, w) positions of text documents: each axis restarts at 0 in every document."""
+    from vl_tiny import packed_vl_model
+
+    model = packed_vl_model("dense")
+    inputs, expected = _packing_inputs(form)
+    positions, _, _ = _rope_call(model, model.model.language_model.rotary_emb, **inputs)
+    assert positions.tolist() == [expected] * 3
