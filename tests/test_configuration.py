@@ -164,11 +164,15 @@ def test_a_stated_mrope_section_must_cover_the_rotary_half_dim(interleaved):
     with pytest.raises(ValueError, match="must sum to the rotary half-dim 8"):
         Qwen3_5PackedConfig(**base, rope_parameters={**rope, "mrope_section": [2, 1, 1]})
     with pytest.raises(ValueError, match="must sum to the rotary half-dim 8"):
-        Qwen3_5PackedConfig(**base, rope_scaling={**rope, "mrope_section": [11, 11, 10]})
+        Qwen3_5PackedConfig(**base, rope_scaling={**rope, "mrope_section": [4, 4, 4]})
     assert Qwen3_5PackedConfig(**base, rope_parameters={**rope, "mrope_section": [3, 3, 2]}).rotary_dim == 16
-    # no stated sections: the official default is read as the built-in reads it (interleaved), whatever its sum
+    # no sections: the official default is read as the built-in reads it (interleaved), whatever its sum, also
+    # after a round trip through the saved dict, which then states it
     if interleaved:
-        assert Qwen3_5PackedConfig(**base, rope_parameters=rope).rope_parameters["mrope_section"] == [11, 11, 10]
+        config = Qwen3_5PackedConfig(**base, rope_parameters=rope)
+        assert config.rope_parameters["mrope_section"] == [11, 11, 10]
+        again = Qwen3_5PackedConfig.from_dict(config.to_dict())
+        assert again.rope_parameters == config.rope_parameters
 
 
 @requires_builtin_qwen35

@@ -338,8 +338,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
 
         self._init_moe_fields(kwargs)
         self.validate_layout()
-        if any(isinstance(source, dict) and "mrope_section" in source for source in (rope_parameters, rope_scaling)):
-            self._check_stated_mrope_section()
+        self._check_mrope_section()
         self._check_scaled_rope()  # before transformers 5's base __init__, whose own check raises a KeyError
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
@@ -348,16 +347,17 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         # set after the base __init__, which on transformers 4.x resets them to None unless found in kwargs.
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
 
-    def _check_stated_mrope_section(self) -> None:
-        """A stated `mrope_section` must cover the rotary half-dim exactly, interleaved or not: the built-in reads an
-        interleaved one whatever its sum, so a wrong one would quietly give other multimodal positions. (The official
-        default filled in for a config without one is read as the built-in reads it.)"""
+    def _check_mrope_section(self) -> None:
+        """An `mrope_section` must cover the rotary half-dim exactly, interleaved or not: the built-in reads an
+        interleaved one whatever its sum, so a wrong one would quietly give other multimodal positions. The one
+        exception is the official default [11, 11, 10], which the built-in (and this config) fills in for a config
+        without sections and which such a config saves: it is read as the built-in reads it, whatever the sum."""
         half = self.rotary_dim // 2
-        if sum(self.rope_parameters["mrope_section"]) != half:
+        sections = list(self.rope_parameters["mrope_section"])
+        if sections != QWEN3_5_ROPE_DEFAULTS["mrope_section"] and sum(sections) != half:
             raise ValueError(
-                f"mrope_section {self.rope_parameters['mrope_section']} must sum to the rotary half-dim {half} "
-                f"(head_dim {self.head_dim} x partial_rotary_factor {self.rope_parameters['partial_rotary_factor']} "
-                "/ 2)"
+                f"mrope_section {sections} must sum to the rotary half-dim {half} (head_dim {self.head_dim} x "
+                f"partial_rotary_factor {self.rope_parameters['partial_rotary_factor']} / 2)"
             )
 
     def _check_scaled_rope(self) -> None:
