@@ -243,6 +243,21 @@ def test_generate_from_inputs_embeds_without_attention_mask_equals_generate_from
         from_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
         from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
     assert torch.equal(from_embeds, from_ids[:, ids.shape[1] :])
+    # continuing a cache with embeddings of the prompt and the tokens generated so far (3 + 1 = 4 tokens)
+    with torch.no_grad():
+        first = model.generate(
+            inputs_embeds=model.get_input_embeddings()(ids),
+            max_new_tokens=3,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        continued = model.generate(
+            inputs_embeds=model.get_input_embeddings()(torch.cat([ids, first.sequences], dim=1)),
+            past_key_values=first.past_key_values,
+            max_new_tokens=1,
+            do_sample=False,
+        )
+    assert torch.equal(torch.cat([first.sequences, continued], dim=1), from_embeds)
 
 
 def test_prepare_inputs_for_generation_passes_other_kwargs_on():

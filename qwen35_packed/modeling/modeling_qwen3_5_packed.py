@@ -459,14 +459,16 @@ def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
 
 def new_columns(input_ids, attention_mask, inputs_embeds, cache: Qwen3_5PackedCache) -> int:
     """How many of the caller's last columns a cached generation step has not consumed yet. input_ids hold the whole
-    sequence when the prompt came as token ids, only the generated tokens after a prefill from inputs_embeds; the
-    attention mask, when there is one, spans it all."""
+    sequence when the prompt came as token ids, only the generated tokens after a prefill from inputs_embeds (none
+    when a cache is continued from longer inputs_embeds); the attention mask, when there is one, spans it all."""
     if attention_mask is not None:
         total = attention_mask.shape[1]
     else:
         total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
     count = total - cache.consumed_columns
-    if not 0 < count <= input_ids.shape[1]:
+    # the new columns are generated tokens (input_ids), or, continuing from embeddings, all embeddings
+    fits = count <= input_ids.shape[1] or (input_ids.shape[1] == 0 and count <= total)
+    if count <= 0 or not fits:
         raise ValueError(
             f"cannot tell the new tokens of a cached step: the cache consumed {cache.consumed_columns} columns of "
             f"{total}, with {input_ids.shape[1]} input_ids given"
@@ -705,7 +707,11 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None and cache.has_state:
-            inputs["input_ids"] = input_ids[:, -new_columns(input_ids, attention_mask, inputs_embeds, cache) :]
+            count = new_columns(input_ids, attention_mask, inputs_embeds, cache)
+            if count <= input_ids.shape[1]:
+                inputs["input_ids"] = input_ids[:, -count:]
+            else:  # continuing a cache from inputs_embeds that extend the cached prompt
+                inputs["inputs_embeds"] = inputs_embeds[:, -count:]
             inputs[_CACHE_KWARG] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
