@@ -321,6 +321,7 @@ def test_set_attn_implementation_maps_to_the_attention_kernel_or_raises():
         for implementation in ("eager", "sdpa"):
             model.set_attn_implementation(implementation)
             assert model.config.attention_kernel == "sdpa"
+            assert model.config._attn_implementation == model.model.config._attn_implementation == implementation
             assert torch.equal(model(ids).logits, expected)
     model.set_attn_implementation("flash_attention_2")
     assert model.config.attention_kernel == "flash_attn"

@@ -193,6 +193,9 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
                 "'auto', 'flash_attn', 'torch_varlen', 'sdpa')"
             )
         self.config.get_text_config().attention_kernel = kernel
+        for module in self.modules():  # the name transformers reads back, on every config a submodel holds
+            if isinstance(module, PreTrainedModel):
+                module.config._attn_implementation = requested
         log_once(
             logger,
             ("attn-implementation", requested),
