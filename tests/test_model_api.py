@@ -325,5 +325,5 @@ def test_set_attn_implementation_maps_to_the_attention_kernel_or_raises():
             assert torch.equal(model(ids).logits, expected)
     model.set_attn_implementation("flash_attention_2")
     assert model.config.attention_kernel == "flash_attn"
-    with pytest.raises(ValueError, match="not available for the packed Qwen3.5 model"):
+    with pytest.raises(ValueError, match='`attn_implementation="flex_attention"` is not supported by the packed'):
         model.set_attn_implementation("flex_attention")

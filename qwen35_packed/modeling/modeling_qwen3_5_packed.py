@@ -187,8 +187,8 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
             requested = attn_implementation.get("", attn_implementation.get("text_config"))
         kernel = ATTENTION_KERNEL_OF_IMPLEMENTATION.get(requested)
         if kernel is None:
-            raise ValueError(
-                f"attn_implementation={attn_implementation!r} is not available for the packed Qwen3.5 model; it "
+            raise ValueError(  # opening with transformers' own sentence for an unknown implementation
+                f'Specified `attn_implementation="{requested}"` is not supported by the packed Qwen3.5 model; it '
                 f"accepts {', '.join(map(repr, ATTENTION_KERNEL_OF_IMPLEMENTATION))} (config field attention_kernel: "
                 "'auto', 'flash_attn', 'torch_varlen', 'sdpa')"
             )
