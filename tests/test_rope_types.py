@@ -123,14 +123,22 @@ PACKING_FORMS = {
 
 
 def _rope_call(model, rotary, **inputs):
-    """(positions, cos, sin) of the one call of the rotary embedding `rotary` in a forward of `model`."""
+    """(positions, cos, sin) of the one call the model makes to the rotary embedding `rotary` (its `cos_sin` on
+    the packed stream) in a forward of `model`."""
     seen = []
-    hook = rotary.register_forward_hook(lambda module, args, out: seen.append((args[0].clone(), *out)))
+    original = rotary.cos_sin
+
+    def recorded(position_ids, dtype):
+        cos, sin = original(position_ids, dtype)
+        seen.append((position_ids.clone(), cos, sin))
+        return cos, sin
+
+    rotary.cos_sin = recorded
     try:
         with torch.no_grad():
             model(**inputs, use_cache=False)
     finally:
-        hook.remove()
+        del rotary.cos_sin
     (call,) = seen
     return call
 
@@ -177,3 +185,29 @@ def test_vision_language_rope_positions_restart_at_every_document(form):
     inputs, expected = _packing_inputs(form)
     positions, _, _ = _rope_call(model, model.model.language_model.rotary_emb, **inputs)
     assert positions.tolist() == [expected] * 3
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("rope_name", ["default", "linear", "dynamic", "yarn"])
+def test_rotary_module_has_the_builtin_interface(rope_name):
+    """`model.rotary_emb(x, position_ids)` with 2D or 3D (t, h, w) positions gives the built-in's cos / sin, and
+    `inv_freq` its buffer: tools and transformers' rope tests read the module that way."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    rope = {**BASE, "rope_type": "default", "mrope_section": [3, 3, 2]}
+    if rope_name != "default":
+        rope = {**rope, **SCALED[rope_name]}
+    kwargs = {**tiny_kwargs("dense"), "rope_parameters": rope, "max_position_embeddings": MAX_POSITIONS}
+    ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).model.rotary_emb
+    ref = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5TextConfig(**kwargs))
+    flat = torch.arange(2 * 60).view(2, 60)
+    grid = torch.stack([flat, flat // 3, flat % 7])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(1, dtype=dtype)
+        for positions in (flat, grid):
+            for got, expected in zip(ours(x, positions), ref(x, positions)):
+                assert got.dtype == expected.dtype == dtype and got.shape == expected.shape == (2, 60, 16)
+                if dtype == torch.float32:  # (bf16 may round an fp32 ulp apart the other way)
+                    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(ours.inv_freq, ref.original_inv_freq, rtol=0, atol=0)
