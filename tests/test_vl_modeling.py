@@ -572,3 +572,33 @@ def test_inputs_embeds_with_images_equal_input_ids_and_the_builtin():
             expected = ours.generate(**inputs, max_new_tokens=4, do_sample=False, **options)
             got = ours.generate(inputs_embeds=embeds, **vision, max_new_tokens=4, do_sample=False, **options)
         assert torch.equal(got, expected[:, ids.shape[1] :]), options
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
+def test_default_vision_tower_is_the_smallest_official_one(name):
+    """A composite config without vision_config gets the vision tower of the smallest official checkpoint of its
+    kind, projecting to the text model's hidden size, so that the default config builds a consistent model."""
+    path = REFERENCE_DIR / name / "config.json"
+    if not path.is_file():
+        pytest.skip("reference configs not available")
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+    from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration
+
+    official = json.loads(path.read_text())
+    cls = Qwen3_5MoePackedVLConfig if official["model_type"] == "qwen3_5_moe" else Qwen3_5PackedVLConfig
+    default = cls().vision_config.to_dict()
+    fields = [k for k in official["vision_config"] if k not in ("model_type", "deepstack_visual_indexes")]
+    official_text_hidden = official["text_config"]["hidden_size"]
+    assert {k: default[k] for k in fields if k != "out_hidden_size"} == {
+        k: official["vision_config"][k] for k in fields if k != "out_hidden_size"
+    }
+    assert official["vision_config"]["out_hidden_size"] == official_text_hidden
+    assert cls().vision_config.out_hidden_size == cls().text_config.hidden_size
+    config = cls(text_config={**official["text_config"], "num_hidden_layers": 1, "layer_types": None})
+    assert config.vision_config.out_hidden_size == official_text_hidden
+    assert cls(vision_config={"depth": 2}).vision_config.depth == 2  # a given vision_config is used as given
+    with torch.device("meta"):
+        Qwen3_5PackedForConditionalGeneration(cls(text_config={"num_hidden_layers": 1}))
