@@ -519,10 +519,16 @@ def test_beam_search_and_several_sequences_with_images_equal_the_builtin(kind):
         dict(num_beams=3),
         dict(num_beams=2, num_return_sequences=2),
         dict(do_sample=True, top_k=1, num_return_sequences=2),
+        # dict outputs read `attentions` (None) from each step's output
+        dict(num_beams=2, return_dict_in_generate=True, output_hidden_states=True, output_scores=True),
+        dict(return_dict_in_generate=True, output_hidden_states=True, use_cache=False),
     ):
         with torch.no_grad():
             expected = ref.generate(**inputs, max_new_tokens=4, **options)
             got = ours.generate(**inputs, max_new_tokens=4, **options)
+        if options.get("return_dict_in_generate"):
+            assert got.attentions is None and len(got.hidden_states) == len(expected.hidden_states) == 4
+            expected, got = expected.sequences, got.sequences
         assert torch.equal(got, expected), options
 
 
@@ -557,6 +563,10 @@ def test_inputs_embeds_with_images_equal_input_ids_and_the_builtin():
     with torch.no_grad():
         from_ids = ours(input_ids=ids, **vision).logits
         from_embeds = ours(inputs_embeds=embeds, **vision).logits
+        # the outputs carry the built-in's `attentions` field (always None: never formed)
+        assert (
+            ours(input_ids=ids, **vision).attentions is None and ours.model(input_ids=ids, **vision).attentions is None
+        )
         positions = ref.model.get_rope_index(
             ids,
             image_grid_thw=inputs["image_grid_thw"],

@@ -72,14 +72,16 @@ from .vision import Qwen3_5PackedVisionModel
 Qwen3_5PackedVLModelOutput = _output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
-    "the 3D positions used, [3, batch, seq] (zeros at pad positions).",
-    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always None (the varlen "
+    "kernels never form the attention matrix).",
+    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
 )
 Qwen3_5PackedVLCausalLMOutput = _output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
-    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions).",
-    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always "
+    "None (the varlen kernels never form the attention matrix).",
+    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
 )
 
 
