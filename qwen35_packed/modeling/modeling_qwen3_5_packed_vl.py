@@ -640,7 +640,9 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         return inputs
 
 
-class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration):
+# GenerationMixin named directly: transformers' Auto classes otherwise wrap a remote class in a copy that adds it
+# (`add_generation_mixin_to_remote_model`), so the loaded model would not be an instance of this class.
+class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration, GenerationMixin):
     config_class = Qwen3_5MoePackedVLConfig
 
 
