@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from conftest import packed_model, requires_builtin_qwen35
+from packaging.version import Version
 from vl_tiny import (
     IMAGE,
     PAD,
@@ -504,7 +505,9 @@ def _left_padded_image_rows(rows, grids):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_beam_search_and_several_sequences_with_images_equal_the_builtin(kind):
     """num_beams / num_return_sequences > 1 with images: each row's images are repeated with the row (rows holding
-    two, no and one image, left-padded); the sequences equal the built-in composite class's."""
+    two, no and one image, left-padded): every returned copy of a row continues it as greedy decoding of that row
+    does, and the sequences equal the built-in composite class's (transformers >= 5.23; older built-ins hand the
+    copies of a row the wrong images)."""
     ref, ours = builtin_vl_pair(kind, seed=3)
     grids = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]
     rows = [
@@ -515,6 +518,12 @@ def test_beam_search_and_several_sequences_with_images_equal_the_builtin(kind):
     inputs = _left_padded_image_rows(rows, grids)
     for model in (ref, ours):
         model.generation_config.pad_token_id = PAD
+    with torch.no_grad():
+        greedy = ours.generate(**inputs, max_new_tokens=4, do_sample=False)
+        copies = ours.generate(**inputs, max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=2)
+    assert torch.equal(copies, greedy.repeat_interleave(2, dim=0))
+    if Version(transformers.__version__) < Version("5.23"):
+        return
     for options in (
         dict(num_beams=3),
         dict(num_beams=2, num_return_sequences=2),
@@ -612,3 +621,28 @@ def test_default_vision_tower_is_the_smallest_official_one(name):
     assert cls(vision_config={"depth": 2}).vision_config.depth == 2  # a given vision_config is used as given
     with torch.device("meta"):
         Qwen3_5PackedForConditionalGeneration(cls(text_config={"num_hidden_layers": 1}))
+
+
+def test_config_signature_lists_every_composite_field():
+    """Tools that build a config from its class signature (transformers' test helpers among them) see every field
+    of the composite config, this project's vision options included, with their defaults."""
+    import inspect
+
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+
+    for cls in (Qwen3_5PackedVLConfig, Qwen3_5MoePackedVLConfig):
+        parameters = inspect.signature(cls.__init__).parameters
+        defaults = {
+            "text_config": None,
+            "vision_config": None,
+            "image_token_id": 248056,
+            "video_token_id": 248057,
+            "vision_start_token_id": 248053,
+            "vision_end_token_id": 248054,
+            "freeze_vision": False,
+            "vision_dummy_pass": False,
+        }
+        assert {name: parameters[name].default for name in defaults if name in parameters} == defaults, cls

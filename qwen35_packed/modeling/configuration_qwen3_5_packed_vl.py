@@ -91,8 +91,14 @@ if _BuiltinConfig is None or _BuiltinMoeConfig is None:
             vision_start_token_id=248053,
             vision_end_token_id=248054,
             tie_word_embeddings=False,
+            freeze_vision=False,
+            vision_dummy_pass=False,
             **kwargs,
         ):
+            # freeze_vision / vision_dummy_pass: this project's options, named here so that the signature lists
+            # every field (5.x lists them from the subclasses' annotations)
+            self.freeze_vision = freeze_vision
+            self.vision_dummy_pass = vision_dummy_pass
             for name, config_class in self.sub_configs_defaults.items():
                 value = text_config if name == "text_config" else vision_config
                 if isinstance(value, dict):
