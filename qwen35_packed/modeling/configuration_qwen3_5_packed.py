@@ -351,17 +351,25 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
 
     def _check_mrope_section(self) -> None:
-        """An `mrope_section` must cover the rotary half-dim exactly, interleaved or not: the built-in reads an
-        interleaved one whatever its sum, so a wrong one would quietly give other multimodal positions. The one
-        exception is the official default [11, 11, 10], which the built-in (and this config) fills in for a config
-        without sections and which such a config saves: it is read as the built-in reads it, whatever the sum."""
+        """Interleaved sections (Qwen3.5's layout) that do not sum to the rotary half-dim: the built-in reads them
+        whatever their sum, and so does this model (modeling/rope.py, the same frequencies), so they are accepted
+        as the built-in accepts them, with a one-time warning (it usually means a config written for another head
+        size). Contiguous ones that do not cover it raise in `validate_layout`. The official default [11, 11, 10],
+        which a config without sections gets and saves, passes without a warning."""
         half = self.rotary_dim // 2
         sections = list(self.rope_parameters["mrope_section"])
-        if sections != QWEN3_5_ROPE_DEFAULTS["mrope_section"] and sum(sections) != half:
-            raise ValueError(
-                f"mrope_section {sections} must sum to the rotary half-dim {half} (head_dim {self.head_dim} x "
-                f"partial_rotary_factor {self.rope_parameters['partial_rotary_factor']} / 2)"
-            )
+        if sections == QWEN3_5_ROPE_DEFAULTS["mrope_section"] or sum(sections) == half:
+            return
+        log_once(
+            logger,
+            ("mrope_section", tuple(sections), half),
+            "mrope_section %s does not sum to the rotary half-dim %d (head_dim %d x partial_rotary_factor %s / 2); "
+            "read interleaved, as the built-in reads it",
+            sections,
+            half,
+            self.head_dim,
+            self.rope_parameters["partial_rotary_factor"],
+        )
 
     def _check_scaled_rope(self) -> None:
         """Scaled rope types read their parameters through transformers' own functions (modeling/rope.py): run
