@@ -1,7 +1,7 @@
 """What the remote code copied into model folders may do, checked on its source and while it runs.
 
 The remote-code files run inside other people's jobs with `trust_remote_code=True`. They import nothing beyond
-torch, transformers, the standard library's harmless modules, the optional kernels (fla, flash_attn, triton) and each
+torch, transformers, the standard library's harmless modules, the optional kernels (fla, flash_attn, flash_qla, triton) and each
 other; they make no network calls, start no processes, evaluate no strings, unpickle nothing (no `torch.load`:
 weights come through transformers from safetensors), open no files, and change no process-wide state (environment,
 torch's global settings, logging and warning configuration, sys.modules / sys.path).
@@ -20,8 +20,9 @@ import pytest
 from qwen35_packed.conversion.remote_code import remote_code_files
 
 ROOT = Path(__file__).resolve().parents[1]
-# triton: the GPU kernel language of modeling/triton_conv.py (imported optionally, like fla and flash_attn).
-OPTIONAL_KERNELS = {"fla", "flash_attn", "triton"}
+# triton: the GPU kernel language of modeling/triton_conv.py; flash_qla: the GDN backend FlashQLA (both imported
+# optionally, like fla and flash_attn).
+OPTIONAL_KERNELS = {"fla", "flash_attn", "flash_qla", "triton"}
 # Standard-library modules with no business in model code: network, processes, serialisation that executes code,
 # files and the environment (os), native calls, dynamic imports.
 FORBIDDEN_STDLIB = {
@@ -118,7 +119,7 @@ def _check_module(module: str | None, node, report) -> None:
     elif top not in sys.stdlib_module_names:
         report(
             node,
-            f"import of {module} (neither torch, transformers, the standard library nor fla / flash_attn / triton)",
+            f"import of {module} (neither torch, transformers, the standard library nor fla / flash_attn / flash_qla / triton)",
         )
 
 
