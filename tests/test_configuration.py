@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import requires_builtin_qwen35
+from conftest import requires_builtin_qwen35, tiny_kwargs
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
@@ -120,3 +120,93 @@ def test_example_config_is_the_official_file(name):
         pytest.skip("reference configs not available")
     copy = Path(__file__).resolve().parents[1] / "examples" / "configs" / f"{name}.config.json"
     assert copy.read_bytes() == (REFERENCE / name / "config.json").read_bytes()
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("moe", [False, True])
+def test_every_field_is_a_parameter_with_the_builtin_default(moe):
+    """Tools (transformers' model testers among them) build configs from the signature: a field taken only through
+    **kwargs gets the full-size default (256 experts). Every field of the built-in config is a parameter of ours,
+    with the built-in's default (max_position_embeddings: the official checkpoints' 262,144)."""
+    import dataclasses
+    import inspect
+
+    ours, builtin = (
+        (Qwen3_5MoePackedConfig, transformers.Qwen3_5MoeTextConfig)
+        if moe
+        else (Qwen3_5PackedConfig, transformers.Qwen3_5TextConfig)
+    )
+    parameters = inspect.signature(ours.__init__).parameters
+    own_fields = set(builtin.__annotations__)  # declared by the Qwen3.5 config itself, not PreTrainedConfig
+    builtin_defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(builtin)
+        if f.name in own_fields and f.default is not dataclasses.MISSING
+    }
+    assert builtin_defaults, "the built-in config lists no fields"
+    for name, default in builtin_defaults.items():
+        if name == "max_position_embeddings":
+            continue
+        assert name in parameters, name
+        assert parameters[name].default == default, name
+    assert parameters["max_position_embeddings"].default == 262144
+    if moe:
+        small = {name: 2 for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+        config = ours(**{**tiny_kwargs("moe"), **small, "shared_expert_intermediate_size": 4})
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (2, 2, 2)
+        assert config.shared_expert_intermediate_size == 4
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_a_stated_mrope_section_must_cover_the_rotary_half_dim(interleaved, caplog):
+    rope = {"rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_interleaved": interleaved}
+    base = {k: v for k, v in tiny_kwargs("dense").items() if k != "rope_parameters"}  # head_dim 32: half-dim 8
+    for bad in (
+        {"rope_parameters": {**rope, "mrope_section": [2, 1, 1]}},
+        {"rope_scaling": {**rope, "mrope_section": [4, 4, 5]}},
+    ):
+        if interleaved:  # the built-in reads these; so do we, saying so once
+            with caplog.at_level("WARNING"):
+                Qwen3_5PackedConfig(**base, **bad)
+            assert "does not sum to the rotary half-dim 8" in caplog.text
+            caplog.clear()
+        else:
+            with pytest.raises(ValueError, match="must sum to the rotary half-dim 8"):
+                Qwen3_5PackedConfig(**base, **bad)
+    assert Qwen3_5PackedConfig(**base, rope_parameters={**rope, "mrope_section": [3, 3, 2]}).rotary_dim == 16
+    # no sections: the official default is read as the built-in reads it (interleaved), whatever its sum, also
+    # after a round trip through the saved dict, which then states it
+    if interleaved:
+        config = Qwen3_5PackedConfig(**base, rope_parameters=rope)
+        assert config.rope_parameters["mrope_section"] == [11, 11, 10]
+        again = Qwen3_5PackedConfig.from_dict(config.to_dict())
+        assert again.rope_parameters == config.rope_parameters
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("moe", [False, True])
+def test_tensor_parallel_plan_names_modules_of_the_model(moe):
+    """The built-in's plan for attention, GDN and dense / shared-expert MLPs, every entry naming modules the model
+    has; no entry for the routed experts (replicated; no expert-parallel plan) nor for lm_head (the loss reads its
+    weight directly)."""
+    import re
+
+    config_class, model_class = (
+        (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM)
+        if moe
+        else (Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM)
+    )
+    kind = "moe" if moe else "dense"
+    overrides = {"mlp_only_layers": [0], "intermediate_size": 64} if moe else {}  # a dense MLP layer in the MoE too
+    model = model_class(config_class(**{**tiny_kwargs(kind), **overrides}))
+    plan = config_class.base_model_tp_plan
+    builtin = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig).base_model_tp_plan
+    names = [name for name, _ in model.model.named_modules()]
+    for pattern, style in plan.items():
+        assert builtin[pattern] == style, pattern
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        assert any(regex.match(name) for name in names), pattern
+    assert not [p for p in plan if ".experts" in p] and getattr(config_class, "base_model_ep_plan", None) is None
+    missing = set(builtin) - set(plan)
+    assert missing == ({p for p in builtin if ".experts" in p} if moe else set())
+    assert "lm_head" not in (getattr(model, "_tp_plan", None) or {})

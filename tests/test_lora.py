@@ -1,6 +1,7 @@
-"""PEFT LoRA on packed Qwen3.5: the config helper, adapters that really act (GDN, attention, MLP, experts),
-merge/unmerge equality, merged names/shapes = the base state dict (what the vLLM sync sends), adapter save/load,
-the TRL CLI flags, and the errors."""
+"""PEFT LoRA on packed Qwen3.5: the config helper, the modules and expert parameters each target group wraps per
+layer (written out by name), adapters that really act (GDN, attention, MLP, experts), merge/unmerge equality, merged
+names/shapes = the base state dict (what the vLLM sync sends), adapter save/load, the TRL CLI flags, and the
+errors."""
 
 import pytest
 import torch
@@ -74,6 +75,85 @@ def test_config_dense_and_moe():
         "down_proj",
     }
     assert not any("conv1d" in n or "lm_head" in n or "embed" in n for n in names)
+
+
+# What PEFT wraps in the tiny models (layers 0-2 Gated DeltaNet, layer 3 full attention), written out by name: a
+# fault in the target patterns or the expert parameter list changes these sets whatever the module's constants say.
+GDN = {
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+    "linear_attn.out_proj",
+}
+ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+DENSE_MLP = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+SHARED_EXPERT = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"}
+EXPERTS = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}  # 3D parameters, through PEFT's ParamWrapper
+LINEAR_LAYERS, ATTENTION_LAYERS = (0, 1, 2), (3,)
+
+
+def _expected_targets(kind, groups):
+    """{layer: the names PEFT must wrap there} for the target groups `groups` of the tiny `kind` model."""
+    per_layer = {}
+    for layer in LINEAR_LAYERS + ATTENTION_LAYERS:
+        names = set()
+        if "gdn" in groups and layer in LINEAR_LAYERS:
+            names |= GDN
+        if "attention" in groups and layer in ATTENTION_LAYERS:
+            names |= ATTENTION
+        if "mlp" in groups:
+            names |= SHARED_EXPERT if kind == "moe" else DENSE_MLP
+        if "experts" in groups and kind == "moe":
+            names |= EXPERTS
+        per_layer[layer] = names
+    return per_layer
+
+
+def _wrapped_targets(peft_model):
+    """{layer: names PEFT wrapped there}: a LoRA nn.Linear by its module path, a ParamWrapper by the path of the
+    parameter it adapts (PEFT nests one wrapper per parameter of a module through `base_layer`)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    per_layer = {layer: set() for layer in LINEAR_LAYERS + ATTENTION_LAYERS}
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        path = name.removeprefix("base_model.model.model.layers.").replace(".base_layer", "")
+        layer, _, inner = path.partition(".")
+        if isinstance(module, ParamWrapper):
+            inner = f"{inner}.{module.parameter_name}"
+        per_layer[int(layer)].add(inner)
+    return per_layer
+
+
+@pytest.mark.parametrize(
+    "kind, groups",
+    [
+        ("dense", ["gdn"]),
+        ("dense", ["attention"]),
+        ("dense", ["mlp"]),
+        ("dense", None),  # the default: every group the dense model has
+        ("moe", ["gdn"]),
+        ("moe", ["attention"]),
+        ("moe", ["mlp"]),
+        ("moe", ["experts"]),
+        ("moe", ["attention", "experts"]),
+        ("moe", None),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "+".join(v or ["default"]),
+)
+def test_each_group_wraps_exactly_the_named_modules(kind, groups):
+    """Per layer, the modules and expert parameters PEFT wraps for each target group equal the names written out
+    above; nothing else (conv1d, norms, router, shared-expert gate, embeddings, lm_head) gets an adapter."""
+    model = _model(kind)
+    config = lora_config(model, r=2) if groups is None else lora_config(model, r=2, targets=groups)
+    wrapped = peft.get_peft_model(model, config)
+    expected = _expected_targets(kind, ["gdn", "attention", "mlp", "experts"] if groups is None else groups)
+    assert _wrapped_targets(wrapped) == expected
+    # Every wrapped name carries one adapter pair: as many lora_A as names.
+    lora_a = [n for n, _ in wrapped.named_parameters() if ".lora_A." in n]
+    assert len(lora_a) == sum(len(names) for names in expected.values())
 
 
 @pytest.mark.parametrize("group", ["gdn", "attention", "mlp", "experts"])

@@ -1,6 +1,7 @@
 """Chunked linear cross-entropy: equal to plain cross-entropy on full logits and to the previous per-chunk
 formulation (F.cross_entropy + softmax gradient), compiled equal to eager, kept logits in the caller's layout, and
-`return_logits_with_loss=False` changing nothing but the returned logits."""
+`return_logits_with_loss=False` changing nothing but the returned logits; the targets of packed documents (written
+out: none crosses a document end) and the model's loss over them divided by `num_items_in_batch`."""
 
 import re
 
@@ -364,9 +365,10 @@ def test_no_logits_sized_tensor_outlives_a_training_forward():
 
 
 def test_return_logits_with_loss_is_validated_and_saved(tmp_path):
-    from qwen35_packed import Qwen3_5PackedConfig
+    from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 
     assert Qwen3_5PackedConfig(**tiny_kwargs("dense")).return_logits_with_loss == "auto"
+    assert Qwen3_5MoePackedConfig(**tiny_kwargs("moe")).return_logits_with_loss == "auto"
     for setting in (True, False):
         config = Qwen3_5PackedConfig(**tiny_kwargs("dense"), return_logits_with_loss=setting)
         config.save_pretrained(tmp_path)
@@ -469,3 +471,103 @@ def test_backward_allocates_nothing_of_logits_size():
         loss.backward()
     assert 0 < LargestOutput.largest < tokens * vocab // 4  # the largest is the lm_head weight gradient
     assert hidden.grad is not None and weight.grad is not None
+
+
+# ------------------------------------------------------------------------------------------ targets on the stream
+
+# Three documents of 3, 1 and 4 tokens in one row (token values = 10 + their index, so a target names its token).
+# Token t predicts token t+1 of its own document; each document's last token, the 1-token document included, has
+# no target: none predicts the next document's first token.
+PACKED_IDS = torch.arange(10, 18)[None]
+PACKED_CU = torch.tensor([0, 3, 4, 8])
+PACKED_TARGETS = [11, 12, -100, -100, 15, 16, 17, -100]
+
+
+def _packed_stream(**packing):
+    from qwen35_packed.modeling.packing import build_packed_sequence
+
+    return build_packed_sequence(tuple(PACKED_IDS.shape), torch.device("cpu"), **packing)
+
+
+@pytest.mark.parametrize(
+    "packing",
+    [
+        dict(cu_seqlens=PACKED_CU),
+        dict(position_ids=torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])),
+        dict(seq_idx=torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]])),
+    ],
+    ids=["cu_seqlens", "position_ids", "seq_idx"],
+)
+def test_targets_never_cross_a_document_end(packing):
+    """The targets of the packed stream from `labels` (shifted within documents) and from `shift_labels` (used as
+    given, with -100 at document ends), written out."""
+    from qwen35_packed.modeling.packing import loss_targets
+
+    packed = _packed_stream(**packing)
+    assert loss_targets(packed, labels=PACKED_IDS).tolist() == PACKED_TARGETS
+    shift_labels = torch.tensor([PACKED_TARGETS])
+    assert loss_targets(packed, shift_labels=shift_labels).tolist() == PACKED_TARGETS
+    for end in (2, 3):  # the last token of the first document, and the 1-token document
+        crossing = shift_labels.clone()
+        crossing[0, end] = 10 + end + 1  # the first token of the next document
+        with pytest.raises(ValueError, match=f"real token {end}, the last of its document"):
+            loss_targets(packed, shift_labels=crossing)
+    # The stream's last token may keep a target (a row can be one chunk of a longer sequence).
+    continued = shift_labels.clone()
+    continued[0, -1] = 3
+    assert loss_targets(packed, shift_labels=continued).tolist() == PACKED_TARGETS[:-1] + [3]
+
+
+class _WrappedHead(torch.nn.Linear):
+    """An lm_head that is not a plain nn.Linear (as an adapter makes it): the model's unchunked loss path."""
+
+
+def _model_with_head(head: str):
+    model = packed_model("dense")
+    if head == "wrapped":
+        plain = model.lm_head
+        model.lm_head = _WrappedHead(plain.in_features, plain.out_features, bias=False)
+        model.lm_head.weight = plain.weight
+    return model
+
+
+@pytest.mark.parametrize("head", ["plain", "wrapped"])
+@pytest.mark.parametrize("num_items_in_batch", [None, 13, torch.tensor(13)], ids=["none", "13", "tensor-13"])
+def test_model_loss_is_the_cross_entropy_of_the_written_targets(head, num_items_in_batch):
+    """The model's loss on a packed row equals the cross-entropy of its own logits against the targets written out
+    above, summed and divided by `num_items_in_batch` (gradient accumulation: the target count of all micro-batches,
+    here 13) or, without it, by the 5 targets of the row. Both heads: the chunked loss of a plain lm_head and the
+    plain cross-entropy of a wrapped one."""
+    model = _model_with_head(head)
+    kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    with torch.no_grad():
+        out = model(PACKED_IDS, labels=PACKED_IDS, cu_seqlens=PACKED_CU, **kwargs)
+    assert (head == "plain") == (type(model.lm_head) is torch.nn.Linear)
+    total = F.cross_entropy(out.logits[0], torch.tensor(PACKED_TARGETS), ignore_index=-100, reduction="sum")
+    denominator = 5 if num_items_in_batch is None else 13
+    torch.testing.assert_close(out.loss, total / denominator, rtol=1e-6, atol=0)
+    # The same logits scored with one shift across the row (what a missing document end would do) differ.
+    crossing = F.cross_entropy(out.logits[0, :-1], PACKED_IDS[0, 1:], reduction="sum") / denominator
+    assert abs(crossing.item() - out.loss.item()) > 1e-2
+
+
+@pytest.mark.parametrize("head", ["plain", "wrapped"])
+def test_padded_batch_loss_uses_num_items_in_batch(head):
+    """A padded batch (left and right padding, a row of two documents by restarting position_ids): the loss is the
+    written-out targets' cross-entropy over `num_items_in_batch`, and the gradient scales with 1 / it."""
+    model = _model_with_head(head).train()
+    model.config.return_logits_with_loss = True  # the logits of the training forward are read
+    ids = torch.tensor([[0, 0, 20, 21, 22, 23], [30, 31, 32, 40, 41, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    positions = torch.tensor([[0, 0, 0, 1, 2, 3], [0, 1, 2, 0, 1, 0]])
+    targets = torch.tensor([[-100, -100, 21, 22, 23, -100], [31, 32, -100, 41, -100, -100]])
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = {}
+    for n in (6, 24):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, position_ids=positions, labels=labels, num_items_in_batch=n)
+        out.loss.backward()
+        total = F.cross_entropy(out.logits.detach().reshape(-1, 128), targets.reshape(-1), reduction="sum")
+        torch.testing.assert_close(out.loss.detach(), total / n, rtol=1e-6, atol=0)
+        grads[n] = model.lm_head.weight.grad.clone()
+    torch.testing.assert_close(grads[6], 4 * grads[24], rtol=1e-5, atol=1e-7)

@@ -228,3 +228,102 @@ def test_a_filled_transformers_cache_is_refused():
         filled = ref(ids, use_cache=True).past_key_values
         with pytest.raises(ValueError, match="cannot be continued by the packed Qwen3.5 model"):
             ours(ids[:, -1:], past_key_values=filled)
+
+
+# ------------------------------------------------------------------------------------------------ generation API
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_generate_from_inputs_embeds_without_attention_mask_equals_generate_from_ids(kind):
+    """Prefill from inputs_embeds, then decode: the cached steps must take the generated token (a cache that counted
+    the columns from input_ids alone fed none, `step must be nonzero`)."""
+    model = packed_model(kind)
+    ids = torch.randint(3, 120, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        from_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
+        from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, ids.shape[1] :])
+    # continuing a cache with embeddings of the prompt and the tokens generated so far (3 + 1 = 4 tokens)
+    with torch.no_grad():
+        first = model.generate(
+            inputs_embeds=model.get_input_embeddings()(ids),
+            max_new_tokens=3,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        continued = model.generate(
+            inputs_embeds=model.get_input_embeddings()(torch.cat([ids, first.sequences], dim=1)),
+            past_key_values=first.past_key_values,
+            max_new_tokens=1,
+            do_sample=False,
+        )
+    assert torch.equal(torch.cat([first.sequences, continued], dim=1), from_embeds)
+
+
+def test_prepare_inputs_for_generation_passes_other_kwargs_on():
+    model = packed_model("dense")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    extra = {"output_hidden_states": True, "custom_arg": "value", "numeric_arg": 42}
+    inputs = model.prepare_inputs_for_generation(ids, position_ids=torch.arange(3).repeat(2, 1), **extra)
+    assert torch.equal(inputs["input_ids"], ids)
+    assert {k: inputs[k] for k in extra} == extra
+    assert "position_ids" not in inputs  # positions come from the mask and the cache
+
+
+def test_generate_passes_model_kwargs_to_forward():
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (1, 4))
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_hidden_states=True
+        )
+    # one tuple per step, each with the embeddings + one state per layer
+    assert len(out.hidden_states) == 2 and len(out.hidden_states[0]) == model.config.num_hidden_layers + 1
+    assert out.hidden_states[1][0].shape == (1, 1, model.config.hidden_size)
+    with pytest.raises((TypeError, ValueError), match="custom_arg"):  # generate() or forward refuses it
+        model.generate(ids, max_new_tokens=1, custom_arg=1)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_outputs_carry_attentions_as_none_and_moe_classes_generate(kind):
+    from transformers import GenerationMixin
+
+    model = packed_model(kind)
+    assert GenerationMixin in type(model).__bases__
+    ids = torch.randint(3, 120, (1, 4))
+    with torch.no_grad():
+        assert model(ids).attentions is None and model.model(ids).attentions is None
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert out.attentions is None and out.sequences.shape == (1, 6)
+
+
+@pytest.mark.parametrize("how", ["argument", "generation_config"])
+@pytest.mark.parametrize("implementation", ["static", "offloaded", "sliding_window"])
+def test_caches_other_than_its_own_are_refused_by_generate(how, implementation):
+    from transformers import GenerationConfig
+
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (1, 4))
+    kwargs = (
+        {"cache_implementation": implementation}
+        if how == "argument"
+        else {"generation_config": GenerationConfig(cache_implementation=implementation, max_new_tokens=2)}
+    )
+    with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' is not supported"):
+        model.generate(ids, max_new_tokens=2, **kwargs)
+
+
+def test_set_attn_implementation_maps_to_the_attention_kernel_or_raises():
+    model = packed_model("moe")
+    ids = torch.randint(3, 120, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for implementation in ("eager", "sdpa"):
+            model.set_attn_implementation(implementation)
+            assert model.config.attention_kernel == "sdpa"
+            assert model.config._attn_implementation == model.model.config._attn_implementation == implementation
+            assert torch.equal(model(ids).logits, expected)
+    model.set_attn_implementation("flash_attention_2")
+    assert model.config.attention_kernel == "flash_attn"
+    with pytest.raises(ValueError, match='`attn_implementation="flex_attention"` is not supported by the packed'):
+        model.set_attn_implementation("flex_attention")

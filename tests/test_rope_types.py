@@ -1,11 +1,12 @@
 """Rope as transformers' built-in Qwen3.5 reads it: a config without `mrope_section` (dense, MoE, vision-language)
-and every scaled rope type the built-in implements, logits equal to the built-in's (CPU, fp32, tiny models)."""
+and every scaled rope type the built-in implements, logits equal to the built-in's (CPU, fp32, tiny models); and the
+positions and angles the rotary embedding gets for packed documents in every packing form, written out."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import builtin_pair, requires_builtin_qwen35, tiny_kwargs
+from conftest import builtin_pair, packed_model, requires_builtin_qwen35, tiny_kwargs
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 from qwen35_packed import Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
@@ -99,3 +100,114 @@ def test_scaled_rope_packed_equals_per_document():
         packed = model(input_ids=torch.cat(docs)[None], cu_seqlens=cu).logits[0]
         alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
     assert (packed - alone).abs().max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ positions of packed documents
+
+# One row of three documents (3, 1 and 4 tokens) in every packing form, and a padded batch (left and right padding, a
+# row of two documents by restarting position_ids): the positions rope gets on the packed stream, written out.
+ROW_POSITIONS = [0, 1, 2, 0, 0, 1, 2, 3]
+PADDED_POSITIONS = [0, 1, 2, 3, 4] + [0, 1, 2, 0, 1, 2, 3]
+PACKING_FORMS = {
+    "cu_seqlens": dict(cu_seqlens=torch.tensor([0, 3, 4, 8])),
+    "cu_seq_lens_q/k": dict(
+        cu_seq_lens_q=torch.tensor([0, 3, 4, 8]), cu_seq_lens_k=torch.tensor([0, 3, 4, 8]), max_length_q=4
+    ),
+    "position_ids": dict(position_ids=torch.tensor([ROW_POSITIONS])),
+    "seq_idx": dict(seq_idx=torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]])),
+    "padded": dict(
+        attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]]),
+        position_ids=torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3, 0]]),
+    ),
+}
+
+
+def _rope_call(model, rotary, **inputs):
+    """(positions, cos, sin) of the one call the model makes to the rotary embedding `rotary` (its `cos_sin` on
+    the packed stream) in a forward of `model`."""
+    seen = []
+    original = rotary.cos_sin
+
+    def recorded(position_ids, dtype):
+        cos, sin = original(position_ids, dtype)
+        seen.append((position_ids.clone(), cos, sin))
+        return cos, sin
+
+    rotary.cos_sin = recorded
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        del rotary.cos_sin
+    (call,) = seen
+    return call
+
+
+def _packing_inputs(form):
+    kwargs = dict(PACKING_FORMS[form])
+    rows = kwargs["attention_mask"].shape[0] if "attention_mask" in kwargs else 1
+    ids = torch.randint(0, 100, (rows, 8), generator=torch.Generator().manual_seed(0))
+    return dict(input_ids=ids, **kwargs), PADDED_POSITIONS if form == "padded" else ROW_POSITIONS
+
+
+def _document_lengths(positions):
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+
+@pytest.mark.parametrize("form", sorted(PACKING_FORMS))
+def test_rope_positions_restart_at_every_document(form):
+    """Under the default rope, which is relative (a document whose positions do not restart still gets the logits of
+    a lone document, so logits alone cannot tell), the rotary embedding gets positions counting from 0 in every
+    document, and each document the cos / sin it gets alone: angle 0 (cos 1, sin 0) at each document start."""
+    model = packed_model("dense")
+    assert model.config.rope_parameters["rope_type"] == "default"
+    rotary = model.model.rotary_emb
+    inputs, expected = _packing_inputs(form)
+    positions, cos, sin = _rope_call(model, rotary, **inputs)
+    assert positions.tolist() == expected
+    starts = torch.tensor(expected) == 0
+    assert torch.equal(cos[starts], torch.ones_like(cos[starts])) and not sin[starts].any()
+    offset = 0
+    for length in _document_lengths(expected):
+        _, alone_cos, alone_sin = _rope_call(model, rotary, input_ids=torch.zeros(1, length, dtype=torch.long))
+        assert torch.equal(cos[offset : offset + length], alone_cos), (offset, length)
+        assert torch.equal(sin[offset : offset + length], alone_sin), (offset, length)
+        offset += length
+
+
+@pytest.mark.parametrize("form", ["cu_seqlens", "padded"])
+def test_vision_language_rope_positions_restart_at_every_document(form):
+    """The composite model's 3D (t, h, w) positions of text documents: each axis restarts at 0 in every document."""
+    from vl_tiny import packed_vl_model
+
+    model = packed_vl_model("dense")
+    inputs, expected = _packing_inputs(form)
+    positions, _, _ = _rope_call(model, model.model.language_model.rotary_emb, **inputs)
+    assert positions.tolist() == [expected] * 3
+
+
+@requires_builtin_qwen35
+@pytest.mark.parametrize("rope_name", ["default", "linear", "dynamic", "yarn"])
+def test_rotary_module_has_the_builtin_interface(rope_name):
+    """`model.rotary_emb(x, position_ids)` with 2D or 3D (t, h, w) positions gives the built-in's cos / sin, and
+    `inv_freq` its buffer: tools and transformers' rope tests read the module that way."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    rope = {**BASE, "rope_type": "default", "mrope_section": [3, 3, 2]}
+    if rope_name != "default":
+        rope = {**rope, **SCALED[rope_name]}
+    kwargs = {**tiny_kwargs("dense"), "rope_parameters": rope, "max_position_embeddings": MAX_POSITIONS}
+    ours = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).model.rotary_emb
+    ref = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5TextConfig(**kwargs))
+    flat = torch.arange(2 * 60).view(2, 60)
+    grid = torch.stack([flat, flat // 3, flat % 7])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(1, dtype=dtype)
+        for positions in (flat, grid):
+            for got, expected in zip(ours(x, positions), ref(x, positions)):
+                assert got.dtype == expected.dtype == dtype and got.shape == expected.shape == (2, 60, 16)
+                if dtype == torch.float32:  # (bf16 may round an fp32 ulp apart the other way)
+                    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(ours.inv_freq, ref.original_inv_freq, rtol=0, atol=0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from conftest import packed_model, requires_builtin_qwen35
+from packaging.version import Version
 from vl_tiny import (
     IMAGE,
     PAD,
@@ -338,7 +339,7 @@ def test_freeze_vision():
         ("grid_without_pixels", "image_grid_thw was given without pixel_values"),
         ("pixel_rows_mismatch", "patches but the grids"),
         ("pixel_width", "must be \\[num_patches"),
-        ("embeds_with_images", "need input_ids"),
+        ("embeds_without_placeholders", "grids without tokens"),
         ("type_ids", "mm_token_type_ids contradict"),
         ("use_cache_packed", "use_cache=True needs one document per row"),
     ],
@@ -366,7 +367,7 @@ def test_bad_input(case, message):
         kwargs.update(pixel_values=kwargs["pixel_values"][:-1])
     elif case == "pixel_width":
         kwargs.update(pixel_values=kwargs["pixel_values"][:, :-1])
-    elif case == "embeds_with_images":
+    elif case == "embeds_without_placeholders":  # images given, no embedding equals the image token's
         kwargs.update(input_ids=None, inputs_embeds=torch.zeros(1, ids.shape[1], 64))
     elif case == "type_ids":
         kwargs.update(mm_token_type_ids=token_types(ids) * 2)  # image tokens typed video (typed 0: text tokens)
@@ -450,8 +451,6 @@ def test_generate_with_images_equals_the_builtin():
         got = ours.generate(
             **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True
         )
-        with pytest.raises(ValueError, match="num_beams > 1 or num_return_sequences > 1 with images"):
-            ours.generate(**inputs, max_new_tokens=2, num_beams=2)
     assert torch.equal(got.sequences, expected.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores)) <= 1e-4
 
@@ -490,3 +489,163 @@ def test_one_packing_step_per_forward(monkeypatch):
             do_sample=False,
         )
     assert len(calls) == 2, calls  # the prefill packs once; the cached steps continue the cache's rows
+
+
+def _left_padded_image_rows(rows, grids):
+    width = max(len(r) for r in rows)
+    ids, mask = torch.full((len(rows), width), PAD), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+    return dict(
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_values=pixels_for(grids, torch.Generator().manual_seed(0)),
+        image_grid_thw=grid_tensor(grids),
+        mm_token_type_ids=token_types(ids),
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_beam_search_and_several_sequences_with_images_equal_the_builtin(kind):
+    """num_beams / num_return_sequences > 1 with images: each row's images are repeated with the row (rows holding
+    two, no and one image, left-padded): every returned copy of a row continues it as greedy decoding of that row
+    does, and the sequences equal the built-in composite class's (transformers >= 5.23; older built-ins hand the
+    copies of a row the wrong images)."""
+    ref, ours = builtin_vl_pair(kind, seed=3)
+    grids = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]
+    rows = [
+        [5, 6] + image_tokens(grids[0]) + [7, 8] + image_tokens(grids[1]),
+        [10, 11, 12],
+        [13] + image_tokens(grids[2]) + [14],
+    ]
+    inputs = _left_padded_image_rows(rows, grids)
+    for model in (ref, ours):
+        model.generation_config.pad_token_id = PAD
+    with torch.no_grad():
+        greedy = ours.generate(**inputs, max_new_tokens=4, do_sample=False)
+        copies = ours.generate(**inputs, max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=2)
+    assert torch.equal(copies, greedy.repeat_interleave(2, dim=0))
+    if Version(transformers.__version__) < Version("5.23"):
+        return
+    for options in (
+        dict(num_beams=3),
+        dict(num_beams=2, num_return_sequences=2),
+        dict(do_sample=True, top_k=1, num_return_sequences=2),
+        # dict outputs read `attentions` (None) from each step's output
+        dict(num_beams=2, return_dict_in_generate=True, output_hidden_states=True, output_scores=True),
+        dict(return_dict_in_generate=True, output_hidden_states=True, use_cache=False),
+    ):
+        with torch.no_grad():
+            expected = ref.generate(**inputs, max_new_tokens=4, **options)
+            got = ours.generate(**inputs, max_new_tokens=4, **options)
+        if options.get("return_dict_in_generate"):
+            assert got.attentions is None and len(got.hidden_states) == len(expected.hidden_states) == 4
+            expected, got = expected.sequences, got.sequences
+        assert torch.equal(got, expected), options
+
+
+def test_repeat_vision_per_row_repeats_each_rows_images_as_a_group():
+    from qwen35_packed.modeling.modeling_qwen3_5_packed_vl import repeat_vision_per_row
+
+    grids = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 4, 4]])  # 1, 2 and 4 tokens; 4, 8 and 16 patches
+    pixels = torch.arange(28.0).unsqueeze(-1)
+    # row 0: images 0 and 1 (3 tokens), row 1: none, row 2: image 2 (4 tokens)
+    got_pixels, got_grids = repeat_vision_per_row(pixels, grids, torch.tensor([3, 0, 4]), 2, 2)
+    rows_0 = list(range(12))
+    assert got_pixels.squeeze(-1).tolist() == rows_0 + rows_0 + list(range(12, 28)) * 2
+    assert got_grids.tolist() == [[1, 2, 2], [1, 2, 4], [1, 2, 2], [1, 2, 4], [1, 4, 4], [1, 4, 4]]
+    with pytest.raises(ValueError, match="row 0's image / video placeholder tokens do not match"):
+        repeat_vision_per_row(pixels, grids, torch.tensor([2, 0, 5]), 2, 2)
+    with pytest.raises(ValueError, match="1 images / videos have no placeholder tokens"):
+        repeat_vision_per_row(pixels, grids, torch.tensor([3, 0, 0]), 2, 2)
+
+
+def test_inputs_embeds_with_images_equal_input_ids_and_the_builtin():
+    """Images with `inputs_embeds` and no `input_ids`: placeholders are found by the image token's embedding (as the
+    built-in does) and get their grid positions, so the logits equal those from `input_ids` exactly, and the
+    built-in's given the same 3D positions; generate() from the embeddings alone, beams included, continues as from
+    the ids."""
+    ref, ours = builtin_vl_pair("dense", seed=4)
+    grids = [[1, 4, 4], [1, 2, 2]]
+    rows = [[5, 6] + image_tokens(grids[0]) + [7, 8, 9], [10] + image_tokens(grids[1]) + [11]]
+    inputs = _left_padded_image_rows(rows, grids)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"].bool()
+    embeds = ours.get_input_embeddings()(ids).detach()
+    vision = {k: inputs[k] for k in ("attention_mask", "pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        from_ids = ours(input_ids=ids, **vision).logits
+        from_embeds = ours(inputs_embeds=embeds, **vision).logits
+        # the outputs carry the built-in's `attentions` field (always None: never formed)
+        assert (
+            ours(input_ids=ids, **vision).attentions is None and ours.model(input_ids=ids, **vision).attentions is None
+        )
+        positions = ref.model.get_rope_index(
+            ids,
+            image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=inputs["attention_mask"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+        )[0]
+        builtin = ref(inputs_embeds=embeds, position_ids=positions, **vision).logits
+    assert torch.equal(from_embeds, from_ids)
+    assert (builtin[mask] - from_embeds[mask]).abs().max().item() <= 1e-4
+    ours.generation_config.pad_token_id = PAD
+    for options in (dict(), dict(num_beams=2)):
+        with torch.no_grad():
+            expected = ours.generate(**inputs, max_new_tokens=4, do_sample=False, **options)
+            got = ours.generate(inputs_embeds=embeds, **vision, max_new_tokens=4, do_sample=False, **options)
+        assert torch.equal(got, expected[:, ids.shape[1] :]), options
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
+def test_default_vision_tower_is_the_smallest_official_one(name):
+    """A composite config without vision_config gets the vision tower of the smallest official checkpoint of its
+    kind, projecting to the text model's hidden size, so that the default config builds a consistent model."""
+    path = REFERENCE_DIR / name / "config.json"
+    if not path.is_file():
+        pytest.skip("reference configs not available")
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+    from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration
+
+    official = json.loads(path.read_text())
+    cls = Qwen3_5MoePackedVLConfig if official["model_type"] == "qwen3_5_moe" else Qwen3_5PackedVLConfig
+    default = cls().vision_config.to_dict()
+    fields = [k for k in official["vision_config"] if k not in ("model_type", "deepstack_visual_indexes")]
+    official_text_hidden = official["text_config"]["hidden_size"]
+    assert {k: default[k] for k in fields if k != "out_hidden_size"} == {
+        k: official["vision_config"][k] for k in fields if k != "out_hidden_size"
+    }
+    assert official["vision_config"]["out_hidden_size"] == official_text_hidden
+    assert cls().vision_config.out_hidden_size == cls().text_config.hidden_size
+    config = cls(text_config={**official["text_config"], "num_hidden_layers": 1, "layer_types": None})
+    assert config.vision_config.out_hidden_size == official_text_hidden
+    assert cls(vision_config={"depth": 2}).vision_config.depth == 2  # a given vision_config is used as given
+    with torch.device("meta"):
+        Qwen3_5PackedForConditionalGeneration(cls(text_config={"num_hidden_layers": 1}))
+
+
+def test_config_signature_lists_every_composite_field():
+    """Tools that build a config from its class signature (transformers' test helpers among them) see every field
+    of the composite config, this project's vision options included, with their defaults."""
+    import inspect
+
+    from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
+        Qwen3_5MoePackedVLConfig,
+        Qwen3_5PackedVLConfig,
+    )
+
+    for cls in (Qwen3_5PackedVLConfig, Qwen3_5MoePackedVLConfig):
+        parameters = inspect.signature(cls.__init__).parameters
+        defaults = {
+            "text_config": None,
+            "vision_config": None,
+            "image_token_id": 248056,
+            "video_token_id": 248057,
+            "vision_start_token_id": 248053,
+            "vision_end_token_id": 248054,
+            "freeze_vision": False,
+            "vision_dummy_pass": False,
+        }
+        assert {name: parameters[name].default for name in defaults if name in parameters} == defaults, cls

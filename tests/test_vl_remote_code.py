@@ -2,6 +2,7 @@
 loads through `trust_remote_code` (what a converted composite folder holds)."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -48,6 +49,8 @@ def test_flat_remote_code_folder_loads_with_trust_remote_code(kind, tmp_path):
     for auto in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
         model, info = auto.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
         assert type(model).__name__ == ARCH[kind] and type(model).__module__.startswith("transformers_modules.")
+        # the folder's own class, not the copy transformers makes of a class that lacks GenerationMixin as a base
+        assert type(model) is getattr(sys.modules[type(model).__module__], ARCH[kind])
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         assert isinstance(model.config, transformers.Qwen3_5MoeConfig if kind == "moe" else transformers.Qwen3_5Config)
         with torch.no_grad():

@@ -36,14 +36,16 @@ class GatedAttention(nn.Module):
 
     def forward(self, hidden_states, packed, cos, sin, choice: KernelChoice, cache=None) -> torch.Tensor:
         n = hidden_states.shape[0]
+        # head counts from the projections' outputs, not the config: under a tensor-parallel plan each rank holds
+        # a slice of the heads
         q = self.q_proj(hidden_states)
         gate = None
         if self.output_gate:
-            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(n, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), choice)
-        k = self.k_norm(self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim), choice)
-        v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
+        q = self.q_norm(q.reshape(n, -1, self.head_dim), choice)
+        k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), choice)
+        v = self.v_proj(hidden_states).view(n, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if cache is None:

@@ -201,7 +201,11 @@ def resolve_rope_parameters(
 class Qwen3_5PackedConfig(PretrainedConfig):
     """Text configuration of the dense Qwen3.5 models (`model_type` `qwen3_5_text`, as vLLM requires).
 
-    Reads every field of the official `text_config`. Fields the built-in classes ignore are honoured here:
+    Reads every field of the official `text_config`; every field is a parameter of `__init__` of its own (tools,
+    transformers' model testers among them, build configs from the signature), with the defaults of the built-in
+    `Qwen3_5TextConfig` / `Qwen3_5MoeTextConfig` (so the same keyword arguments give the same model; the MoE ones are
+    Qwen3.5-35B-A3B's), except `max_position_embeddings`: 262,144 as in every official checkpoint. Fields the
+    built-in classes ignore are honoured here:
     `attn_output_gate` (False gives a q_proj without the gate half), `mlp_only_layers` (MoE only: dense MLP
     layers), `mrope_interleaved`.
 
@@ -214,6 +218,24 @@ class Qwen3_5PackedConfig(PretrainedConfig):
 
     model_type = "qwen3_5_text"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # The built-in's tensor-parallel plan (same module names). The GDN projections gather their outputs, so every
+    # rank runs the whole recurrence, as in the built-in.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_z": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_b": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_a": "colwise_gather_output",
+        "layers.*.linear_attn.out_proj": "colwise_gather_output",
+    }
     # transformers v5 validates rope dicts; the multimodal-rope keys are ours to read.
     ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
     is_moe = False
@@ -321,6 +343,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
 
         self._init_moe_fields(kwargs)
         self.validate_layout()
+        self._check_mrope_section()
         self._check_scaled_rope()  # before transformers 5's base __init__, whose own check raises a KeyError
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         # transformers v5's base __init__ may re-standardise rope; re-assert the single resolved dict.
@@ -328,6 +351,27 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         # Attributes even when unset, as the built-in text configs have them (generation utilities read them);
         # set after the base __init__, which on transformers 4.x resets them to None unless found in kwargs.
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+
+    def _check_mrope_section(self) -> None:
+        """Interleaved sections (Qwen3.5's layout) that do not sum to the rotary half-dim: the built-in reads them
+        whatever their sum, and so does this model (modeling/rope.py, the same frequencies), so they are accepted
+        as the built-in accepts them, with a one-time warning (it usually means a config written for another head
+        size). Contiguous ones that do not cover it raise in `validate_layout`. The official default [11, 11, 10],
+        which a config without sections gets and saves, passes without a warning."""
+        half = self.rotary_dim // 2
+        sections = list(self.rope_parameters["mrope_section"])
+        if sections == QWEN3_5_ROPE_DEFAULTS["mrope_section"] or sum(sections) == half:
+            return
+        log_once(
+            logger,
+            ("mrope_section", tuple(sections), half),
+            "mrope_section %s does not sum to the rotary half-dim %d (head_dim %d x partial_rotary_factor %s / 2); "
+            "read interleaved, as the built-in reads it",
+            sections,
+            half,
+            self.head_dim,
+            self.rope_parameters["partial_rotary_factor"],
+        )
 
     def _check_scaled_rope(self) -> None:
         """Scaled rope types read their parameters through transformers' own functions (modeling/rope.py): run
@@ -427,29 +471,75 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
 
     model_type = "qwen3_5_moe_text"
     is_moe = True
+    # The dense plan for attention, GDN and the shared expert. The routed experts stay replicated (no expert-parallel
+    # plan either): the built-in's expert plans hook its own experts module, whose interface this project's grouped
+    # experts do not share, so they are not claimed (transformers refuses an expert-parallel load without a plan).
+    base_model_tp_plan = {
+        **{k: v for k, v in Qwen3_5PackedConfig.base_model_tp_plan.items() if ".mlp." not in k},
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+    }
 
     def __init__(
         self,
+        vocab_size: int = 248320,
         hidden_size: int = 2048,
-        num_hidden_layers: int = 40,
-        num_key_value_heads: int = 2,
         intermediate_size: int | None = None,
+        num_hidden_layers: int = 40,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int = 2,
+        head_dim: int = 256,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 262144,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        attn_output_gate: bool = True,
+        linear_conv_kernel_dim: int = 4,
+        linear_key_head_dim: int = 128,
+        linear_value_head_dim: int = 128,
+        linear_num_key_heads: int = 16,
+        linear_num_value_heads: int = 32,
+        layer_types: list[str] | None = None,
+        full_attention_interval: int | None = None,
+        rope_parameters: dict | None = None,
+        rope_scaling: dict | None = None,
+        rope_theta: float | None = None,
+        partial_rotary_factor: float | None = None,
+        num_experts: int = 256,
+        num_experts_per_tok: int = 8,
+        moe_intermediate_size: int = 512,
+        shared_expert_intermediate_size: int = 512,
+        mlp_only_layers: list[int] | None = None,
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
+        gdn_kernel: str = "auto",
+        attention_kernel: str = "auto",
+        elementwise_kernel: str = "auto",
+        return_logits_with_loss: bool | str = "auto",
+        conv_kernel: str = "auto",
+        moe_kernel: str = "auto",
+        moe_combine_kernel: str = "auto",
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         **kwargs,
     ):
-        super().__init__(
-            hidden_size=hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_key_value_heads=num_key_value_heads,
-            intermediate_size=intermediate_size,
-            **kwargs,
-        )
+        # Every field is a parameter of its own (tools, transformers' model testers among them, build a config from
+        # the signature); the dense __init__ takes them all, the MoE fields through `_init_moe_fields`.
+        fields = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
+        super().__init__(**fields, **kwargs)
 
     def _init_moe_fields(self, kwargs: dict) -> None:
         self.num_experts = int(kwargs.pop("num_experts", 256))
         self.num_experts_per_tok = int(kwargs.pop("num_experts_per_tok", 8))
         self.moe_intermediate_size = int(kwargs.pop("moe_intermediate_size", 512))
         self.shared_expert_intermediate_size = int(kwargs.pop("shared_expert_intermediate_size", 512))
-        self.mlp_only_layers = list(kwargs.pop("mlp_only_layers", []) or [])
+        self.mlp_only_layers = list(kwargs.pop("mlp_only_layers", None) or [])
         self.output_router_logits = bool(kwargs.pop("output_router_logits", False))
         coef = kwargs.pop("router_aux_loss_coef", 0.001)
         if isinstance(coef, bool) or not isinstance(coef, (int, float)):

@@ -6,7 +6,8 @@ standard library, transformers and that sibling.
 `model_type` is `qwen3_5` / `qwen3_5_moe` and the classes subclass transformers' `Qwen3_5Config` /
 `Qwen3_5MoeConfig` (vLLM's multimodal processor checks `isinstance` against them). The only difference from the
 built-in classes is `text_config`, which is this project's text configuration (single-source rope, kernel choice,
-the fields the built-in ignores); `vision_config` is the built-in vision configuration. transformers 4.x has no
+the fields the built-in ignores); `vision_config` is the built-in vision configuration, by default the smallest
+official checkpoint's (`SMALL_VISION_DEFAULTS`). transformers 4.x has no
 Qwen3.5: there the classes are `PretrainedConfig`s with the same fields and defaults (`_CompositeConfigV4`,
 `_VisionConfigV4`), so a folder saved by either major version loads on the other. Two options steer the
 vision tower:
@@ -90,15 +91,23 @@ if _BuiltinConfig is None or _BuiltinMoeConfig is None:
             vision_start_token_id=248053,
             vision_end_token_id=248054,
             tie_word_embeddings=False,
+            freeze_vision=False,
+            vision_dummy_pass=False,
             **kwargs,
         ):
+            # freeze_vision / vision_dummy_pass: this project's options, named here so that the signature lists
+            # every field (5.x lists them from the subclasses' annotations)
+            self.freeze_vision = freeze_vision
+            self.vision_dummy_pass = vision_dummy_pass
             for name, config_class in self.sub_configs_defaults.items():
                 value = text_config if name == "text_config" else vision_config
                 if isinstance(value, dict):
                     value = config_class(**{k: v for k, v in value.items() if k != "model_type"})
-                elif value is None:
+                elif value is None and name == "text_config":
                     value = config_class()
                 setattr(self, name, value)
+            if vision_config is None:
+                self.vision_config = self.default_vision_config()
             self.image_token_id = image_token_id
             self.video_token_id = video_token_id
             self.vision_start_token_id = vision_start_token_id
@@ -113,6 +122,31 @@ if _BuiltinConfig is None or _BuiltinMoeConfig is None:
 else:
     _BuiltinVisionConfig = transformers.Qwen3_5VisionConfig
     _BuiltinMoeVisionConfig = transformers.Qwen3_5MoeVisionConfig
+
+
+# The vision tower of the smallest official checkpoint of each kind (Qwen3.5-0.8B, Qwen3.5-35B-A3B), the default
+# when no vision_config is given; its out_hidden_size is the text model's hidden size, as in every official
+# checkpoint (the built-in's default tower, out_hidden_size 3584, fits none of them).
+SMALL_VISION_DEFAULTS = {
+    "qwen3_5": {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12},
+    "qwen3_5_moe": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16},
+}
+
+
+class _SmallVisionDefault:
+    """`vision_config` left out: the smallest official checkpoint's vision tower (`SMALL_VISION_DEFAULTS`)."""
+
+    def default_vision_config(self):
+        return self.sub_configs["vision_config"](
+            **SMALL_VISION_DEFAULTS[self.model_type], out_hidden_size=self.text_config.hidden_size
+        )
+
+    # transformers 5.x builds the sub-configs in __post_init__ (4.x: in _CompositeConfigV4.__init__)
+    def __post_init__(self, **kwargs):
+        vision_given = self.vision_config is not None
+        super().__post_init__(**kwargs)
+        if not vision_given:
+            self.vision_config = self.default_vision_config()
 
 
 class _TextConfigKnowsItsWriter:
@@ -133,7 +167,7 @@ class _TextConfigKnowsItsWriter:
         return super().from_dict(config_dict, **kwargs)
 
 
-class Qwen3_5PackedVLConfig(_TextConfigKnowsItsWriter, _BuiltinConfig):
+class Qwen3_5PackedVLConfig(_SmallVisionDefault, _TextConfigKnowsItsWriter, _BuiltinConfig):
     """Dense composite config (`model_type` `qwen3_5`): built-in vision config + this project's text config."""
 
     model_type = "qwen3_5"
@@ -144,7 +178,7 @@ class Qwen3_5PackedVLConfig(_TextConfigKnowsItsWriter, _BuiltinConfig):
     vision_dummy_pass: bool = False
 
 
-class Qwen3_5MoePackedVLConfig(_TextConfigKnowsItsWriter, _BuiltinMoeConfig):
+class Qwen3_5MoePackedVLConfig(_SmallVisionDefault, _TextConfigKnowsItsWriter, _BuiltinMoeConfig):
     """MoE composite config (`model_type` `qwen3_5_moe`): built-in vision config + this project's MoE text config."""
 
     model_type = "qwen3_5_moe"

@@ -36,7 +36,8 @@ Cost per adapted tensor and layer, M = tokens x top-k expert rows, base frozen:
 grouped_mm needs 16-byte aligned strides, so the rank is zero-padded to a multiple of RANK_ALIGNMENT there (the
 padded rows and columns contribute exact zeros).
 
-`moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above; "low_rank" raises where "auto" would
+`moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above on CPU, PEFT's forward on CUDA until the
+products' bf16 GPU test has run (kernels.select_kernels); "low_rank" raises where "auto" would
 fall back for a reason it states; "peft" always runs PEFT's forward (the comparison).
 """
 

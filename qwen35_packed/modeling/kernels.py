@@ -566,8 +566,12 @@ def gated_delta_rule_varlen(
     q, k, v, g, beta, packed, choice: KernelChoice, initial_state=None, output_final_state=False
 ):
     """Dispatch; returns (o [N, Hv, Dv], final_state [n_docs, Hv, Dk, Dv] fp32 or None)."""
-    if choice.gdn == "flash_qla":
-        o, final = _flash_qla_chunk_gated_delta_rule(
+    if choice.gdn in ("flash_qla", "fla"):
+        if choice.gdn == "flash_qla":  # its intra-card split off: see the module docstring
+            kernel, extra = _flash_qla_chunk_gated_delta_rule, {"auto_cp": False}
+        else:  # FLA memoises its index helpers by the boundaries' identity and reads the host copy
+            kernel, extra = _fla_chunk_gated_delta_rule, {"cu_seqlens_cpu": packed.cu_seqlens_cpu()}
+        o, final = kernel(
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
@@ -577,21 +581,7 @@ def gated_delta_rule_varlen(
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=packed.cu_seqlens_int64(),
-            auto_cp=False,
-        )
-        return o.squeeze(0), (final.float() if final is not None else None)
-    if choice.gdn == "fla":
-        o, final = _fla_chunk_gated_delta_rule(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            g.unsqueeze(0),
-            beta.unsqueeze(0),
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=packed.cu_seqlens_int64(),
-            cu_seqlens_cpu=packed.cu_seqlens_cpu(),
+            **extra,
         )
         return o.squeeze(0), (final.float() if final is not None else None)
     return torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens_cpu(), initial_state, output_final_state)

@@ -74,6 +74,8 @@ _IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
 # contains "label" would join the Trainer's `label_names` (from the signature), and its evaluation would then find
 # no labels in batches without that key (no eval_loss, no compute_metrics).
 _LOSS_KWARGS = frozenset({"num_items_in_batch", "shift_labels"})
+# transformers' attention implementations this model can honour, and the attention_kernel each runs as.
+ATTENTION_KERNEL_OF_IMPLEMENTATION = {"sdpa": "sdpa", "eager": "sdpa", "flash_attention_2": "flash_attn"}
 # Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
 _PACKING_KWARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
@@ -90,13 +92,15 @@ def _output_class(name: str, doc: str, field_names: list[str]):
 
 Qwen3_5PackedModelOutput = _output_class(
     "Qwen3_5PackedModelOutput",
-    "Decoder output in the caller's layout (pad positions are zeros), router_logits included.",
-    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits"],
+    "Decoder output in the caller's layout (pad positions are zeros), router_logits included; `attentions` is always "
+    "None (the varlen kernels never form the attention matrix).",
+    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "attentions", "router_logits"],
 )
 Qwen3_5PackedCausalLMOutput = _output_class(
     "Qwen3_5PackedCausalLMOutput",
-    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested.",
-    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits"],
+    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested; `attentions` is "
+    "always None (the varlen kernels never form the attention matrix).",
+    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "attentions", "router_logits"],
 )
 
 
@@ -178,6 +182,32 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, TopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+
+    def set_attn_implementation(self, attn_implementation, allow_all_kernels: bool = False):
+        """transformers' attention implementations, mapped to this project's `attention_kernel` (the varlen kernels
+        are the only attention this model has): "sdpa" and "eager" (the same attention, which the built-in computes
+        with a matmul) run per-document SDPA, "flash_attention_2" flash-attn varlen; any other raises."""
+        requested = attn_implementation
+        if isinstance(attn_implementation, dict):
+            requested = attn_implementation.get("", attn_implementation.get("text_config"))
+        kernel = ATTENTION_KERNEL_OF_IMPLEMENTATION.get(requested)
+        if kernel is None:
+            raise ValueError(  # opening with transformers' own sentence for an unknown implementation
+                f'Specified `attn_implementation="{requested}"` is not supported by the packed Qwen3.5 model; it '
+                f"accepts {', '.join(map(repr, ATTENTION_KERNEL_OF_IMPLEMENTATION))} (config field attention_kernel: "
+                "'auto', 'flash_attn', 'torch_varlen', 'sdpa')"
+            )
+        self.config.get_text_config().attention_kernel = kernel
+        for module in self.modules():  # the name transformers reads back, on every config a submodel holds
+            if isinstance(module, PreTrainedModel):
+                module.config._attn_implementation = requested
+        log_once(
+            logger,
+            ("attn-implementation", requested),
+            "attn_implementation=%r runs as attention_kernel=%r",
+            requested,
+            kernel,
+        )
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -273,7 +303,9 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         and MoE layer, in the caller's layout (routing_replay.py). Returns (hidden [N, H], all hidden states or
         None, router logits or None)."""
         choice = select_kernels(self.config, hidden.device, hidden.dtype)
-        cos, sin = self.rotary_emb(packed.position_ids if rope_positions is None else rope_positions, hidden.dtype)
+        cos, sin = self.rotary_emb.cos_sin(
+            packed.position_ids if rope_positions is None else rope_positions, hidden.dtype
+        )
         replay = None
         if routed_experts is not None:
             stream = routed_experts_stream(routed_experts, packed, self.config, hidden.device)
@@ -433,6 +465,39 @@ def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
         )
 
 
+def new_columns(input_ids, attention_mask, inputs_embeds, cache: Qwen3_5PackedCache) -> int:
+    """How many of the caller's last columns a cached generation step has not consumed yet. input_ids hold the whole
+    sequence when the prompt came as token ids, only the generated tokens after a prefill from inputs_embeds (none
+    when a cache is continued from longer inputs_embeds); the attention mask, when there is one, spans it all."""
+    if attention_mask is not None:
+        total = attention_mask.shape[1]
+    else:
+        total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
+    count = total - cache.consumed_columns
+    # the new columns are generated tokens (input_ids), or, continuing from embeddings, all embeddings
+    fits = count <= input_ids.shape[1] or (input_ids.shape[1] == 0 and count <= total)
+    if count <= 0 or not fits:
+        raise ValueError(
+            f"cannot tell the new tokens of a cached step: the cache consumed {cache.consumed_columns} columns of "
+            f"{total}, with {input_ids.shape[1]} input_ids given"
+        )
+    return count
+
+
+def refuse_other_caches(default_generation_config, kwargs: dict) -> None:
+    """generate() with `cache_implementation` "static" (or any other than "dynamic") would build a transformers cache
+    that this model cannot fill (per-row keys / values without padding and GDN states): refused rather than ignored.
+    "dynamic" is what this model's own cache is (it grows with the sequence)."""
+    generation_config = kwargs.get("generation_config") or default_generation_config
+    requested = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    if requested not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={requested!r} is not supported: the packed Qwen3.5 model keeps its own cache "
+            "(Qwen3_5PackedCache: per-row keys / values without padding and the GDN states, grown as it decodes); "
+            "leave cache_implementation unset (or 'dynamic')"
+        )
+
+
 def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
     """Per-layer router logits as [batch * seq, num_experts] with zeros at pad positions, the layout of the
     built-in model: transformers' `load_balancing_loss_func(router_logits, ..., attention_mask)` (which TRL's GRPO
@@ -463,6 +528,8 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
     _tied_weights_keys = (
         {"lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
     )
+    # No tensor-parallel entry for lm_head (the built-in shards it by columns): the loss reads its weight directly
+    # (chunked cross-entropy), which a sharded weight would silently cut to a slice of the vocabulary.
 
     def __init__(self, config):
         super().__init__(config)
@@ -627,8 +694,10 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         return total / denominator, (packed.unpack(logits) if keep_logits else None)
 
     def generate(self, *args, **kwargs):
-        """GenerationMixin.generate, refusing packed rows: generation continues one document per row."""
+        """GenerationMixin.generate, refusing packed rows (generation continues one document per row) and caches
+        other than this model's own."""
         refuse_packed_generation(args, kwargs)
+        refuse_other_caches(self.generation_config, kwargs)
         return GenerationMixin.generate(self, *args, **kwargs)
 
     def prepare_inputs_for_generation(
@@ -639,22 +708,28 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         inputs_embeds=None,
         cache=None,
         use_cache=True,
+        next_sequence_length=None,
+        is_first_iteration=None,
         **kwargs,
     ):
         cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None and cache.has_state:
-            # The columns the cache has not consumed: input_ids hold the whole sequence when continuing from a cache,
-            # only the generated tokens after a prefill from inputs_embeds; the attention mask always spans it all.
-            total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
-            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - (total - cache.consumed_columns) :]
+            count = new_columns(input_ids, attention_mask, inputs_embeds, cache)
+            if count <= input_ids.shape[1]:
+                inputs["input_ids"] = input_ids[:, -count:]
+            else:  # continuing a cache from inputs_embeds that extend the cached prompt
+                inputs["inputs_embeds"] = inputs_embeds[:, -count:]
             inputs[_CACHE_KWARG] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
         else:
             inputs["input_ids"] = input_ids
-        if "logits_to_keep" in kwargs:
-            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        # Everything else goes on to forward as given (generate's and the caller's model kwargs), as the built-in's
+        # does: forward refuses what it cannot honour. Position ids come from the cache and the attention mask.
+        kwargs.pop("position_ids", None)
+        kwargs.pop("cache_position", None)
+        inputs.update(kwargs)
         return inputs
 
     def _reorder_cache(self, cache, beam_idx):
@@ -662,7 +737,8 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         return cache
 
 
-class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM):
+class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM, GenerationMixin):
+    # GenerationMixin named again among the bases, as transformers expects of every class that generates
     config_class = Qwen3_5MoePackedConfig
 
 

@@ -73,14 +73,16 @@ from .vision import Qwen3_5PackedVisionModel
 Qwen3_5PackedVLModelOutput = _output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
-    "the 3D positions used, [3, batch, seq] (zeros at pad positions).",
-    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always None (the varlen "
+    "kernels never form the attention matrix).",
+    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
 )
 Qwen3_5PackedVLCausalLMOutput = _output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
-    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions).",
-    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "router_logits", "rope_position_ids"],
+    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always "
+    "None (the varlen kernels never form the attention matrix).",
+    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
 )
 
 
@@ -168,6 +170,16 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 return self.visual(pixel_values, grid_thw)
         return self.visual(pixel_values, grid_thw)
 
+    def placeholder_ids(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """long [...] for embeddings [..., H]: the image / video token id where an embedding equals that token's
+        embedding, -1 elsewhere (enough to locate images and videos and compute their positions)."""
+        table = self.get_input_embeddings()
+        ids = torch.full(inputs_embeds.shape[:-1], -1, dtype=torch.long, device=inputs_embeds.device)
+        for token in (self.config.image_token_id, self.config.video_token_id):
+            embedding = table(torch.tensor(token, device=inputs_embeds.device)).to(inputs_embeds.dtype)
+            ids[(inputs_embeds == embedding).all(-1)] = token
+        return ids
+
     def dummy_vision_output(self, device) -> torch.Tensor:
         """The vision tower on one all-zero image of merge x merge patches (the FSDP-symmetric pass)."""
         merge = self.visual.spatial_merge_size
@@ -227,8 +239,9 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (f"{what}_grid_thw", pixel_name)
                 raise ValueError(f"{given} was given without {missing}; {what}s need both")
         has_vision = pixel_values is not None or pixel_values_videos is not None
-        if input_ids is None and has_vision:
-            raise ValueError("images and videos need input_ids to locate their placeholder tokens")
+        # Without input_ids the placeholder tokens are found by their embedding, as the built-in does; the 3D
+        # positions are then computed from them exactly as from input_ids.
+        layout_ids = input_ids if input_ids is not None or not has_vision else self.placeholder_ids(inputs_embeds)
 
         packed = build_packed_sequence(
             shape,
@@ -243,8 +256,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             seq_idx,
         )
         given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
-        if input_ids is not None:
-            ids = packed.pack(input_ids.unsqueeze(-1)).squeeze(-1)
+        if layout_ids is not None:
+            ids = packed.pack(layout_ids.unsqueeze(-1)).squeeze(-1)
             types = None
             if mm_token_type_ids is not None:
                 mm = torch.as_tensor(mm_token_type_ids, device=device)
@@ -266,7 +279,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 spatial_merge_size=self.visual.spatial_merge_size,
                 mm_token_type_ids=kind,
             )
-            embeds = self.language_model.embed_tokens(ids)
+            embeds = self.language_model.embed_tokens(ids) if input_ids is not None else packed.pack(inputs_embeds)
         else:
             positions = packed.position_ids.unsqueeze(0).expand(3, -1) if packed.position_ids.dim() == 1 else None
             embeds = packed.pack(inputs_embeds)
@@ -410,6 +423,38 @@ class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
     config_class = Qwen3_5MoePackedVLConfig
 
 
+def repeat_vision_per_row(
+    pixels: torch.Tensor, grid_thw, tokens_per_row: torch.Tensor, expand_size: int, spatial_merge_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels, grid_thw) with each row's images (or videos) repeated `expand_size` times as a group, for rows
+    repeated `expand_size` times each. Images are assigned to rows in order by their placeholder-token counts
+    (`tokens_per_row`, long [rows]); a count that does not split into whole images raises."""
+    grid = torch.as_tensor(grid_thw, device=pixels.device)
+    patches = grid.prod(-1)
+    tokens = (patches // spatial_merge_size**2).tolist()
+    first_patch = [0, *torch.cumsum(patches, 0).tolist()]
+    pixel_index, grid_index, image = [], [], 0
+    for row, wanted in enumerate(tokens_per_row.tolist()):
+        row_images = []
+        while wanted > 0 and image < len(tokens):
+            row_images.append(image)
+            wanted -= tokens[image]
+            image += 1
+        if wanted != 0:
+            raise ValueError(
+                f"row {row}'s image / video placeholder tokens do not match the grids in order: cannot repeat its "
+                "images for num_beams / num_return_sequences"
+            )
+        row_patches = [p for i in row_images for p in range(first_patch[i], first_patch[i + 1])]
+        pixel_index += row_patches * expand_size
+        grid_index += row_images * expand_size
+    if image != len(tokens):
+        raise ValueError(f"{len(tokens) - image} images / videos have no placeholder tokens in the rows")
+    pixel_index = torch.tensor(pixel_index, dtype=torch.long, device=pixels.device)
+    grid_index = torch.tensor(grid_index, dtype=torch.long, device=grid.device)
+    return pixels.index_select(0, pixel_index), grid.index_select(0, grid_index)
+
+
 def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed.unpack(p) for p in positions])
 
@@ -540,14 +585,31 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
     _reorder_cache = Qwen3_5PackedForCausalLM._reorder_cache
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
-        # generate() repeats batch-first tensors per beam / returned sequence; pixel values are patch-first (the
-        # images of all rows in one tensor), so repeating them would scramble the images.
+        # generate() repeats batch-first tensors per beam / returned sequence (row i becomes rows i*k .. i*k+k-1);
+        # pixel values and grids are image-first (the images of all rows in one tensor), so each row's images are
+        # repeated as a group instead, in the same row order, as transformers does for the built-in's encoded images.
+        vision = {}
         if expand_size > 1 and any(model_kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
-            raise ValueError(
-                "num_beams > 1 or num_return_sequences > 1 with images or videos is not supported by "
-                "the packed vision-language classes; repeat the rows (and their images) yourself"
+            rows = input_ids if input_ids is not None and input_ids.shape[-1] > 0 else None
+            if rows is None:
+                rows = self.model.placeholder_ids(model_kwargs["inputs_embeds"])
+            kind = modality_of_tokens(
+                rows, self.config.image_token_id, self.config.video_token_id, model_kwargs.get("mm_token_type_ids")
             )
-        return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+            for pixels_key, grid_key, modality in (
+                ("pixel_values", "image_grid_thw", IMAGE),
+                ("pixel_values_videos", "video_grid_thw", VIDEO),
+            ):
+                pixels, grid = model_kwargs.pop(pixels_key, None), model_kwargs.pop(grid_key, None)
+                if pixels is not None and grid is not None:
+                    pixels, grid = repeat_vision_per_row(
+                        pixels, grid, (kind == modality).sum(-1), expand_size, self.model.visual.spatial_merge_size
+                    )
+                vision.update({pixels_key: pixels, grid_key: grid})
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size, is_encoder_decoder, input_ids, **model_kwargs
+        )
+        return input_ids, {**model_kwargs, **vision}
 
     def prepare_inputs_for_generation(
         self,
@@ -579,7 +641,9 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         return inputs
 
 
-class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration):
+# GenerationMixin named directly: transformers' Auto classes otherwise wrap a remote class in a copy that adds it
+# (`add_generation_mixin_to_remote_model`), so the loaded model would not be an instance of this class.
+class Qwen3_5MoePackedForConditionalGeneration(Qwen3_5PackedForConditionalGeneration, GenerationMixin):
     config_class = Qwen3_5MoePackedVLConfig
 
 

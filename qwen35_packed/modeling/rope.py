@@ -73,8 +73,14 @@ class MRotaryEmbedding(nn.Module):
                 return init(self.config, device, seq_len=original + 1)[0], scaling
         return init(self.config, device)
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """fp32 inverse frequencies [rotary_dim/2] at positions within max_position_embeddings (the built-in's
+        buffer of that name)."""
+        return self.inverse_frequencies(torch.zeros(1, dtype=torch.long))[0]
+
     @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids long [N] (text) or [3, N] (t, h, w) -> (cos, sin) [N, rotary_dim] in `dtype`."""
         device = position_ids.device
         if position_ids.dim() == 1:
@@ -85,6 +91,14 @@ class MRotaryEmbedding(nn.Module):
         freqs = torch.gather(freqs, 0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """The built-in rotary embedding's interface: position_ids [batch, seq] or [3, batch, seq] -> (cos, sin)
+        [batch, seq, rotary_dim] in x's dtype. The model itself calls `cos_sin` on its packed stream."""
+        batch_shape = position_ids.shape[-2:]
+        flat = position_ids.reshape(-1) if position_ids.dim() == 2 else position_ids.reshape(3, -1)
+        cos, sin = self.cos_sin(flat.to(x.device), x.dtype)
+        return cos.view(*batch_shape, -1), sin.view(*batch_shape, -1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
