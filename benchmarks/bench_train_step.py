@@ -6,7 +6,9 @@ waits on the CPU, so each peak is the running model's own):
   * rl: 16 RL-shaped sequences, prompt 128-512 + completion 64-512 (60%) or 1024-3584 (40%) (seed 1);
 for a 1.386B hybrid config (vocab 65,536) and the real Qwen3.5-0.8B / 4B / 9B text configs (vocab 248,320, read
 from examples/configs). Runs:
-  * ours_packed (+ _no_logits, _eager_elementwise, ours_padded_input): this project;
+  * ours_packed (+ _logits_kept, _eager_elementwise, ours_padded_input): this project; ours_packed has the
+    default return_logits_with_loss="auto" (the model is in training mode: the logits are not kept),
+    ours_packed_logits_kept forces them (True), as the default did before;
   * builtin_correct_packed: the built-in on its correct packed path, cu_seq_lens + seq_idx with FLA and
     causal_conv1d installed (what DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     gives): the baseline of ratio_to_builtin when it ran;
@@ -165,7 +167,7 @@ def time_step(model, fn, device: torch.device, reps: int = 3):
 @contextlib.contextmanager
 def config_fields(model, **fields):
     """Config fields changed for the duration: `elementwise_kernel="eager"` (what the fused chains buy),
-    `return_logits_with_loss=False` (a trainer that reads only the loss), `moe_kernel="loop"`."""
+    `return_logits_with_loss=True` (a caller that reads the logits next to the loss), `moe_kernel="loop"`."""
     saved = {name: getattr(model.config, name) for name in fields}
     for name, value in fields.items():
         setattr(model.config, name, value)
@@ -298,7 +300,7 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
 
         runs = {
             "ours_packed": (ours, ours_packed),
-            "ours_packed_no_logits": (ours, ours_with(return_logits_with_loss=False)),
+            "ours_packed_logits_kept": (ours, ours_with(return_logits_with_loss=True)),
             "ours_packed_eager_elementwise": (ours, ours_with(elementwise_kernel="eager")),
             "ours_padded_input": (
                 ours,

@@ -143,7 +143,7 @@ def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
     decided from the whole batch's lengths, would cut the long document differently alone than packed), packed
     gradients as close to per-document ones as FLA's, and the two backends' logits and gradients within bf16
     rounding of each other."""
-    model = _model(torch.bfloat16).train()
+    model = _model(torch.bfloat16, return_logits_with_loss=True).train()  # the logits of training forwards
     gen = torch.Generator().manual_seed(5)
     lengths = [12_000, 1, 300, 3, 2_048, 77]
     docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
@@ -598,7 +598,7 @@ def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
     peft = pytest.importorskip("peft")
     from qwen35_packed.integrations.lora import lora_config
 
-    model = _model(torch.bfloat16, moe=True).train()
+    model = _model(torch.bfloat16, moe=True, return_logits_with_loss=True).train()  # the logits are compared
     wrapped = peft.get_peft_model(model, lora_config(model, r=rank, targets=["experts"]))
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():

@@ -3,6 +3,8 @@ formulation (F.cross_entropy + softmax gradient), compiled equal to eager, kept 
 `return_logits_with_loss=False` changing nothing but the returned logits; the targets of packed documents (written
 out: none crosses a document end) and the model's loss over them divided by `num_items_in_batch`."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,12 @@ from conftest import packed_model, tiny_kwargs
 from qwen35_packed.modeling import kernels
 from qwen35_packed.modeling import loss as loss_module
 from qwen35_packed.modeling.kernels import KernelChoice
-from qwen35_packed.modeling.loss import chunk_cross_entropy, chunked_linear_cross_entropy
+from qwen35_packed.modeling.loss import (
+    LogitsNotKept,
+    LogitsNotKeptError,
+    chunk_cross_entropy,
+    chunked_linear_cross_entropy,
+)
 
 # On CUDA, elementwise="triton" sends the chunk math (no kernel of its own) through torch.compile; forced here on
 # CPU, where inductor's C++ backend compiles it.
@@ -232,60 +239,208 @@ def _model_loss_and_grads(model, **inputs):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_return_logits_with_loss_false(layout):
-    """logits=None, and the loss and every gradient identical (torch.equal: the same computation, only the logits
-    are not kept) to return_logits_with_loss=True; the kept logits equal the model's logits without labels."""
-    model = packed_model("dense").train()
+def _labelled_inputs(layout: str, vocab: int = 128) -> dict:
     gen = torch.Generator().manual_seed(3)
     if layout == "packed":
-        ids = torch.randint(0, 128, (1, 30), generator=gen)
-        inputs = dict(input_ids=ids, labels=ids, cu_seqlens=torch.tensor([0, 11, 12, 30], dtype=torch.int32))
-    else:
-        ids = torch.randint(0, 128, (3, 12), generator=gen)
-        mask = torch.ones(3, 12, dtype=torch.long)
-        mask[0, :4] = 0  # left padding
-        mask[2, 9:] = 0  # right padding
-        inputs = dict(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
-    assert model.config.return_logits_with_loss is True
-    kept, kept_grads = _model_loss_and_grads(model, **inputs)
-    model.config.return_logits_with_loss = False
-    dropped, dropped_grads = _model_loss_and_grads(model, **inputs)
-    assert dropped.logits is None and kept.logits is not None
-    assert torch.equal(kept.loss, dropped.loss)
-    assert kept_grads.keys() == dropped_grads.keys() and all(
-        torch.equal(kept_grads[n], dropped_grads[n]) for n in kept_grads
-    )
+        ids = torch.randint(0, vocab, (1, 30), generator=gen)
+        return dict(input_ids=ids, labels=ids, cu_seqlens=torch.tensor([0, 11, 12, 30], dtype=torch.int32))
+    ids = torch.randint(0, vocab, (3, 12), generator=gen)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    return dict(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_return_logits_with_loss_settings(layout):
+    """Training mode: "auto" (the default) and False return the LogitsNotKept placeholder, True the logits, with the
+    loss and every gradient identical (torch.equal: the same computation, only the logits are not kept); the kept
+    logits equal the model's logits without labels. Eval mode: "auto" keeps them."""
+    model = packed_model("dense").train()
+    inputs = _labelled_inputs(layout)
+    assert model.config.return_logits_with_loss == "auto"
+    runs = {}
+    for setting in (True, "auto", False):
+        model.config.return_logits_with_loss = setting
+        runs[setting] = _model_loss_and_grads(model, **inputs)
+    kept, kept_grads = runs[True]
+    assert isinstance(kept.logits, torch.Tensor)
+    for setting in ("auto", False):
+        dropped, dropped_grads = runs[setting]
+        assert isinstance(dropped.logits, LogitsNotKept)
+        assert torch.equal(kept.loss, dropped.loss)
+        assert kept_grads.keys() == dropped_grads.keys() and all(
+            torch.equal(kept_grads[n], dropped_grads[n]) for n in kept_grads
+        )
+    model.eval()
+    model.config.return_logits_with_loss = "auto"
     with torch.no_grad():
+        evaluated = model(**inputs)
         no_labels = {k: v for k, v in inputs.items() if k != "labels"}
         plain = model(**no_labels, use_cache=False).logits
+    assert torch.equal(evaluated.loss, kept.loss) and torch.equal(evaluated.logits, kept.logits)
     assert kept.logits.shape == plain.shape and torch.allclose(kept.logits, plain, atol=1e-5)
     if layout == "padded":
         assert not kept.logits[inputs["attention_mask"] == 0].any()  # pad positions are zeros
 
 
-def test_return_logits_with_loss_is_validated_and_saved(tmp_path):
-    from qwen35_packed import Qwen3_5PackedConfig
+@pytest.mark.parametrize("setting", ["auto", False])
+def test_logits_not_kept_fail_loudly(setting):
+    """The placeholder takes the logits' place (attribute, key, tuple position: to_tuple() keeps the positions of
+    a forward that kept them) and every use raises LogitsNotKeptError naming the setting and the switch; attribute
+    probes (Accelerate's fp32 conversion of outputs) see an object without the attribute."""
+    model = packed_model("dense").train()
+    inputs = _labelled_inputs("packed")
+    model.config.return_logits_with_loss = True
+    kept_tuple = model(**inputs, return_dict=False)
+    model.config.return_logits_with_loss = setting
+    out = model(**inputs)
+    dropped_tuple = model(**inputs, return_dict=False)
+    assert out["logits"] is out.logits and isinstance(dropped_tuple[1], LogitsNotKept)
+    assert len(dropped_tuple) == len(kept_tuple) and torch.equal(dropped_tuple[0], kept_tuple[0])
+    said = "return_logits_with_loss='auto'" if setting == "auto" else "return_logits_with_loss=False"
+    uses = (
+        lambda logits: logits.shape,
+        lambda logits: logits[:, -1],
+        lambda logits: logits.float(),
+        lambda logits: torch.softmax(logits, -1),
+        lambda logits: torch.cat([logits]),
+        lambda logits: logits / 2.0,
+        lambda logits: len(logits),
+    )
+    for use in uses:
+        with pytest.raises(LogitsNotKeptError, match=f"not kept: it had labels and {re.escape(said)}.*= True"):
+            use(out.logits)
+    assert not hasattr(out.logits, "dtype")
+    assert "LogitsNotKept" in repr(out)
 
-    config = Qwen3_5PackedConfig(**tiny_kwargs("dense"), return_logits_with_loss=False)
-    config.save_pretrained(tmp_path)
-    assert Qwen3_5PackedConfig.from_pretrained(tmp_path).return_logits_with_loss is False
-    with pytest.raises(ValueError, match="return_logits_with_loss"):
-        Qwen3_5PackedConfig(return_logits_with_loss="no")
+
+def test_no_logits_sized_tensor_outlives_a_training_forward():
+    """Every tensor the forward produces with the vocabulary as its last dimension and at least tokens x vocab
+    elements is tracked: in training mode with "auto" none is alive once the forward has returned (the loss saves
+    no such tensor for the backward either); with True the kept logits are."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = 131  # no other dimension of the tiny model
+    model = packed_model("dense", vocab_size=vocab).train()
+    inputs = _labelled_inputs("packed", vocab)
+    logits_numel = inputs["input_ids"].numel() * vocab
+
+    def logits_sized(t):
+        return isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == vocab and t.numel() >= logits_numel
+
+    class Track(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.produced = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if logits_sized(t):
+                    self.produced.append(weakref.ref(t))
+            return out
+
+    alive = {}
+    for setting in (True, "auto"):
+        model.config.return_logits_with_loss = setting
+        saved_sizes = []
+
+        def pack(t):
+            saved_sizes.append(logits_sized(t))
+            return t
+
+        with Track() as track, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(**inputs)
+        gc.collect()
+        assert track.produced and saved_sizes  # the chunk's logits existed during the forward; autograd saved
+        assert not any(saved_sizes)
+        alive[setting] = sum(ref() is not None for ref in track.produced)
+        out.loss.backward()
+        del out
+    assert alive[True] > 0 and alive["auto"] == 0  # kept: the logits (and the buffer they view)
+
+
+def test_return_logits_with_loss_is_validated_and_saved(tmp_path):
+    from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+
+    assert Qwen3_5PackedConfig(**tiny_kwargs("dense")).return_logits_with_loss == "auto"
+    assert Qwen3_5MoePackedConfig(**tiny_kwargs("moe")).return_logits_with_loss == "auto"
+    for setting in (True, False):
+        config = Qwen3_5PackedConfig(**tiny_kwargs("dense"), return_logits_with_loss=setting)
+        config.save_pretrained(tmp_path)
+        assert Qwen3_5PackedConfig.from_pretrained(tmp_path).return_logits_with_loss is setting
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match="return_logits_with_loss"):
+            Qwen3_5PackedConfig(return_logits_with_loss=bad)
 
 
 def test_vision_language_model_shares_the_loss_path():
-    """The composite classes use the same lm_head_outputs: return_logits_with_loss on the text config drops the
-    logits there too, with the identical loss."""
+    """The composite classes use the same lm_head_outputs: return_logits_with_loss on the text config decides
+    there too ("auto": not kept in training mode), with the identical loss."""
     from vl_tiny import packed_vl_model
 
     model = packed_vl_model("dense")
     ids = torch.randint(0, 100, (1, 16))
-    kept = model(input_ids=ids, labels=ids)
-    model.config.text_config.return_logits_with_loss = False
-    dropped = model(input_ids=ids, labels=ids)
-    assert kept.logits.shape == (1, 16, model.config.text_config.vocab_size) and dropped.logits is None
-    assert torch.equal(kept.loss, dropped.loss)
+    kept = model.eval()(input_ids=ids, labels=ids)
+    dropped = model.train()(input_ids=ids, labels=ids)
+    model.config.text_config.return_logits_with_loss = True
+    forced = model(input_ids=ids, labels=ids)
+    assert kept.logits.shape == (1, 16, model.config.text_config.vocab_size)
+    assert isinstance(dropped.logits, LogitsNotKept) and torch.equal(forced.logits, kept.logits)
+    assert torch.equal(kept.loss, dropped.loss) and torch.equal(kept.loss, forced.loss)
+
+
+def test_trainer_reads_the_loss_in_training_and_the_logits_in_evaluation(tmp_path):
+    """transformers' Trainer: its training steps read only the loss (the forwards with labels keep no logits under
+    "auto"), its evaluation hands `compute_metrics` the logits, equal to the model's own, and reports the loss; with
+    False the evaluation that needs the logits fails naming the placeholder, and a loss-only evaluation runs."""
+    pytest.importorskip("accelerate")
+    import transformers
+
+    model = packed_model("dense")
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(1))
+    ]
+    seen = []
+    model.register_forward_hook(lambda module, args, out: seen.append((module.training, type(out.logits))))
+    received = []
+
+    def compute_metrics(prediction):
+        received.append(torch.as_tensor(prediction.predictions))
+        return {}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        learning_rate=0.1,
+        optim="sgd",
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, compute_metrics=compute_metrics
+    )
+    trainer.train()
+    assert seen == [(True, LogitsNotKept)] * 2
+    seen.clear()
+    assert trainer.evaluate()["eval_loss"] > 0  # the labels reach the evaluation (Trainer's label_names)
+    assert seen == [(False, torch.Tensor)]
+    with torch.no_grad():
+        expected = model(torch.stack([d["input_ids"] for d in data])).logits
+    assert len(received) == 1 and torch.allclose(received[0], expected, atol=1e-6)
+    model.config.return_logits_with_loss = False
+    with pytest.raises(TypeError, match="LogitsNotKept"):  # Accelerate's gathering refuses the placeholder
+        trainer.evaluate()
+    args.prediction_loss_only = True
+    assert "eval_loss" in trainer.evaluate()
 
 
 def test_backward_allocates_nothing_of_logits_size():
@@ -401,6 +556,7 @@ def test_padded_batch_loss_uses_num_items_in_batch(head):
     """A padded batch (left and right padding, a row of two documents by restarting position_ids): the loss is the
     written-out targets' cross-entropy over `num_items_in_batch`, and the gradient scales with 1 / it."""
     model = _model_with_head(head).train()
+    model.config.return_logits_with_loss = True  # the logits of the training forward are read
     ids = torch.tensor([[0, 0, 20, 21, 22, 23], [30, 31, 32, 40, 41, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
     positions = torch.tensor([[0, 0, 0, 1, 2, 3], [0, 1, 2, 0, 1, 0]])

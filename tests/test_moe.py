@@ -113,7 +113,10 @@ def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
 
 def _model(moe_kernel: str):
     torch.manual_seed(0)
-    return Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel=moe_kernel))
+    # return_logits_with_loss=True: the tests compare the logits of training forwards with labels
+    return Qwen3_5MoePackedForCausalLM(
+        Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel=moe_kernel, return_logits_with_loss=True)
+    )
 
 
 def _packed_step(model):

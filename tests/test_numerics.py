@@ -73,7 +73,7 @@ def test_first_bad_layer_is_named():
 
 
 def test_the_check_changes_nothing_on_a_healthy_model(kind):
-    _, model = builtin_pair(kind)
+    _, model = builtin_pair(kind, return_logits_with_loss=True)  # the logits of training forwards are compared
     model.train()
     ids = torch.randint(0, 128, (1, 30))
     cu = torch.tensor([0, 7, 30], dtype=torch.int32)

@@ -143,7 +143,7 @@ for kind, model_class, config_class, moe in (
                                         ("fp64", "eager", torch.float64, "loop")):
         CHOICE = kernels.KernelChoice("torch", "sdpa", mode, moe=experts)
         torch.manual_seed(0)
-        model = model_class(config_class(**tiny_kwargs(kind))).train().to(dtype)
+        model = model_class(config_class(**tiny_kwargs(kind), return_logits_with_loss=True)).train().to(dtype)
         out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
         out.loss.backward()
         runs[label] = (out.logits.detach().double(),

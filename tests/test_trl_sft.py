@@ -120,3 +120,84 @@ def test_flattening_collator_batch_gives_the_padded_loss(folders):
         with pytest.raises(ValueError, match="seq_idx contradicts"):
             model(**flat)
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_sft_reads_no_logits_and_logs_the_full_logits_metrics(tmp_path):
+    """TRL 1.16's SFTTrainer runs the backbone and its own chunked log-prob kernel (docs/training.md, "What
+    trainers read"): whatever return_logits_with_loss says, the logged loss, entropy and mean_token_accuracy are
+    the same and equal those computed from the model's full logits of the same batch and weights, and no tensor
+    with the vocabulary as its last dimension and at least (label tokens x vocab) elements outlives a forward."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = 131  # no other dimension of the tiny model
+    # a peaked LM head: a random tiny model's near-uniform predictions would make accuracy and entropy say little
+    folder = build_tiny_folder(tmp_path / "model", "dense", lm_head_std=1.0, vocab_size=vocab)
+
+    class Track(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.produced = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == vocab and t.numel() >= self.numel:
+                    self.produced.append(weakref.ref(t))
+            return out
+
+    logged, expected, outlived = {}, [], {}
+    for setting in (True, "auto"):
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=len(TEXTS),
+            max_steps=2,
+            logging_steps=1,
+            learning_rate=0.1,
+            optim="sgd",
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32, "return_logits_with_loss": setting},
+        )
+        trainer = trl.SFTTrainer(
+            model=str(folder), args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS})
+        )
+        assert trainer.model.config.return_logits_with_loss == setting
+        compute_loss, produced, alive = trainer.compute_loss, [], []
+
+        def recording(model, inputs, *rest, **kwargs):
+            labels = inputs["labels"][:, 1:]
+            mask = labels != -100
+            if setting is True:  # the metrics from the full logits, before this step's update
+                with torch.no_grad():
+                    plain = {k: v for k, v in inputs.items() if k != "labels"}
+                    logits = model(**plain, use_cache=False).logits[:, :-1][mask]
+                log_probs = logits.log_softmax(-1)
+                expected.append(
+                    {
+                        "entropy": -(log_probs.exp() * log_probs).sum(-1).mean().item(),
+                        "mean_token_accuracy": (logits.argmax(-1) == labels[mask]).float().mean().item(),
+                    }
+                )
+            with Track(int(mask.sum()) * vocab) as track:
+                loss = compute_loss(model, inputs, *rest, **kwargs)
+            gc.collect()
+            produced.append(len(track.produced))
+            alive.append(sum(ref() is not None for ref in track.produced))
+            return loss
+
+        trainer.compute_loss = recording
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "entropy" in entry]
+        logged[setting] = [e[key] for e in logs for key in ("loss", "entropy", "mean_token_accuracy")]
+        assert len(logs) == 2 and all(produced), produced  # the vocabulary tiles existed during each forward
+        outlived[setting] = alive
+    assert outlived == {True: [0, 0], "auto": [0, 0]}
+    assert logged[True] == pytest.approx(logged["auto"], rel=1e-5, abs=1e-6)
+    for (_, entropy, accuracy), full in zip(zip(*[iter(logged["auto"])] * 3), expected):
+        assert entropy == pytest.approx(full["entropy"], rel=1e-5, abs=1e-6)
+        assert accuracy == pytest.approx(full["mean_token_accuracy"], rel=1e-5, abs=1e-6)

@@ -276,8 +276,9 @@ def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
     plain = packed_vl_model("dense", seed=7)
     dummy = our_vl_model("dense", vision_dummy_pass=True)
     dummy.load_state_dict(plain.state_dict())
-    plain.train()
-    dummy.train()
+    for model in (plain, dummy):  # the logits of training forwards are compared
+        model.config.text_config.return_logits_with_loss = True
+        model.train()
     ids = torch.randint(0, 100, (2, 30), generator=torch.Generator().manual_seed(1))
     out_plain = plain(input_ids=ids, labels=ids)
     out_dummy = dummy(input_ids=ids, labels=ids)
@@ -298,6 +299,8 @@ def test_freeze_vision():
     model = packed_vl_model("dense", seed=8)
     frozen = our_vl_model("dense", freeze_vision=True)
     frozen.load_state_dict(model.state_dict())
+    for m in (model, frozen):  # the logits of training forwards are compared
+        m.config.text_config.return_logits_with_loss = True
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())
     assert all(p.requires_grad for p in frozen.model.language_model.parameters())
     docs, pixels = _documents(9, [2])

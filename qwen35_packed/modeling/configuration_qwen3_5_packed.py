@@ -209,9 +209,11 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     `attn_output_gate` (False gives a q_proj without the gate half), `mlp_only_layers` (MoE only: dense MLP
     layers), `mrope_interleaved`.
 
-    `return_logits_with_loss` (default True, transformers' contract): with `labels`, also return the logits
-    (detached, [batch, seq, vocab] in the compute dtype), for callers that read them. False returns `logits=None` and never materialises them (the loss and gradients are the same), which
-    saves [tokens x vocab] of memory and its writes.
+    `return_logits_with_loss` decides whether a forward with `labels` also returns the logits (detached,
+    [batch, seq, vocab] in the compute dtype): "auto" (default) returns them in eval mode and not in training mode,
+    where trainers read the loss only; True always (transformers' contract); False never. Where they are not kept
+    the loss and gradients are the same, [tokens x vocab] is never materialised, and `logits` holds a
+    `LogitsNotKept` placeholder that raises on use (modeling/loss.py).
     """
 
     model_type = "qwen3_5_text"
@@ -270,7 +272,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
         elementwise_kernel: str = "auto",
-        return_logits_with_loss: bool = True,
+        return_logits_with_loss: bool | str = "auto",
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
@@ -433,8 +435,10 @@ class Qwen3_5PackedConfig(PretrainedConfig):
                 f"attention_dropout={self.attention_dropout} is not supported: the varlen attention kernels run "
                 "without dropout (every official Qwen3.5 config has 0.0)"
             )
-        if not isinstance(self.return_logits_with_loss, bool):
-            raise ValueError(f"return_logits_with_loss must be True or False, got {self.return_logits_with_loss!r}")
+        if not (isinstance(self.return_logits_with_loss, bool) or self.return_logits_with_loss == "auto"):
+            raise ValueError(
+                f"return_logits_with_loss must be 'auto', True or False, got {self.return_logits_with_loss!r}"
+            )
         for field_name, allowed in KERNEL_FIELDS.items():
             if getattr(self, field_name) not in allowed:
                 raise ValueError(
@@ -516,7 +520,7 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
         elementwise_kernel: str = "auto",
-        return_logits_with_loss: bool = True,
+        return_logits_with_loss: bool | str = "auto",
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",

@@ -21,11 +21,65 @@ one GEMM (cuBLAS, fp32 output): no bf16 [vocab x hidden] product per chunk, no c
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .kernels import KernelChoice, _elementwise
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
+
+
+def keeps_logits_with_loss(setting: bool | str, training: bool) -> bool:
+    """Whether a forward with labels also returns the logits, for the config's `return_logits_with_loss`: "auto"
+    keeps them in eval mode only. A training forward with labels is read for its loss (transformers' Trainer,
+    which passes no labels where it needs the logits), an eval forward for its logits too (the Trainer's
+    `compute_metrics`)."""
+    return not training if setting == "auto" else setting
+
+
+class LogitsNotKeptError(AttributeError):
+    """Reading the logits of a forward that did not keep them. An AttributeError, so that probes such as
+    `hasattr(value, "dtype")` (Accelerate's fp32 conversion of outputs) see an object without that attribute."""
+
+
+class LogitsNotKept:
+    """What `logits` holds when a forward with labels did not keep them: it takes the logits' place in the output
+    (attribute, key and tuple position alike, where None would shift `to_tuple()`), and any use of it raises
+    LogitsNotKeptError saying why and how to get the logits, instead of a None that fails somewhere else."""
+
+    def __init__(self, setting: bool | str):
+        reason = (
+            "return_logits_with_loss='auto' returns the loss only in training mode"
+            if setting == "auto"
+            else "return_logits_with_loss=False"
+        )
+        self._message = (
+            f"the logits of this forward were not kept: it had labels and {reason} (the [tokens x vocab] logits are "
+            "most of a long sequence's memory). Set config.return_logits_with_loss = True (the text config, "
+            "config.get_text_config(), for the vision-language classes), or call the model without labels to get "
+            "the logits with their gradient."
+        )
+
+    def __repr__(self) -> str:
+        return "LogitsNotKept()"
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # protocol probes (copy, pickle) and attributes not yet set
+            raise AttributeError(name)
+        raise LogitsNotKeptError(self._message)
+
+    def _refuse(self, *args, **kwargs):
+        raise LogitsNotKeptError(self._message)
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __array__ = __neg__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __matmul__ = __rmatmul__ = _refuse
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch hands a torch function any argument whose type defines this, nested in lists too (torch.cat)
+        placeholder = next(leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, cls))
+        raise LogitsNotKeptError(placeholder._message)
 
 
 def chunk_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, with_grad: bool):

@@ -43,7 +43,7 @@ from .configuration_qwen3_5_packed import (
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
-from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
+from .loss import IGNORE_INDEX, LogitsNotKept, chunked_linear_cross_entropy, keeps_logits_with_loss
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .numerics import enable_numerics_check
@@ -70,6 +70,10 @@ _CACHE_KWARG = (
 )
 # Keyword arguments trainers and generate() pass that carry nothing for this model.
 _IGNORED_KWARGS = frozenset({"cache_position", "output_attentions"})
+# transformers' loss keyword arguments, taken through **kwargs as the built-in takes them: a parameter whose name
+# contains "label" would join the Trainer's `label_names` (from the signature), and its evaluation would then find
+# no labels in batches without that key (no eval_loss, no compute_metrics).
+_LOSS_KWARGS = frozenset({"num_items_in_batch", "shift_labels"})
 # transformers' attention implementations this model can honour, and the attention_kernel each runs as.
 ATTENTION_KERNEL_OF_IMPLEMENTATION = {"sdpa": "sdpa", "eager": "sdpa", "flash_attention_2": "flash_attn"}
 # Keyword arguments that place document boundaries inside a row (the packing contract, packing.py).
@@ -428,7 +432,7 @@ class Qwen3_5MoePackedTextModel(Qwen3_5PackedTextModel):
 
 
 def _check_kwargs(kwargs: dict, config) -> None:
-    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - {"num_items_in_batch"})
+    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - _LOSS_KWARGS)
     if unknown:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
     requested = kwargs.get("output_attentions")
@@ -568,7 +572,6 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
         max_length_k=None,
         seq_idx=None,
         cache=None,
-        shift_labels=None,
         return_dict=None,
         routed_experts=None,
         **kwargs,
@@ -601,7 +604,7 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             kwargs.get("num_items_in_batch"),
             router_logits,
             want_router,
-            shift_labels,
+            kwargs.get("shift_labels"),
         )
 
         output = Qwen3_5PackedCausalLMOutput(
@@ -626,9 +629,10 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
             targets = loss_targets(packed, labels, shift_labels)
-            loss, logits = self.packed_loss(
-                hidden, targets, packed, num_items_in_batch, keep_logits=text_config.return_logits_with_loss
-            )
+            keep_logits = keeps_logits_with_loss(text_config.return_logits_with_loss, self.training)
+            loss, logits = self.packed_loss(hidden, targets, packed, num_items_in_batch, keep_logits=keep_logits)
+            if not keep_logits:
+                logits = LogitsNotKept(text_config.return_logits_with_loss)
         elif full_logits:
             logits = packed.unpack(self.lm_head(hidden))  # lm_head on real tokens only
         else:
