@@ -135,10 +135,12 @@ def active_parameters(config) -> int:
 
 
 @contextlib.contextmanager
-def plain_gemms():
-    """The router, shared expert and shared-expert gate as one plain GEMM each instead of fixed row blocks
-    (moe.ROW_BLOCK = 0): what batch invariance costs."""
-    saved, moe.ROW_BLOCK = moe.ROW_BLOCK, 0
+def plain_gemms(plain: bool = True):
+    """With `plain`, the router, shared expert and shared-expert gate as one plain GEMM each instead of fixed row
+    blocks (moe.ROW_BLOCK = 0): the configuration that is not batch-invariant, to show what invariance costs and
+    which GEMM it is for (moe_batch_invariance.py)."""
+    saved = moe.ROW_BLOCK
+    moe.ROW_BLOCK = 0 if plain else saved
     try:
         yield
     finally:

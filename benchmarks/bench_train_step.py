@@ -195,19 +195,27 @@ def peak_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` inside: models built there get their parameters in it directly (a
+    35B-A3B built in fp32 first would not fit the GPU)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def build_pair(builtin_cls, builtin_config_cls, ours_cls, ours_config_cls, kwargs, device):
     """The built-in model with random weights, built in bf16 on `device`, and ours built on the meta device and
     given the same weights (A_log / dt_bias fp32 holding the same values)."""
     torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    with default_dtype(torch.bfloat16):
         with torch.device(device):
             builtin = builtin_cls(builtin_config_cls(**kwargs))
         with torch.device("meta"):
             ours = ours_cls(ours_config_cls(**kwargs))
-    finally:
-        torch.set_default_dtype(default_dtype)
     ours.to_empty(device=device)
     ours.load_state_dict(builtin.state_dict(), strict=True)
     return builtin.train(), ours.train()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_train_step import CONFIGS, batches
+from bench_train_step import CONFIGS, batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernels
@@ -111,13 +111,8 @@ def main():
     args = parser.parse_args()
     kwargs = official_text_config(args.layers)
     torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs)).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with default_dtype(torch.bfloat16), torch.device("cuda"):
+        ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs)).eval()
     gen = torch.Generator().manual_seed(2)
     docs = [torch.randint(0, kwargs["vocab_size"], (n,), generator=gen).cuda() for n in LENGTHS]
     flat = torch.cat(docs)[None]

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_moe import layer_shapes, plain_gemms
+from bench_train_step import batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernels, moe
@@ -58,25 +60,11 @@ def shapes_of(shapes: str, layers: int) -> tuple[Qwen3_5MoePackedConfig, list[in
     """The config and document lengths of --shapes."""
     if shapes == "small":
         return small_config(layers), SMALL_LENGTHS
-    from bench_moe import layer_shapes
-    from bench_train_step import batches
-
     return Qwen3_5MoePackedConfig(**layer_shapes(layers, 248_320, tiny=False)), batches()["rl_longtail_x16"] + [
         1,
         7,
         64,
     ]
-
-
-@contextlib.contextmanager
-def plain_gemms(plain: bool):
-    """moe.ROW_BLOCK = 0 inside when `plain`: the router, shared expert and gate as one plain GEMM each."""
-    saved = moe.ROW_BLOCK
-    moe.ROW_BLOCK = 0 if plain else saved
-    try:
-        yield
-    finally:
-        moe.ROW_BLOCK = saved
 
 
 def small_config(layers: int) -> Qwen3_5MoePackedConfig:
@@ -175,13 +163,8 @@ def locate_in_model(config, lengths, plain: bool) -> dict:
     """Every recorded output of a 4-layer MoE model, packed vs each document alone, in execution order. The packed
     outputs wait on the host; each document's are compared as it runs."""
     torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEVICE):
-            model = Qwen3_5MoePackedForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with default_dtype(torch.bfloat16), torch.device(DEVICE):
+        model = Qwen3_5MoePackedForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_moe import layer_shapes  # noqa: E402
-from bench_train_step import batches, model_kwargs  # noqa: E402
+from bench_train_step import batches, default_dtype, model_kwargs  # noqa: E402
 from test_gpu import _routing  # noqa: E402
 
 from qwen35_packed import (  # noqa: E402
@@ -72,13 +72,8 @@ def build(kind: str):
     else:
         config = Qwen3_5MoePackedConfig(**layer_shapes(4, 248_320, tiny=False))
         cls = Qwen3_5MoePackedForCausalLM
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(default)
+    with default_dtype(torch.bfloat16), torch.device("cuda"):
+        model = cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
