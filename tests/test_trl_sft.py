@@ -34,23 +34,28 @@ def folders(tmp_path_factory):
     return {kind: build_tiny_folder(root / kind, kind) for kind in ("dense", "moe")}
 
 
-def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **config):
-    """The loss of each of STEPS SGD steps over the whole dataset (one batch per step, so every run sees the same
-    documents in each step, however the collator lays them out), the first batch's keys, and the LoRA B tensors
-    still all zeros (as they start) after training."""
-    args = trl.SFTConfig(
+def _sft_config(tmp_path, **fields):
+    """The SFT arguments every test here trains with (SGD on the CPU, fp32, nothing saved or reported), plus
+    `fields`."""
+    fields.setdefault("model_init_kwargs", {"trust_remote_code": True, "dtype": torch.float32})
+    return trl.SFTConfig(
         output_dir=str(tmp_path / "run"),
-        per_device_train_batch_size=batch_size,
-        max_steps=STEPS,
         learning_rate=0.1,
         optim="sgd",
         use_cpu=True,
         report_to=[],
         save_strategy="no",
         seed=0,
-        dataloader_drop_last=False,
-        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32},
-        **config,
+        **fields,
+    )
+
+
+def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **config):
+    """The loss of each of STEPS SGD steps over the whole dataset (one batch per step, so every run sees the same
+    documents in each step, however the collator lays them out), the first batch's keys, and the LoRA B tensors
+    still all zeros (as they start) after training."""
+    args = _sft_config(
+        tmp_path, per_device_train_batch_size=batch_size, max_steps=STEPS, dataloader_drop_last=False, **config
     )
     trainer = trl.SFTTrainer(
         model=str(folder), args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}), peft_config=peft_config
@@ -150,17 +155,11 @@ def test_sft_reads_no_logits_and_logs_the_full_logits_metrics(tmp_path):
 
     logged, expected, outlived = {}, [], {}
     for setting in (True, "auto"):
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path / "run"),
+        args = _sft_config(
+            tmp_path,
             per_device_train_batch_size=len(TEXTS),
             max_steps=2,
             logging_steps=1,
-            learning_rate=0.1,
-            optim="sgd",
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            seed=0,
             model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32, "return_logits_with_loss": setting},
         )
         trainer = trl.SFTTrainer(
