@@ -26,8 +26,16 @@
 #   moe-locate   moe_batch_invariance.py --shapes 35b-a3b, block and model level (+ short documents) ~3 min
 #   expert-lora  tests/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
 #                bench_moe.py's LoRA rows with the low-rank products and with PEFT's path            ~6 min
+#   workload-35b-ours     bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch (expert
+#                LoRA as low-rank products / PEFT's path, without checkpointing, LoRA without experts) and one
+#                document of 32k (profiled) / 128k / 64k tokens                                      ~8 min
+#   workload-35b-builtin  the same model, the built-in: RL batch with and without expert LoRA, 32k / 64k ~4 min
+#   workload-4b-ours      bench_workload.py, Qwen3.5-4B full fine-tune, ours: one document of 32k
+#                (profiled) / 128k / 256k tokens                                                     ~7 min
+#   workload-4b-builtin   the same, the built-in: 32k / 128k                                          ~3 min
 #
-# Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
+# Bundle c (transformers 5.24, causal_conv1d) is needed only where the built-in runs; the workload-*-ours stages run
+# without it, on the machine's transformers. Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
 # earlier runs of the same scripts; the 10-minute limit cuts a stage that runs over, and what it wrote under
 # $OUT still comes back. The commit the tree was sent at is not knowable there (`git rev-parse HEAD` answers the
 # session's first commit): record it on the sending side.
@@ -35,7 +43,11 @@ set -uo pipefail
 stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
-for bundle in a b c; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
+case "$stage" in
+  workload-*-ours) needed="a b" ;;
+  *) needed="a b c" ;;
+esac
+for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
 # Triton's compiled kernels beside the bundles: kept while the machine stays warm, reused by the next stage.
 export PYTHONPATH="$GPU_SITE:$PWD" TRITON_CACHE_DIR="$GPU_SITE/.triton-cache" PYTHONUNBUFFERED=1
 failed=0
@@ -111,6 +123,23 @@ case "$stage" in
     step moe-expert-lora python3 benchmarks/bench_moe.py --vocabs 65536 \
       --batches rl_longtail_x16 --runs builtin_lora,ours_lora_low_rank,ours_lora_peft_fold --skip-experts \
       --out "$OUT/moe-expert-lora.json"
+    ;;
+  workload-35b-ours)
+    step workload-35b-ours python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank,rl:lora_peft_fold,rl:lora_low_rank_no_ckpt,doc_32768:lora_low_rank,doc_131072:lora_low_rank,doc_65536:lora_low_rank,rl:lora_no_experts,rl:lora_no_experts_no_ckpt \
+      --profile doc_32768:lora_low_rank --out "$OUT/workload-35b-ours.json"
+    ;;
+  workload-35b-builtin)
+    step workload-35b-builtin python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl builtin \
+      --rows rl:lora,rl:lora_no_experts,doc_32768:lora,doc_65536:lora --out "$OUT/workload-35b-builtin.json"
+    ;;
+  workload-4b-ours)
+    step workload-4b-ours python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
+      --rows doc_32768:full,doc_131072:full,doc_262144:full --profile doc_32768:full --out "$OUT/workload-4b-ours.json"
+    ;;
+  workload-4b-builtin)
+    step workload-4b-builtin python3 benchmarks/bench_workload.py --model qwen35_4b --impl builtin \
+      --rows doc_32768:full,doc_131072:full --profile doc_32768:full --out "$OUT/workload-4b-builtin.json"
     ;;
   gpu-tests)
     step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py

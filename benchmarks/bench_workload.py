@@ -1,0 +1,316 @@
+"""What one GPU trains: the whole Qwen3.5-35B-A3B with LoRA and Qwen3.5-4B fully fine-tuned, on the RL batch and on
+single long documents; ours or transformers' built-in, one implementation and one model per process.
+
+Models are the official text configs (examples/configs, vocab 248,320, every layer), built in bf16 on the device
+with random weights (seed 0). A row is BATCH:SETUP:
+  BATCH  rl (bench_train_step's RL batch: 16 documents, 26,354 tokens, packed in one row) or doc_N (one document of
+         N tokens);
+  SETUP  lora (PEFT LoRA r=16 on GDN + attention + the experts, base frozen) | lora_no_experts (GDN + attention) |
+         full (every parameter trains), each with decoder-layer checkpointing; a `_no_ckpt` suffix turns it off;
+         for ours and the MoE, `lora_low_rank` / `lora_peft_fold` force moe_lora_kernel (the expert adapters as
+         low-rank products on the expert rows / PEFT's rebuilt expert weights); `lora` is moe_lora_kernel="auto".
+A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
+decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
+cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
+in the order given; switching LoRA targets unloads the adapters and wraps the base model again. A row that runs out
+of memory records the peak at failure and the next row goes on. --profile ROW adds the kernel time of one step of
+that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name and the non-kernel remainder.
+
+    python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
+                                        [--profile ROW] [--reps 2] [--out FILE] [--device cuda] [--tiny]
+
+--tiny (with --device cpu) runs the rows on a small config and short documents to check the script itself.
+Writes results/benchmarks/<date>-workload-<model>-<impl>.json (or --out) after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from bench_moe import layer_shapes
+from bench_train_step import CONFIGS, TINY, batches, default_dtype, peak_gib, sync
+from trace_train_step import idle_gaps, kernel_time_by_name
+
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
+from qwen35_packed.integrations.lora import lora_config
+from qwen35_packed.modeling import kernels
+
+ROOT = Path(__file__).resolve().parent
+MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5-4B.config.json"}
+LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
+# Kernel classes of a profiled step, first matching pattern wins (names as the profiler reports them).
+KERNEL_CLASSES = (
+    ("gdn", r"chunk_|gated_delta|fused_recurrent|kda|tilelang|flash_qla|qla|solve_tril|wy_fast|l2norm"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("conv", r"conv"),
+    ("loss", r"cross_entropy|loss|logsumexp|triton_.*red|log_softmax"),
+    ("grouped_gemm", r"grouped"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere_|cublas|matmul"),
+    ("elementwise_ours", r"^_?(rmsnorm|swiglu|gated_norm|gate|topk|gather_sum|elementwise)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    lora_groups: tuple[str, ...] | None  # None: a full fine-tune
+    checkpointing: bool
+    moe_lora_kernel: str | None  # ours only; None keeps the config's ("auto")
+
+
+def parse_setup(name: str) -> Setup:
+    base, no_ckpt = (name[: -len("_no_ckpt")], True) if name.endswith("_no_ckpt") else (name, False)
+    kernel = {"lora_low_rank": "low_rank", "lora_peft_fold": "peft"}.get(base)
+    groups_key = "lora" if kernel else base
+    if groups_key == "full":
+        return Setup(None, not no_ckpt, None)
+    if groups_key not in LORA_GROUPS:
+        raise SystemExit(
+            f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full [_no_ckpt]"
+        )
+    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel)
+
+
+def batch_lengths(name: str, tiny: bool) -> list[int]:
+    if name == "rl":
+        lengths = batches()["rl_longtail_x16"]
+    elif re.fullmatch(r"doc_\d+", name):
+        lengths = [int(name[4:])]
+    else:
+        raise SystemExit(f"unknown batch {name!r}: rl or doc_N")
+    return [max(1, n // 64) for n in lengths] if tiny else lengths
+
+
+def text_config(model: str, tiny: bool) -> dict:
+    if tiny:
+        return layer_shapes(4, 512, tiny=True) if model == "qwen35_35b_a3b" else dict(TINY)
+    composite = json.loads((CONFIGS / MODELS[model]).read_text())
+    kwargs = {k: v for k, v in composite["text_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
+    kwargs.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
+    return kwargs
+
+
+def classes(model: str, impl: str):
+    moe = model == "qwen35_35b_a3b"
+    if impl == "ours":
+        return (
+            (Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig)
+            if moe
+            else (Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig)
+        )
+    if moe:
+        return transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig
+    return transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, lowered)), "other")
+
+
+def profile_step(step, device) -> dict:
+    """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span and the
+    step's wall time (trace_train_step.py's reading of the profiler's trace)."""
+    if device.type != "cuda":
+        return {"skipped": "kernel times are read from a CUDA trace"}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step().backward()
+        sync(device)
+        wall = time.perf_counter() - start
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    by_name = kernel_time_by_name(events, top=None)
+    by_class = collections.Counter()
+    for name, ms in by_name.items():
+        by_class[kernel_class(name)] += ms
+    gaps = idle_gaps(events)
+    return {
+        "wall_ms_profiled": round(wall * 1e3, 1),
+        "kernel_ms": gaps["kernel_ms"],
+        "span_ms": gaps["span_ms"],
+        "by_class_ms": {k: round(v, 1) for k, v in by_class.most_common()},
+        "top_kernels_ms": dict(list(by_name.items())[:25]),
+    }
+
+
+class Workload:
+    """One model of one implementation on the device, with the training setup of the current row applied."""
+
+    def __init__(self, model: str, impl: str, device: torch.device, tiny: bool):
+        self.impl, self.device = impl, device
+        self.kwargs = text_config(model, tiny)
+        model_cls, config_cls = classes(model, impl)
+        self.reference_config = (Qwen3_5MoePackedConfig if model == "qwen35_35b_a3b" else Qwen3_5PackedConfig)(
+            **self.kwargs
+        )
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        with default_dtype(torch.bfloat16), torch.device(device):
+            self.base = model_cls(config_cls(**self.kwargs)).train()
+        self.build_seconds = round(time.perf_counter() - start, 1)
+        if impl == "builtin" and model == "qwen35_35b_a3b":
+            self.base.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
+        self.model, self.groups = self.base, "none"
+
+    def apply(self, setup: Setup):
+        if setup.moe_lora_kernel and self.impl != "ours":
+            raise SystemExit("lora_low_rank / lora_peft_fold are ours-only setups")
+        groups = setup.lora_groups or "full"
+        if groups != self.groups:
+            if self.model is not self.base:
+                self.base = self.model.unload()  # the adapters removed, the base modules back in place
+            if setup.lora_groups is None:
+                self.model = self.base
+                self.base.requires_grad_(True)
+            else:
+                from peft import get_peft_model
+
+                self.base.requires_grad_(False)
+                config = lora_config(self.reference_config, r=16, lora_dropout=0.0, targets=setup.lora_groups)
+                self.model = get_peft_model(self.base, config)
+            self.groups = groups
+            gc.collect()
+        if setup.checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_disable()
+        if self.impl == "ours":
+            self.base.config.moe_lora_kernel = setup.moe_lora_kernel or "auto"
+        self.model.train()
+
+    def step_fn(self, lengths: list[int]):
+        g = torch.Generator().manual_seed(2)
+        flat = torch.cat([torch.randint(0, self.kwargs["vocab_size"], (n,), generator=g) for n in lengths])[None]
+        flat = flat.to(self.device)
+        cu = torch.tensor([0, *lengths], device=self.device).cumsum(0).to(torch.int32)
+        if self.impl == "ours":
+            return lambda: self.model(input_ids=flat, cu_seqlens=cu, labels=flat, use_cache=False).loss
+        packing = dict(
+            position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(self.device),
+            seq_idx=torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(
+                self.device
+            ),
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+        )
+        return lambda: self.model(input_ids=flat, labels=flat, use_cache=False, **packing).loss
+
+    def release(self):
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> dict:
+    """Seconds per forward + backward after `warmup` steps (the first step of new shapes autotunes), the peak."""
+    workload.release()
+    try:
+        for _ in range(warmup):
+            step().backward()
+            workload.model.zero_grad(set_to_none=True)
+        sync(workload.device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            loss = step()
+            loss.backward()
+            workload.model.zero_grad(set_to_none=True)
+        sync(workload.device)
+        seconds = (time.perf_counter() - start) / reps
+        return {
+            "s_per_step": round(seconds, 3),
+            "real_tok_per_s": round(n_tokens / seconds),
+            "peak_GiB": peak_gib(workload.device),
+            "loss": loss.item(),
+            "warmup_steps": warmup,
+            "timed_steps": reps,
+        }
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory", "peak_GiB": peak_gib(workload.device)}
+    except Exception as exc:  # e.g. the built-in refusing packed input without its kernels: a result too
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "peak_GiB": peak_gib(workload.device)}
+    finally:
+        workload.release()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--impl", required=True, choices=("ours", "builtin"))
+    parser.add_argument("--rows", required=True, help="comma-separated BATCH:SETUP (see the module docstring)")
+    parser.add_argument("--profile", default=None, help="one of --rows: also profile one step of it")
+    parser.add_argument("--reps", type=int, default=2, help="timed steps per row (one for documents of >= 128k)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = [tuple(spec.split(":")) for spec in args.rows.split(",")]
+    plans = [(batch, setup, batch_lengths(batch, args.tiny), parse_setup(setup)) for batch, setup in rows]
+    workload = Workload(args.model, args.impl, device, args.tiny)
+    choice = kernels.select_kernels(workload.reference_config, device, torch.bfloat16) if args.impl == "ours" else None
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "model": f"{args.model} (official text config, every layer, vocab {workload.kwargs['vocab_size']})"
+        if not args.tiny
+        else f"{args.model} tiny",
+        "impl": args.impl,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fla_available": kernels.FLA_AVAILABLE,
+        "ours_kernels": dataclasses.asdict(choice) if choice else None,
+        "build_seconds": workload.build_seconds,
+        "rows": {},
+    }
+    out = Path(
+        args.out or ROOT.parent / "results" / "benchmarks" / f"{result['date']}-workload-{args.model}-{args.impl}.json"
+    )
+    for batch, setup_name, lengths, setup in plans:
+        row_name = f"{batch}:{setup_name}"
+        workload.apply(setup)
+        step = workload.step_fn(lengths)
+        long = max(lengths) >= 131072 and not args.tiny
+        row = measure(workload, step, sum(lengths), warmup=1, reps=1 if long else args.reps)
+        row.update(tokens=sum(lengths), documents=len(lengths))
+        if row_name == args.profile and "error" not in row:
+            row["profile"] = profile_step(step, device)
+            workload.release()
+        result["rows"][row_name] = row
+        print(row_name, json.dumps(row), flush=True)
+        out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'row':<34}{'tokens':>8}{'tok/s':>9}{'s/step':>8}{'peak GiB':>10}")
+    for name, row in result["rows"].items():
+        if "error" in row:
+            print(f"{name:<34}{row['tokens']:>8}  {row['error']} (peak {row['peak_GiB']} GiB)")
+        else:
+            print(
+                f"{name:<34}{row['tokens']:>8}{row['real_tok_per_s']:>9}{row['s_per_step']:>8}{row['peak_GiB']!s:>10}"
+            )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
