@@ -13,7 +13,8 @@ A forward + backward per step (no optimizer: its state is the same for both impl
 decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
 in the order given; switching LoRA targets unloads the adapters and wraps the base model again. A row that runs out
-of memory records the peak at failure and the next row goes on. --profile ROW adds the kernel time of one step of
+of memory records the peak at failure and the next row goes on; if memory of a failed row stays allocated, the
+later rows are recorded as not run (their peaks would include it), so rows expected to fail go last. --profile ROW adds the kernel time of one step of
 that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name and the non-kernel remainder.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
@@ -226,7 +227,6 @@ class Workload:
 
 def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> dict:
     """Seconds per forward + backward after `warmup` steps (the first step of new shapes autotunes), the peak."""
-    workload.release()
     try:
         for _ in range(warmup):
             step().backward()
@@ -262,6 +262,9 @@ def main():
     parser.add_argument("--rows", required=True, help="comma-separated BATCH:SETUP (see the module docstring)")
     parser.add_argument("--profile", default=None, help="one of --rows: also profile one step of it")
     parser.add_argument("--reps", type=int, default=2, help="timed steps per row (one for documents of >= 128k)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps first (0: the timed step includes autotuning)"
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
@@ -288,16 +291,26 @@ def main():
     out = Path(
         args.out or ROOT.parent / "results" / "benchmarks" / f"{result['date']}-workload-{args.model}-{args.impl}.json"
     )
+    leaked = None
     for batch, setup_name, lengths, setup in plans:
         row_name = f"{batch}:{setup_name}"
+        if leaked:  # every later peak would include it: those rows are not measurements of themselves
+            result["rows"][row_name] = {"error": f"not run: {leaked}", "peak_GiB": None, "tokens": sum(lengths)}
+            continue
         workload.apply(setup)
         step = workload.step_fn(lengths)
         long = max(lengths) >= 131072 and not args.tiny
-        row = measure(workload, step, sum(lengths), warmup=1, reps=1 if long else args.reps)
+        workload.release()
+        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
         row.update(tokens=sum(lengths), documents=len(lengths))
         if row_name == args.profile and "error" not in row:
             row["profile"] = profile_step(step, device)
             workload.release()
+        kept = (torch.cuda.memory_allocated() - before) / 2**30 if device.type == "cuda" else 0.0
+        if kept > 1.0:
+            row["memory_not_released_GiB"] = round(kept, 2)
+            leaked = f"{kept:.1f} GiB of row {row_name} ({row.get('error', 'measured')}) stayed allocated"
         result["rows"][row_name] = row
         print(row_name, json.dumps(row), flush=True)
         out.write_text(json.dumps(result, indent=1))

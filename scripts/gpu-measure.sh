@@ -27,9 +27,10 @@
 #   expert-lora  tests/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
 #                bench_moe.py's LoRA rows with the low-rank products and with PEFT's path            ~6 min
 #   workload-35b-ours     bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch (expert
-#                LoRA as low-rank products / PEFT's path, without checkpointing, LoRA without experts) and one
-#                document of 32k (profiled) / 128k / 64k tokens                                      ~8 min
-#   workload-35b-builtin  the same model, the built-in: RL batch with and without expert LoRA, 32k / 64k ~4 min
+#                LoRA as low-rank products / PEFT's path, LoRA without experts), one document of 32k
+#                (profiled) / 128k / 64k tokens, then the RL batch without checkpointing (out of memory last)
+#                                                                                                    ~8 min
+#   workload-35b-builtin  the same model, the built-in: 32k, the RL batch without and with expert LoRA ~4 min
 #   workload-4b-ours      bench_workload.py, Qwen3.5-4B full fine-tune, ours: one document of 32k
 #                (profiled) / 128k / 256k tokens                                                     ~7 min
 #   workload-4b-builtin   the same, the built-in: 32k / 128k                                          ~3 min
@@ -126,12 +127,12 @@ case "$stage" in
     ;;
   workload-35b-ours)
     step workload-35b-ours python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank,rl:lora_peft_fold,rl:lora_low_rank_no_ckpt,doc_32768:lora_low_rank,doc_131072:lora_low_rank,doc_65536:lora_low_rank,rl:lora_no_experts,rl:lora_no_experts_no_ckpt \
+      --rows rl:lora_low_rank,rl:lora_peft_fold,doc_32768:lora_low_rank,doc_131072:lora_low_rank,doc_65536:lora_low_rank,rl:lora_no_experts,rl:lora_low_rank_no_ckpt \
       --profile doc_32768:lora_low_rank --out "$OUT/workload-35b-ours.json"
     ;;
   workload-35b-builtin)
     step workload-35b-builtin python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl builtin \
-      --rows rl:lora,rl:lora_no_experts,doc_32768:lora,doc_65536:lora --out "$OUT/workload-35b-builtin.json"
+      --rows doc_32768:lora,rl:lora_no_experts,rl:lora --out "$OUT/workload-35b-builtin.json"
     ;;
   workload-4b-ours)
     step workload-4b-ours python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
