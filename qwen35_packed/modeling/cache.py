@@ -141,7 +141,11 @@ class Qwen3_5PackedCache(Cache):
         layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
         layer.conv_kernel_size[0] = conv.shape[-1]
         layer.device, layer.dtype = conv.device, conv.dtype
-        for flags in (layer.is_conv_states_initialized, layer.is_recurrent_states_initialized, layer.has_previous_state):
+        for flags in (
+            layer.is_conv_states_initialized,
+            layer.is_recurrent_states_initialized,
+            layer.has_previous_state,
+        ):
             flags[0] = True
 
     def decode_sequence(self, batch: int, q_len: int, device) -> PackedSequence:
