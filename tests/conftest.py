@@ -35,6 +35,7 @@ def run_triton_interpreted(script: str) -> dict:
 # (scripts/test-matrix.sh); the whole suite runs on the version the README installs.
 CORE_TEST_FILES = frozenset(
     {
+        "test_cache.py",
         "test_compat.py",
         "test_configuration.py",
         "test_kernels.py",

@@ -59,7 +59,8 @@ class GatedAttention(nn.Module):
 
     def _attend_with_cache(self, q, k, v, packed, cache):
         """Generation: each document of the stream is one batch row continuing its cached keys/values."""
-        keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+        rows = cache.layers[self.layer_idx]
+        keys, values = rows.key_rows, rows.value_rows
         outs = []
         bounds = packed.cu_seqlens_cpu().tolist()
         for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -1,36 +1,123 @@
 """Generation cache: per-row GDN conv/recurrent states and attention keys/values of the real tokens only.
 
 A cached forward treats every batch row as one document of the packed stream, so prefill and decode go through
-the same varlen layers as training. Keys/values are kept per row without padding, so left-padded prompts decode
-exactly like unpadded ones.
+the same varlen layers as training.
 
-It is this model's own class, not a transformers `Cache`: keys/values of different lengths per row and the GDN
-states do not fit transformers' per-layer tensors. generate() reads the few attributes it asks of a cache
-(`get_seq_length`, `is_linear`, `is_compileable`), and `as_packed_cache` takes the cache argument a caller or
-generate() passes: an empty transformers cache (e.g. `DynamicCache()`) is replaced by this one, a filled one refused.
+It is a transformers `Cache`, so generate(), beam search and code that reads transformers' cache layout take it.
+`layers` holds one entry per decoder layer:
+- a Gated DeltaNet layer is transformers' own `LinearAttentionLayer` (on transformers 4.x, which has none,
+  `RecurrentStateLayer` with the same fields): `conv_states[0]` [B, C, K] holds the last K conv inputs as
+  transformers keeps them (the conv of the next token reads the last K-1), `recurrent_states[0]` [B, Hv, Dk, Dv]
+  the fp32 delta-rule state.
+- a full-attention layer is `PerRowKeysValues`: the keys/values of every row's real tokens only, without padding
+  (`key_rows[b]` [tokens of row b, kv_heads, head_dim]), so left-padded prompts decode exactly like unpadded ones.
+  Its `keys` / `values` give transformers' layout [B, kv_heads, columns, head_dim], built when read: each row's
+  tokens right-aligned, zeros in the columns of its padding (where a DynamicCache holds the padding tokens' keys).
+`get_seq_length()` counts the caller's columns consumed, padding included, as transformers' caches do.
+
+Supported: generate(), continuing generation from a returned cache (with the returned sequences or with
+inputs_embeds that extend the cached prompt), beam search (`reorder_cache`), `batch_repeat_interleave` /
+`batch_select_indices`. Refused with an error: `update` and the conv/recurrent state updates (the packed layers
+write this cache themselves), `crop` and past recording (assisted decoding: a GDN state cannot be rolled back),
+`reset`, and transformers' attention masks (`get_mask_sizes`). `as_packed_cache` takes the cache argument a caller
+or generate() passes: an empty transformers cache (e.g. `DynamicCache()`) is replaced by this one, a filled one
+refused.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import Cache
 
 from .packing import PackedSequence
 
+try:
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # transformers 4.x: no linear-attention cache layer
+    LinearAttentionLayer = None
 
-class Qwen3_5PackedCache:
+
+class RecurrentStateLayer:
+    """A GDN layer's states where transformers has no `LinearAttentionLayer` (4.x): the same fields, so readers of
+    `layers[i].conv_states[0]` work on every supported version."""
+
+    number_of_states = 1
+    record_past = False
+    supports_early_init = False
+
+    def __init__(self):
+        self.conv_states = {0: None}
+        self.recurrent_states = {0: None}
+        self.is_conv_states_initialized = {0: False}
+        self.is_recurrent_states_initialized = {0: False}
+        self.has_previous_state = {0: False}
+        self.conv_kernel_size = {0: None}
+        self.device = None
+        self.dtype = None
+
+
+class PerRowKeysValues:
+    """A full-attention layer: keys/values [tokens, kv_heads, head_dim] of each row's real tokens."""
+
+    is_sliding = False
     is_compileable = False
+    supports_early_init = False
 
-    def __init__(self, num_layers: int, batch_size: int):
-        self.batch_size = batch_size
-        self.conv_states: list[torch.Tensor | None] = [None] * num_layers  # [B, C, K-1]
-        self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers  # [B, Hv, Dk, Dv] fp32
-        self.keys: list[list[torch.Tensor | None]] = [[None] * batch_size for _ in range(num_layers)]
-        self.values: list[list[torch.Tensor | None]] = [[None] * batch_size for _ in range(num_layers)]
+    def __init__(self, cache: Qwen3_5PackedCache, batch_size: int):
+        self._cache = cache  # the column count the transformers layout is padded to
+        self.key_rows: list[torch.Tensor | None] = [None] * batch_size
+        self.value_rows: list[torch.Tensor | None] = [None] * batch_size
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._as_columns(self.key_rows)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._as_columns(self.value_rows)
+
+    def _as_columns(self, rows: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if rows[0] is None:
+            return None
+        columns = self._cache.get_seq_length()
+        out = rows[0].new_zeros(len(rows), columns, *rows[0].shape[1:])
+        for b, row in enumerate(rows):
+            out[b, columns - row.shape[0] :] = row
+        return out.transpose(1, 2)
+
+    def get_max_length(self) -> int:
+        return -1  # grows with the sequence, like a DynamicLayer
+
+    def select_rows(self, order: list[int]) -> None:
+        self.key_rows = [self.key_rows[j] for j in order]
+        self.value_rows = [self.value_rows[j] for j in order]
+
+
+def _new_linear_layer():
+    return LinearAttentionLayer() if LinearAttentionLayer is not None else RecurrentStateLayer()
+
+
+class Qwen3_5PackedCache(Cache):
+    is_compileable = False  # keys grow per row: no static shapes for torch.compile / CUDA graphs
+    is_croppable = False  # a GDN state cannot be rolled back
+
+    def __init__(self, layer_types: list[str], batch_size: int):
+        self._batch_size = batch_size
+        super().__init__(
+            layers=[
+                _new_linear_layer() if kind == "linear_attention" else PerRowKeysValues(self, batch_size)
+                for kind in layer_types
+            ]
+        )
         self.seen_tokens: torch.Tensor | None = None  # long [B]: real tokens consumed per row
         self.consumed_columns = 0  # columns of the caller's input_ids consumed (padding included)
         # long [B] or None: added to the rope position of every cached step. After a multimodal prefill the next text
         # position is the prompt's largest (t, h, w) position + 1, not its token count (the built-in's rope_deltas).
         self.position_offset: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
 
     @property
     def has_state(self) -> bool:
@@ -41,12 +128,25 @@ class Qwen3_5PackedCache:
 
     @property
     def is_linear(self) -> list[bool]:
-        # What generate() asks of a cache it was handed: False for every layer lets it count the consumed columns
-        # with get_seq_length(); prepare_inputs_for_generation slices the new columns itself either way.
-        return [False] * len(self.keys)
+        # Not every layer is linear, so generate() counts the consumed columns with get_seq_length().
+        return [not isinstance(layer, PerRowKeysValues) for layer in self.layers]
 
-    def __len__(self) -> int:
-        return len(self.keys)
+    def linear_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A GDN layer's (conv [B, C, K], recurrent [B, Hv, Dk, Dv]) states; (None, None) before the prefill."""
+        layer = self.layers[layer_idx]
+        return layer.conv_states[0], layer.recurrent_states[0]
+
+    def store_linear_states(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        layer = self.layers[layer_idx]
+        layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+        layer.conv_kernel_size[0] = conv.shape[-1]
+        layer.device, layer.dtype = conv.device, conv.dtype
+        for flags in (
+            layer.is_conv_states_initialized,
+            layer.is_recurrent_states_initialized,
+            layer.has_previous_state,
+        ):
+            flags[0] = True
 
     def decode_sequence(self, batch: int, q_len: int, device) -> PackedSequence:
         """The packed view of a cached step: row b is document b, positions continue after its cached tokens."""
@@ -67,20 +167,60 @@ class Qwen3_5PackedCache:
         self.seen_tokens = lengths if self.seen_tokens is None else self.seen_tokens.to(lengths.device) + lengths
         self.consumed_columns += columns
 
+    def _select_rows(self, index: torch.LongTensor) -> None:
+        """Row b becomes the old row index[b] (index may repeat rows or drop them)."""
+        order = index.tolist()
+        for layer in self.layers:
+            if isinstance(layer, PerRowKeysValues):
+                layer.select_rows(order)
+                continue
+            for states in (layer.conv_states, layer.recurrent_states):
+                if states[0] is not None:
+                    states[0] = states[0].index_select(0, index.to(states[0].device))
+        for name in ("seen_tokens", "position_offset"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, index.to(value.device)))
+        self._batch_size = len(order)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows follow `beam_idx`."""
-        order = beam_idx.tolist()
-        for i, state in enumerate(self.conv_states):
-            if state is not None:
-                self.conv_states[i] = state.index_select(0, beam_idx.to(state.device))
-        for i, state in enumerate(self.recurrent_states):
-            if state is not None:
-                self.recurrent_states[i] = state.index_select(0, beam_idx.to(state.device))
-        self.keys = [[layer[j] for j in order] for layer in self.keys]
-        self.values = [[layer[j] for j in order] for layer in self.values]
-        self.seen_tokens = self.seen_tokens.index_select(0, beam_idx.to(self.seen_tokens.device))
-        if self.position_offset is not None:
-            self.position_offset = self.position_offset.index_select(0, beam_idx.to(self.position_offset.device))
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices.long())
+
+    # transformers' Cache operations this cache cannot honour: an error, never a silently wrong cache.
+
+    def update(self, *args, **kwargs):
+        raise _unsupported("update", "the packed model's layers write its keys/values per row themselves")
+
+    def update_conv_state(self, *args, **kwargs):
+        raise _unsupported("update_conv_state", "the packed model's GDN layers write their states themselves")
+
+    def update_recurrent_state(self, *args, **kwargs):
+        raise _unsupported("update_recurrent_state", "the packed model's GDN layers write their states themselves")
+
+    def crop(self, *args, **kwargs):
+        raise _unsupported("crop", "a Gated DeltaNet state cannot be rolled back to an earlier token")
+
+    def activate_past_recording(self):
+        raise _unsupported(
+            "activate_past_recording (assisted decoding)", "a Gated DeltaNet state cannot be rolled back"
+        )
+
+    def reset(self):
+        raise _unsupported("reset", "it is grown per row; start a new generation with a fresh cache instead")
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise _unsupported("get_mask_sizes", "the packed model builds no transformers attention mask")
+
+
+def _unsupported(operation: str, reason: str) -> NotImplementedError:
+    return NotImplementedError(f"Qwen3_5PackedCache does not support {operation}: {reason}")
 
 
 def as_packed_cache(cache):
@@ -88,7 +228,7 @@ def as_packed_cache(cache):
     Cache becomes None (the forward then creates ours); a transformers Cache with content is refused."""
     if cache is None or isinstance(cache, Qwen3_5PackedCache):
         return cache
-    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
+    if isinstance(cache, Cache) and cache.get_seq_length() == 0:
         return None
     raise ValueError(
         f"a filled {type(cache).__name__} cannot be continued by the packed Qwen3.5 model, which keeps its own "

@@ -73,17 +73,18 @@ class GatedDeltaNet(nn.Module):
         return gdn_gates(a, b, self.A_log, self.dt_bias, choice)
 
     def forward(self, hidden_states: torch.Tensor, packed, choice: KernelChoice, cache=None) -> torch.Tensor:
-        """hidden_states [N, hidden] (packed); cache: the layer's GenerationCache slot, or None."""
+        """hidden_states [N, hidden] (packed); cache: the Qwen3_5PackedCache, or None."""
         n = hidden_states.shape[0]
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states)
         g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)
 
-        conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
-        recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         weight = self.conv1d.weight.squeeze(1)
+        # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
+        history = conv_state[..., 1:] if conv_state is not None else None
         q, k, v = causal_conv1d_varlen(
-            mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim], initial_state=conv_state
+            mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim], initial_state=history
         )
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
@@ -93,9 +94,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g, beta, packed, choice, initial_state=recurrent_state, output_final_state=cache is not None
         )
         if cache is not None:
-            cache.conv_states[self.layer_idx] = conv_final_state(
-                mixed, packed.cu_seqlens, self.conv_kernel_size, conv_state
-            )
-            cache.recurrent_states[self.layer_idx] = final_state
+            # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
+            conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
+            cache.store_linear_states(self.layer_idx, conv_state, final_state)
 
         return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, choice))

@@ -283,7 +283,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
         if not use_cache:
             return packed, None
-        return packed, cache if cache is not None else Qwen3_5PackedCache(self.config.num_hidden_layers, shape[0])
+        return packed, cache if cache is not None else Qwen3_5PackedCache(self.config.layer_types, shape[0])
 
     def run_layers(
         self,

@@ -305,7 +305,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         if use_cache:
             if packed.num_docs != shape[0]:
                 raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
-            cache = Qwen3_5PackedCache(self.config.text_config.num_hidden_layers, shape[0])
+            cache = Qwen3_5PackedCache(self.config.text_config.layer_types, shape[0])
         # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
         # at most once), with the 3D rope positions.
         hidden, all_hidden, router_logits = self.language_model.run_layers(

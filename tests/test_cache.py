@@ -1,0 +1,169 @@
+"""The generation cache (qwen35_packed/modeling/cache.py) as transformers code reads it: a `Cache` whose layers
+give transformers' layout, continued by a later generate() exactly, rows selected on request, unsupported
+operations refused."""
+
+import copy
+
+import pytest
+import torch
+from conftest import builtin_pair, packed_model
+from transformers import Cache
+
+from qwen35_packed.modeling.cache import LinearAttentionLayer, PerRowKeysValues, Qwen3_5PackedCache
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=-1)
+
+
+def _left_padded_prompt(seed=0):
+    ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids, mask
+
+
+def _assert_caches_equal(a: Qwen3_5PackedCache, b: Qwen3_5PackedCache):
+    assert len(a) == len(b) and a.get_seq_length() == b.get_seq_length()
+    for la, lb in zip(a.layers, b.layers):
+        assert type(la) is type(lb)
+        if isinstance(la, PerRowKeysValues):
+            torch.testing.assert_close(la.keys, lb.keys)
+            torch.testing.assert_close(la.values, lb.values)
+        else:
+            torch.testing.assert_close(la.conv_states[0], lb.conv_states[0])
+            torch.testing.assert_close(la.recurrent_states[0], lb.recurrent_states[0])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_cache_is_a_transformers_cache_in_its_layout(kind):
+    model = packed_model(kind)
+    config = model.config
+    ids, mask = _left_padded_prompt()
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    assert isinstance(cache, Cache) and len(cache) == config.num_hidden_layers
+    assert cache.get_seq_length() == ids.shape[1] and cache.batch_size == ids.shape[0]
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+        config.linear_num_value_heads * config.linear_value_head_dim
+    )
+    for kind_of_layer, layer in zip(config.layer_types, cache.layers):
+        if kind_of_layer == "linear_attention":
+            if LinearAttentionLayer is not None:  # transformers 5: its own class, as its cache checks ask
+                assert type(layer) is LinearAttentionLayer
+            assert layer.number_of_states == 1 and not layer.record_past
+            assert layer.conv_states[0].shape == (2, conv_dim, config.linear_conv_kernel_dim)
+            assert layer.recurrent_states[0].shape == (
+                2,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+            )
+            continue
+        assert isinstance(layer, PerRowKeysValues)
+        shape = (2, config.num_key_value_heads, ids.shape[1], config.head_dim)
+        assert layer.keys.shape == shape and layer.values.shape == shape
+        # storage stays per row without padding; the transformers layout right-aligns it, zeros where padding was
+        assert [row.shape[0] for row in layer.key_rows] == mask.sum(1).tolist()
+        assert torch.equal(layer.keys[1, :, 2:], layer.key_rows[1].transpose(0, 1))
+        assert not layer.keys[1, :, :2].any() and not layer.values[1, :, :2].any()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_cache_holds_what_the_builtin_cache_holds(kind):
+    """Same weights, same unpadded prompt: every GDN state (the conv's last K inputs included) and every key/value
+    equals the built-in's."""
+    ref, ours = builtin_pair(kind)
+    ids = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids, use_cache=True).past_key_values
+        got = ours(ids, use_cache=True).past_key_values
+    assert got.get_seq_length() == expected.get_seq_length()
+    for ours_layer, ref_layer in zip(got.layers, expected.layers):
+        if isinstance(ours_layer, PerRowKeysValues):
+            torch.testing.assert_close(ours_layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ours_layer.values, ref_layer.values, atol=1e-5, rtol=1e-4)
+        else:
+            torch.testing.assert_close(ours_layer.conv_states[0], ref_layer.conv_states[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                ours_layer.recurrent_states[0], ref_layer.recurrent_states[0], atol=1e-5, rtol=1e-4
+            )
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("form", ["input_ids", "inputs_embeds"])
+def test_continuing_from_a_returned_cache_equals_one_generate_call(kind, form):
+    """3 tokens, then 1 more from the returned cache: the tokens and the final cache of a single 4-token call."""
+    model = packed_model(kind)
+    ids, mask = _left_padded_prompt(seed=1)
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        if form == "input_ids":
+            whole = model.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+            first = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+            grown = torch.cat([mask, mask.new_ones(2, first.sequences.shape[1] - ids.shape[1])], dim=1)
+            rest = model.generate(
+                first.sequences, attention_mask=grown, past_key_values=first.past_key_values, max_new_tokens=1,
+                return_dict_in_generate=True, **GREEDY,
+            )  # fmt: skip
+            assert torch.equal(rest.sequences, whole.sequences)
+        else:  # without a mask: generate() continues embeddings of the prompt and the tokens so far
+            prompt = embed(ids)
+            whole = model.generate(inputs_embeds=prompt, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+            first = model.generate(inputs_embeds=prompt, max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+            rest = model.generate(
+                inputs_embeds=torch.cat([prompt, embed(first.sequences)], dim=1), past_key_values=first.past_key_values,
+                max_new_tokens=1, return_dict_in_generate=True, **GREEDY,
+            )  # fmt: skip
+            assert torch.equal(torch.cat([first.sequences, rest.sequences], dim=1), whole.sequences)
+    _assert_caches_equal(rest.past_key_values, whole.past_key_values)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_row_selection_moves_every_state_of_a_row(kind):
+    """batch_select_indices / batch_repeat_interleave / reorder_cache: the next step of a selected row gives the
+    logits its source row gives."""
+    model = packed_model(kind)
+    ids, mask = _left_padded_prompt(seed=2)
+    step = torch.tensor([[5], [9]])
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        expected = model(step, attention_mask=torch.ones(2, 7, dtype=torch.long), past_key_values=copy.deepcopy(cache))
+        for select, index in (
+            (lambda c: c.batch_select_indices(torch.tensor([1, 0])), [1, 0]),
+            (lambda c: c.reorder_cache(torch.tensor([1, 1])), [1, 1]),
+            (lambda c: c.batch_repeat_interleave(2), [0, 0, 1, 1]),
+        ):
+            selected = copy.deepcopy(cache)
+            select(selected)
+            assert selected.batch_size == len(index)
+            got = model(
+                step[index], attention_mask=torch.ones(len(index), 7, dtype=torch.long), past_key_values=selected
+            )
+            torch.testing.assert_close(got.logits, expected.logits[index], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "operation, call",
+    [
+        ("crop", lambda c: c.crop(-1)),
+        ("update", lambda c: c.update(torch.zeros(1), torch.zeros(1), 0)),
+        ("update_conv_state", lambda c: c.update_conv_state(torch.zeros(1), 0)),
+        ("reset", lambda c: c.reset()),
+        ("activate_past_recording", lambda c: c.activate_past_recording()),
+        ("get_mask_sizes", lambda c: c.get_mask_sizes(1, 0)),
+    ],
+)
+def test_operations_the_cache_cannot_honour_raise(operation, call):
+    model = packed_model("dense")
+    with torch.no_grad():
+        cache = model(torch.tensor([[4, 5, 6]]), use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match=f"Qwen3_5PackedCache does not support {operation}"):
+        call(cache)
+    assert not cache.is_compileable and not cache.is_croppable
+
+
+def test_the_row_count_of_a_cache_must_match_the_input():
+    model = packed_model("dense")
+    with torch.no_grad():
+        cache = model(torch.tensor([[4, 5, 6]]), use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="cache holds 1 rows but the input has 2"):
+            model(torch.tensor([[1], [2]]), past_key_values=cache)
