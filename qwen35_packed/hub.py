@@ -6,7 +6,9 @@
   package's remote-code modules, tokenizer / processor files, LICENSE, the card, the verification report). Anything
   else is left out with the reason: symlinks (even with an allowed name), hidden files, folders (caches), files that
   look like credentials, shards the index does not name, unknown files. A folder is a `packed` model (auto_map to
-  this package's classes), an `official` one (transformers' architectures) or a PEFT `adapter` (adapter_config.json).
+  this package's classes), an `official` one (transformers' architectures) or a PEFT `adapter` (adapter_config.json);
+  a model may be a sequence-classification (reward / value) one, whose card loads it through
+  AutoModelForSequenceClassification and has no generation, TRL GRPO, PEFT or vLLM snippets.
 * The card (a huggingface_hub `ModelCard`) carries metadata (library_name, base_model, tags, license: `--license`,
   else the report's `source.license`, else recognised from the LICENSE file copied from the source checkpoint),
   usage snippets for transformers, `trl grpo`, vLLM and PEFT, and the measured numbers of
@@ -28,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .conversion.config import is_sequence_classifier
 from .conversion.sizes import format_bytes
 from .json_files import read_json_object
 from .report_schema import REPORT_NAME, REPORT_SCHEMA, STATUSES
@@ -50,11 +53,15 @@ TOKEN_CONTENT_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 PACKED_ARCHITECTURES = {
     "Qwen3_5PackedForCausalLM": (False, False), "Qwen3_5MoePackedForCausalLM": (True, False),
     "Qwen3_5PackedForConditionalGeneration": (False, True), "Qwen3_5MoePackedForConditionalGeneration": (True, True),
+    "Qwen3_5PackedForSequenceClassification": (False, False),
+    "Qwen3_5MoePackedForSequenceClassification": (True, False),
 }  # fmt: skip
 OFFICIAL_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": (False, False), "Qwen3_5MoeForCausalLM": (True, False),
     "Qwen3_5ForConditionalGeneration": (False, True), "Qwen3_5MoeForConditionalGeneration": (True, True),
+    "Qwen3_5TextForSequenceClassification": (False, False),
 }  # fmt: skip
+REWARD_AUTO_CLASS = "AutoModelForSequenceClassification"
 
 
 class UploadError(Exception):
@@ -162,6 +169,12 @@ def _classify(folder: Path) -> tuple[str, bool, bool, dict]:
             raise UploadError(
                 f"config.json names {arch} but the remote code is incomplete (auto_map {auto_map or 'missing'}, "
                 f"missing files {missing}); convert the checkpoint with `qwen35-packed convert`"
+            )
+        if is_sequence_classifier(config) and REWARD_AUTO_CLASS not in auto_map:
+            # the card loads it through this entry; without it trust_remote_code would build the built-in head
+            raise UploadError(
+                f"config.json names {arch} but auto_map has no {REWARD_AUTO_CLASS} entry; convert the checkpoint "
+                "with `qwen35-packed convert`"
             )
         return ("packed", *PACKED_ARCHITECTURES[arch], config)
     if arch in OFFICIAL_ARCHITECTURES:
@@ -331,10 +344,13 @@ def license_from_file(folder: Path) -> str | None:
 
 
 def usage_snippets(
-    repo_id: str, kind: str, is_moe: bool, base_model: str | None, vision: bool = False
+    repo_id: str, kind: str, is_moe: bool, base_model: str | None, vision: bool = False, reward: bool = False
 ) -> dict[str, str]:
     """The code blocks of the card, by name; each is complete as shown (the tests run the transformers one).
-    A vision-language folder loads through `AutoModelForImageTextToText` (its auto_map / the built-in mapping)."""
+    A vision-language folder loads through `AutoModelForImageTextToText` (its auto_map / the built-in mapping), a
+    sequence-classification (`reward`) one through `AutoModelForSequenceClassification`, scored, not generating."""
+    if reward:
+        return _reward_snippets(repo_id, kind)
     builtin = (
         ("Qwen3_5MoeForConditionalGeneration" if is_moe else "Qwen3_5ForConditionalGeneration")
         if vision
@@ -412,6 +428,29 @@ def usage_snippets(
     return snippets
 
 
+def _reward_snippets(repo_id: str, kind: str) -> dict[str, str]:
+    remote = ", trust_remote_code=True" if kind == "packed" else ""
+    snippets = {
+        "transformers": (
+            "import torch\n"
+            f"from transformers import {REWARD_AUTO_CLASS}\n\n"
+            f'model = {REWARD_AUTO_CLASS}.from_pretrained("{repo_id}"{remote})\n'
+            "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
+            "scores = model(ids).logits  # [1, num_labels]: the score of the sequence, read at its last token\n"
+        )
+    }
+    if kind == "packed":
+        snippets["packed"] = (
+            "import torch\n"
+            f"from transformers import {REWARD_AUTO_CLASS}\n\n"
+            f'model = {REWARD_AUTO_CLASS}.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+            "# two documents (4 and 3 tokens) packed in one row: each one sees only itself\n"
+            "ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])\n"
+            "scores = model(ids, cu_seqlens=torch.tensor([0, 4, 7])).logits  # [2, num_labels]: one per document\n"
+        )
+    return snippets
+
+
 _LANGUAGES = {"transformers": "python", "packed": "python", "trl": "bash", "peft": "python", "vllm": "python"}
 _TITLES = {
     "transformers": "transformers",
@@ -468,25 +507,32 @@ def build_card(
     """The model card (a huggingface_hub ModelCard) for the folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    reward = kind != "adapter" and is_sequence_classifier(config)
     tags = ["qwen3_5", "qwen35-packed", "packed-sequences"]
     tags += ["moe"] if is_moe else []
+    tags += ["reward-model"] if reward else []
     tags += ["peft", "lora"] if kind == "adapter" else []
     data = ModelCardData(
         library_name="peft" if kind == "adapter" else "transformers",
         base_model=base_model,
         license=license,
         tags=tags,
-        pipeline_tag="image-text-to-text" if vision else "text-generation",
+        pipeline_tag="text-classification" if reward else "image-text-to-text" if vision else "text-generation",
     )
     name = repo_id.split("/")[-1]
     size = ("MoE" if is_moe else "dense") + (" vision-language" if vision else " text")
+    size += " sequence-classification (reward / value)" if reward else ""
     about = {
         "packed": (
             f"Qwen3.5 {size} model in the `qwen35-packed` layout: "
             "transformers remote code (`trust_remote_code=True`) that is exact for packed documents (the GDN conv, "
             "the delta-rule recurrence, attention, rope positions and the loss all honour document boundaries). The "
-            "weights have the names and shapes of transformers' built-in Qwen3.5 classes, which load them "
-            "without `trust_remote_code` (unpacked input only)."
+            "weights have the names and shapes of transformers' built-in Qwen3.5 classes, "
+            + (
+                "which have no MoE sequence-classification class: the remote code is the one that loads them."
+                if reward and is_moe
+                else "which load them without `trust_remote_code` (unpacked input only)."
+            )
         ),
         "official": (
             f"Qwen3.5 {size} checkpoint in the official layout, written by `qwen35-packed convert --to official` "
@@ -495,10 +541,17 @@ def build_card(
         "adapter": f"PEFT LoRA adapter for a Qwen3.5 {size} model (qwen35-packed).",
     }[kind]
     lines = [f"# {name}", "", about, ""]
+    if reward:
+        labels = len(config.get("id2label") or {}) or 2  # config.json stores id2label; 2 is transformers' default
+        lines += [
+            f"One score per document, read at its last token (`score.weight`, `num_labels` {labels}). A reward "
+            "model is scored in transformers; qwen35-packed does not serve it through vLLM.",
+            "",
+        ]
     if base_model:
         lines += [f"Base model: [{base_model}](https://huggingface.co/{base_model}).", ""]
     lines += ["## Usage", ""]
-    for key, code in usage_snippets(repo_id, kind, is_moe, base_model, vision).items():
+    for key, code in usage_snippets(repo_id, kind, is_moe, base_model, vision, reward).items():
         lines += [f"### {_TITLES[key]}", "", f"```{_LANGUAGES[key]}", code.rstrip("\n"), "```", ""]
     coef = (config.get("text_config") or config).get("router_aux_loss_coef") if kind != "adapter" else None
     if is_moe and coef is not None:

@@ -619,6 +619,84 @@ def test_remote_code_logits_match_builtin(layout, dense, moe_per_expert, tmp_pat
     assert (logits(ours) - logits(model)).abs().max().item() <= 1e-4
 
 
+def _reward_folder(folder: Path, kind: str, num_labels: int = 2) -> torch.nn.Module:
+    """This project's sequence-classification (reward) model saved by its save_pretrained: `model.*` + `score.weight`
+    (transformers' layout), architectures our class, no remote code."""
+    from qwen35_packed import (
+        Qwen3_5MoePackedConfig,
+        Qwen3_5MoePackedForSequenceClassification,
+        Qwen3_5PackedConfig,
+        Qwen3_5PackedForSequenceClassification,
+    )
+
+    config_class, model_class = (
+        (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForSequenceClassification)
+        if kind == "moe"
+        else (Qwen3_5PackedConfig, Qwen3_5PackedForSequenceClassification)
+    )
+    torch.manual_seed(0)
+    model = model_class(config_class(**tiny_kwargs(kind), pad_token_id=0, num_labels=num_labels))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_reward_model_folder_converts_with_its_score_head(kind, tmp_path):
+    """A sequence-classification folder converts to this project's layout with `score.weight` kept, its
+    architecture and the AutoModelForSequenceClassification auto_map (trust_remote_code builds our head with the
+    same scores); dense, `--to official` writes transformers' `Qwen3_5TextForSequenceClassification` and converts
+    back to the same tensors; MoE, for which transformers has no head class, `--to official` is refused."""
+    model = _reward_folder(tmp_path / "src", kind)
+    packed = tmp_path / "packed"
+    convert(tmp_path / "src", packed, progress=False, log=lambda line: None)
+    config = json.loads((packed / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]
+    assert config["auto_map"]["AutoModelForSequenceClassification"].endswith("." + type(model).__name__)
+    assert read_folder(packed).keys() == model.state_dict().keys()
+    assert all(torch.equal(read_folder(packed)[k], v) for k, v in model.state_dict().items())
+    ids = torch.tensor([[5, 9, 14, 3, 1], [7, 22, 1, 0, 0]])
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(packed, trust_remote_code=True).eval()
+    assert type(loaded).__name__ == type(model).__name__
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    if kind == "moe":
+        with pytest.raises(ConversionError, match="transformers has no MoE Qwen3.5 sequence-classification class"):
+            convert(packed, tmp_path / "official", to="official", progress=False, log=lambda line: None)
+        return
+    official = tmp_path / "official"
+    convert(packed, official, to="official", progress=False, log=lambda line: None)
+    config = json.loads((official / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5TextForSequenceClassification"] and "auto_map" not in config
+    back = tmp_path / "back"
+    convert(official, back, progress=False, log=lambda line: None)
+    assert folder_digest(back)["model.safetensors"] == folder_digest(packed)["model.safetensors"]
+    if hasattr(transformers, "Qwen3_5TextForSequenceClassification"):
+        builtin = transformers.AutoModelForSequenceClassification.from_pretrained(official).eval()
+        assert type(builtin).__name__ == "Qwen3_5TextForSequenceClassification"
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits
+            assert (builtin(ids, use_cache=False).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_vision_language_reward_folder_is_refused(tmp_path):
+    """transformers' composite `Qwen3_5ForSequenceClassification` layout: no class of this project to convert it to,
+    an error that says so (and what reads it) in both directions."""
+    from qwen35_packed.conversion.config import build_official_config, build_output_config
+
+    src = {"architectures": ["Qwen3_5ForSequenceClassification"], "model_type": "qwen3_5", "text_config": {}}
+    for build in (
+        lambda: build_output_config(src, text_only=True),
+        lambda: build_output_config(src, text_only=False),
+        lambda: build_official_config(src),
+    ):
+        with pytest.raises(ConversionError, match="vision-language sequence-classification model .* text ones only"):
+            build()
+
+
 # -------------------------------------------------------------------------------------------- rules, unit level
 
 

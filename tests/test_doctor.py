@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from tiny_folders import build_tiny_folder
+from tiny_folders import build_tiny_folder, build_tiny_reward_folder
 
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
@@ -215,6 +215,47 @@ def test_adapter_folder(dense, moe, tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     code, checks, _ = doctor(adapter, tmp_path)
     assert list(checks) == ["adapter.config", "adapter.base"] and checks["adapter.base"]["status"] == "SKIP"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_reward_model_folder_is_recognised(kind, tmp_path):
+    """A folder saved from a reward model (score.weight, no lm_head) is checked as one: its weights, the class
+    AutoModelForSequenceClassification / TRL's RewardTrainer build, the backbone's packed numerics; vLLM (not this
+    package's path for reward models) and, for MoE, the built-in class (transformers has none) are skipped."""
+    folder = build_tiny_reward_folder(tmp_path / "reward", kind, router_aux_loss_coef=0.0)
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 0 and not failing(checks), failing(checks)
+    name = "Qwen3_5MoePackedForSequenceClassification" if kind == "moe" else "Qwen3_5PackedForSequenceClassification"
+    assert checks["config.weights"]["status"] == "PASS"
+    assert "score.weight" in checks["config.tie_word_embeddings"]["detail"]
+    assert checks["loading.remote_code"]["status"] == "PASS" and name in checks["loading.remote_code"]["detail"]
+    assert checks["loading.trl"]["status"] == "PASS" and "RewardTrainer" in checks["loading.trl"]["detail"]
+    assert checks["loading.vllm"]["status"] == "SKIP" and "sequence-classification" in checks["loading.vllm"]["detail"]
+    builtin = checks["loading.transformers"]
+    if kind == "moe":
+        assert builtin["status"] == "SKIP" and "no MoE Qwen3.5 sequence-classification class" in builtin["detail"]
+    elif hasattr(transformers, "Qwen3_5TextForSequenceClassification"):
+        assert builtin["status"] == "PASS" and "Qwen3_5TextForSequenceClassification" in builtin["detail"]
+    numerics = checks["numerics.packed_vs_per_document"]
+    assert numerics["status"] == "PASS" and "per-document hidden state" in numerics["detail"]
+
+
+def test_reward_model_folder_without_its_score_head_fails(tmp_path):
+    folder = build_tiny_reward_folder(tmp_path / "reward", "dense")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"].pop("AutoModelForSequenceClassification")
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["score.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1
+    assert checks["config.weights"]["status"] == "FAIL" and "score.weight" in checks["config.weights"]["detail"]
+    # without the auto_map entry trust_remote_code and TRL's RewardTrainer build the built-in class
+    assert checks["loading.remote_code"]["status"] == "FAIL" and checks["loading.trl"]["status"] == "FAIL"
+    assert "RewardTrainer" in checks["loading.trl"]["detail"]
 
 
 def test_builtin_architecture_name_fails_for_trl(dense, tmp_path):

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import requires_builtin_qwen35
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 from test_conversion import build_builtin, build_tiny_vlm
+from tiny_folders import build_tiny_reward_folder
 
 from qwen35_packed import hub
 from qwen35_packed.conversion import convert, remote_code_files
@@ -325,6 +327,44 @@ def test_shards_are_whatever_the_index_names(tmp_path):
 
 
 @requires_builtin_qwen35
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_reward_model_folders(kind, tmp_path):
+    """A folder saved from a reward model (our sequence-classification class with its remote code) and, dense, its
+    official layout (`convert --to official`): accepted, the card a text-classification one whose snippets load it
+    through AutoModelForSequenceClassification and score as written (one score per packed document), without the
+    generation, TRL GRPO, PEFT or vLLM snippets; without its auto_map entry the upload is refused."""
+    folder = build_tiny_reward_folder(tmp_path / "reward", kind)
+    moe = kind == "moe"
+    folders = [(folder, "packed")]
+    if not moe:
+        convert(folder, tmp_path / "official", to="official", progress=False, log=lambda line: None)
+        folders.append((tmp_path / "official", "official"))
+    for path, expected_kind in folders:
+        plan = hub.plan_upload(path, "org/reward")
+        assert (plan.kind, plan.is_moe, plan.vision) == (expected_kind, moe, False)
+        assert {"config.json", "model.safetensors"} <= {f.path_in_repo for f in plan.files}
+        assert any(f.path_in_repo == "modeling_qwen3_5_packed.py" for f in plan.files) == (expected_kind == "packed")
+        card = ModelCard(plan.card_text)
+        assert card.data.pipeline_tag == "text-classification" and "reward-model" in card.data.tags
+        assert "sequence-classification (reward / value)" in card.text and "`num_labels` 1" in card.text
+        for absent in ("AutoModelForCausalLM", "trl grpo", "LoraConfig", "from vllm"):
+            assert absent not in card.text, absent
+        snippets = hub.usage_snippets(str(path), expected_kind, moe, None, reward=True)
+        assert set(snippets) == ({"transformers", "packed"} if expected_kind == "packed" else {"transformers"})
+        if expected_kind == "official" and not hasattr(transformers, "Qwen3_5TextForSequenceClassification"):
+            continue
+        for name, code in snippets.items():
+            scope = {}
+            exec(compile(code, f"<card:{name}>", "exec"), scope)
+            assert type(scope["model"]).__name__.endswith("ForSequenceClassification")
+            assert scope["scores"].shape == ((2, 1) if name == "packed" else (1, 1))
+    config = json.loads((folder / "config.json").read_text())
+    del config["auto_map"]["AutoModelForSequenceClassification"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hub.UploadError, match="auto_map has no AutoModelForSequenceClassification entry"):
+        hub.plan_upload(folder, "org/reward")
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_vision_language_folders_and_their_adapters(kind, tmp_path):
     """What `convert` writes by default from a composite checkpoint (this project's vision-language classes), the

@@ -1,16 +1,18 @@
 """`from_pretrained` of official-layout folders straight into this project's classes (no `convert`): composite or
-text-only, experts fused or per expert, with or without `mtp.*`; missing tensors are an error naming them
-(CPU, fp32, tiny models)."""
+text-only, experts fused or per expert, with or without `mtp.*`; missing tensors are an error naming them, or,
+with `output_loading_info=True`, reported in transformers' load report (CPU, fp32, tiny models)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import requires_builtin_qwen35, tiny_kwargs
+from conftest import packed_model, requires_builtin_qwen35, tiny_kwargs
+from safetensors.torch import save_file
 from test_conversion import read_folder, write_shards
 from vl_tiny import _randomize_vl, composite_kwargs, packed_vl_model
 
@@ -195,6 +197,64 @@ def test_missing_tensor_is_named(tmp_path):
     ):
         with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
             cls.from_pretrained(tmp_path)
+
+
+LOADING_INFO_KEYS = {"missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"}
+
+
+def test_output_loading_info_reports_missing_tensors_instead_of_raising(tmp_path, caplog):
+    """transformers' contract: a caller who asks for the load report gets (model, info) with the missing tensors in
+    `missing_keys` (and one warning line naming them), the others loaded; without the report the load raises."""
+    source = saved_composite(tmp_path, kind="dense", per_expert=False)
+    tensors = read_folder(tmp_path)
+    del tensors["model.language_model.layers.2.linear_attn.A_log"]
+    rewrite_weights(tmp_path, tensors)
+    for cls, name in (
+        (Qwen3_5PackedForCausalLM, "model.layers.2.linear_attn.A_log"),
+        (Qwen3_5PackedForConditionalGeneration, "model.language_model.layers.2.linear_attn.A_log"),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qwen35_packed"):
+            model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
+        assert set(info) == LOADING_INFO_KEYS, info.keys()
+        assert list(info["missing_keys"]) == [name], (cls.__name__, info["missing_keys"])
+        ours = [r.getMessage() for r in caplog.records if r.name.startswith("qwen35_packed")]
+        assert len(ours) == 1 and f"1 tensors not in {tmp_path}, left randomly initialised" in ours[0], ours
+        assert name in ours[0]
+        expected = source.state_dict()
+        if cls is Qwen3_5PackedForCausalLM:
+            expected = {k.replace("model.language_model.", "model.", 1): v for k, v in expected.items()}
+        loaded = model.state_dict()
+        assert all(torch.equal(loaded[k], expected[k]) for k in loaded if k != name), cls.__name__
+        with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
+            cls.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_output_loading_info_of_a_base_model_folder_names_the_head(kind, tmp_path):
+    """transformers' test_correct_missing_keys: the base model saved alone, the causal LM loaded from it reports its
+    untied lm_head missing."""
+    model = packed_model(kind, tie_word_embeddings=False)
+    model.model.save_pretrained(tmp_path)
+    _, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert list(info["missing_keys"]) == ["lm_head.weight"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_output_loading_info_of_a_folder_without_weights_names_every_tensor(kind, tmp_path):
+    """transformers' test_model_weights_reload_no_missing_tied_weights: with every weight file replaced by an
+    unrelated tensor, `missing_keys` is the whole state dict (tied weights included, fused experts too: they are in
+    `_keys_to_ignore_on_load_missing` only because they are filled from per-expert tensors after loading)."""
+    model = packed_model(kind, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    for path in tmp_path.glob("*.safetensors*"):
+        path.unlink()
+    save_file({"tensor": torch.tensor([1, 2])}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reloaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == set(reloaded.state_dict())
+    assert list(info["unexpected_keys"]) == ["tensor"]
+    if kind == "moe":
+        assert "model.layers.0.mlp.experts.gate_up_proj" in info["missing_keys"]
 
 
 def test_incomplete_or_doubled_experts_are_errors(tmp_path):

@@ -213,6 +213,29 @@ def test_packed_equals_per_document_with_images(kind, form):
     assert abs(out.loss.item() - expected_loss.item()) <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_shift_labels_through_kwargs_give_the_labels_loss(kind):
+    """`shift_labels` is taken through **kwargs as in the text classes: the Trainer's label names (read from the
+    forward's signature) are then only `labels`, so its evaluation finds the labels; with images and packed
+    documents, `shift_labels` (each document's next tokens, -100 at its end) give the loss of `labels`."""
+    model = packed_vl_model(kind, seed=3)
+    assert transformers.utils.find_labels(type(model)) == ["labels"]
+    docs, pixels = _documents(6, [1, 0, 2])
+    ids = torch.cat([d[0] for d in docs]).unsqueeze(0)
+    shifted = torch.cat([torch.cat([d[0][1:], torch.tensor([-100])]) for d in docs]).unsqueeze(0)
+    lengths = [len(d[0]) for d in docs]
+    inputs = dict(
+        input_ids=ids,
+        cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
+        pixel_values=_cat(pixels),
+        image_grid_thw=grid_tensor([g for d in docs for g in d[1]]),
+    )
+    with torch.no_grad():
+        expected = model(**inputs, labels=ids).loss
+        got = model(**inputs, shift_labels=shifted).loss
+    assert torch.equal(got, expected), (got.item(), expected.item())
+
+
 def test_packed_gradients_equal_sum_of_per_document_gradients():
     model = packed_vl_model("dense", seed=4)
     model.train()

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tiny_folders import build_tiny_folder, write_prompt_dataset
+from tiny_folders import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 # Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed
@@ -84,6 +84,23 @@ def test_plugin_entry_point_is_declared():
 
     assert ours[0].load() is vllm_plugin.register
     assert set(vllm_plugin.ARCHITECTURES) == set(OUR_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_reward_model_folder_is_refused_before_vllm_starts(kind, tmp_path, monkeypatch):
+    """vLLM serving of a reward (sequence-classification) model is not this package's path: the plugin registers no
+    name for it, and the vLLM tools refuse the folder with an error that says so, before vLLM is imported."""
+    import sys
+
+    from qwen35_packed.integrations import vllm_parity, vllm_plugin
+
+    folder = build_tiny_reward_folder(tmp_path / "reward", kind)
+    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert architecture not in vllm_plugin.ARCHITECTURES
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM would fail: the refusal comes first
+    with pytest.raises(ValueError, match=rf"sequence-classification \(reward / value\) model \({architecture}\)"):
+        vllm_parity.start_engine(str(folder), vocab_size=128, seed=0)
+    vllm_plugin.refuse_unserved_folder(build_tiny_folder(tmp_path / "causal", kind))  # a causal-LM folder is served
 
 
 def test_plugin_registers_with_vllm(vllm_python):

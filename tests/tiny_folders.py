@@ -7,6 +7,7 @@ tokenizer saved beside it. Linear-attention head dims are 64, the smallest vLLM'
 `build_tiny_vl_folder(out, kind)` does the same for the vision-language model: transformers' built-in composite
 class, converted with its vision tower, and the files of a real `Qwen3VLProcessor` (the character tokenizer with
 the Qwen3.5 vision tokens, the official image / video processor configs with a 4-pixel patch).
+`build_tiny_reward_folder(out, kind)`: the folder a reward model trained from a converted folder saves.
 """
 
 from __future__ import annotations
@@ -197,6 +198,24 @@ def build_tiny_vl_folder(out, kind: str = "dense", seed: int = 0, lm_head_std: f
         (src / "preprocessor_config.json").write_text(json.dumps(TINY_IMAGE_PROCESSOR, indent=2))
         (src / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PROCESSOR, indent=2))
         convert(src, out, progress=False, log=lambda *_: None)
+    return out
+
+
+def build_tiny_reward_folder(out, kind: str = "dense", seed: int = 0, **config_overrides) -> Path:
+    """The folder a reward model saves: a converted tiny folder (`build_tiny_folder`) loaded as
+    AutoModelForSequenceClassification with trust_remote_code (one label, the score head newly initialised), then
+    written by its save_pretrained (architectures our sequence-classification class, the folder's auto_map and
+    remote code, `score.weight`), with the tokenizer beside it."""
+    import transformers
+
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        causal = build_tiny_folder(Path(tmp) / "causal", kind, seed, **config_overrides)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            causal, trust_remote_code=True, num_labels=1
+        )
+        model.save_pretrained(out)
+        transformers.AutoTokenizer.from_pretrained(causal).save_pretrained(out)
     return out
 
 

@@ -37,6 +37,8 @@ SEQUENCE_CLASSIFIERS = {
     True: "Qwen3_5MoePackedForSequenceClassification",
 }
 OFFICIAL_TEXT_ARCHITECTURES = {False: "Qwen3_5ForCausalLM", True: "Qwen3_5MoeForCausalLM"}
+# transformers' sequence-classification head on the text model; it has none for the MoE text model.
+OFFICIAL_SEQUENCE_CLASSIFIER = "Qwen3_5TextForSequenceClassification"
 OFFICIAL_COMPOSITE_ARCHITECTURES = {
     False: "Qwen3_5ForConditionalGeneration",
     True: "Qwen3_5MoeForConditionalGeneration",
@@ -71,6 +73,8 @@ class OutputConfig:
     rope_lines: list[str] = field(default_factory=list)  # the rope table(s): source and written config
     # what `data` is: "packed", "packed-composite", "official-text" or "official-composite"
     layout: str = "packed"
+    # a sequence-classification (reward / value) model: `score.weight` [num_labels, hidden] instead of lm_head
+    sequence_classifier: bool = False
 
     @property
     def is_composite(self) -> bool:
@@ -87,6 +91,23 @@ def detect_layout(src_config: dict) -> str:
     if "text_config" in src_config or src_config.get("model_type") in COMPOSITE_MODEL_TYPES:
         return "composite"
     return "text"
+
+
+def is_sequence_classifier(src_config: dict) -> bool:
+    """Whether a config.json describes a sequence-classification (reward / value) model: its architecture is one
+    (ours or transformers'), so its checkpoint holds `score.weight` instead of `lm_head.weight`."""
+    architectures = src_config.get("architectures") or []
+    return bool(architectures) and str(architectures[0]).endswith("ForSequenceClassification")
+
+
+def _refuse_composite_sequence_classifier(src_config: dict) -> None:
+    if is_sequence_classifier(src_config) and detect_layout(src_config) == "composite":
+        raise ConversionError(
+            f"SRC is a vision-language sequence-classification model ({src_config['architectures'][0]}): convert "
+            "reads text ones only (this project has no vision-language reward class); "
+            "Qwen3_5PackedForSequenceClassification.from_pretrained(SRC) reads its language model and score head "
+            "as they are"
+        )
 
 
 def auto_map(is_moe: bool) -> dict:
@@ -250,6 +271,7 @@ def build_output_config(
     Raises ConversionError for an unknown model_type, contradicting rope or tie settings, and anything the project's
     config class rejects.
     """
+    _refuse_composite_sequence_classifier(src_config)
     if detect_layout(src_config) == "composite" and not text_only:
         return _packed_composite(src_config, router_aux_loss_coef)
     notes: list[str] = []
@@ -259,9 +281,10 @@ def build_output_config(
     config = _normalize_text(
         text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
     )
-    text["architectures"] = [ARCHITECTURES[is_moe]]
+    reward = is_sequence_classifier(src_config)
+    text["architectures"] = [(SEQUENCE_CLASSIFIERS if reward else ARCHITECTURES)[is_moe]]
     text["auto_map"] = auto_map(is_moe)
-    return OutputConfig(text, config, is_moe, layout, notes, rope_lines, "packed")
+    return OutputConfig(text, config, is_moe, layout, notes, rope_lines, "packed", sequence_classifier=reward)
 
 
 def build_official_config(
@@ -273,8 +296,11 @@ def build_official_config(
     `Qwen3_5MoeForCausalLM`, no auto_map). With it (the config.json of the composite checkpoint the text model came
     from): that composite config with its text_config replaced by SRC's, and the top-level tie flag set from it.
     Composite SRC (this project's vision-language layout): the same config with transformers' composite
-    architecture, without auto_map and this project's fields.
+    architecture, without auto_map and this project's fields. A dense sequence-classification SRC becomes
+    transformers' `Qwen3_5TextForSequenceClassification`; a MoE one, for which transformers has no class, or one
+    with `vision_config` is refused.
     """
+    _refuse_composite_sequence_classifier(src_config)
     if detect_layout(src_config) == "composite":
         if vision_config is not None:
             raise ConversionError(
@@ -290,6 +316,22 @@ def build_official_config(
     config = _normalize_text(
         text, model_type, router_aux_loss_coef=router_aux_loss_coef, notes=notes, rope_lines=rope_lines
     )
+    if is_sequence_classifier(src_config):
+        if is_moe:
+            raise ConversionError(
+                f"SRC is a MoE sequence-classification model ({src_config['architectures'][0]}): transformers has "
+                f"no MoE Qwen3.5 sequence-classification class (only the dense {OFFICIAL_SEQUENCE_CLASSIFIER}), so "
+                "an official folder would have no class to load it; keep this project's layout (its "
+                "AutoModelForSequenceClassification auto_map) for the MoE reward model"
+            )
+        if vision_config is not None:
+            raise ConversionError(
+                "--vision-from: SRC is a sequence-classification model; convert writes its official text layout "
+                f"({OFFICIAL_SEQUENCE_CLASSIFIER}) only"
+            )
+        text["architectures"] = [OFFICIAL_SEQUENCE_CLASSIFIER]
+        _check_builtin_reads(text, model_type)
+        return OutputConfig(text, config, is_moe, "text", notes, rope_lines, "official-text", sequence_classifier=True)
     if vision_config is None:
         text["architectures"] = [OFFICIAL_TEXT_ARCHITECTURES[is_moe]]
         _check_builtin_reads(text, model_type)
@@ -450,6 +492,7 @@ __all__ = [
     "build_official_config",
     "build_output_config",
     "detect_layout",
+    "is_sequence_classifier",
     "summarize",
     "vl_auto_map",
 ]

@@ -263,8 +263,10 @@ def _check_against(outputs: dict[str, LazyTensor], expected: dict[str, tuple], w
 
 
 def _validate(mapping: MappingPlan, output_config: OutputConfig) -> None:
-    what = f"{output_config.text_data['model_type']} text model"
-    _check_against(mapping.outputs, expected_text_tensors(output_config.config), what, "SRC")
+    reward = output_config.sequence_classifier
+    what = f"{output_config.text_data['model_type']} {'sequence-classification' if reward else 'text'} model"
+    expected = expected_text_tensors(output_config.config, sequence_classifier=reward)
+    _check_against(mapping.outputs, expected, what, "SRC")
 
 
 def _validate_composite(mapping: MappingPlan, output_config: OutputConfig) -> None:

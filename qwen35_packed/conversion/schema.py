@@ -8,8 +8,10 @@ ignore: `attn_output_gate` (False: `q_proj` without the gate half) and `mlp_only
 from __future__ import annotations
 
 
-def expected_text_tensors(config) -> dict[str, tuple[int, ...]]:
-    """`key -> shape` of every tensor of the text model described by `config` (a `Qwen3_5PackedConfig`)."""
+def expected_text_tensors(config, *, sequence_classifier: bool = False) -> dict[str, tuple[int, ...]]:
+    """`key -> shape` of every tensor of the text model described by `config` (a `Qwen3_5PackedConfig`); with
+    `sequence_classifier`, of the reward / value model: the score head `score.weight` [num_labels, hidden] in place
+    of `lm_head.weight` (transformers' and this project's sequence-classification classes)."""
     c = config
     hidden = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
@@ -35,7 +37,9 @@ def expected_text_tensors(config) -> dict[str, tuple[int, ...]]:
             shapes.update(_full_attention_shapes(c, p + "self_attn."))
         shapes.update(_mlp_shapes(c, p + "mlp.", moe=getattr(c, "is_moe", False) and c.layer_uses_moe(i)))
     shapes["model.norm.weight"] = (hidden,)
-    if not c.tie_word_embeddings:
+    if sequence_classifier:
+        shapes["score.weight"] = (c.num_labels, hidden)
+    elif not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
     return shapes
 

@@ -183,7 +183,12 @@ def _weights(folder: ModelFolder, report: DoctorReport) -> None:
     if folder.packed_config is None:
         report.add("config.weights", SKIP, f"this package's config does not build: {folder.packed_config_error}")
         return
-    expected = {folder.text_key(k): shape for k, shape in expected_text_tensors(folder.packed_config).items()}
+    expected = {
+        folder.text_key(k): shape
+        for k, shape in expected_text_tensors(
+            folder.packed_config, sequence_classifier=folder.sequence_classifier
+        ).items()
+    }
     if folder.composite and isinstance(folder.config.get("vision_config"), dict):
         try:
             expected.update(expected_vision_tensors(folder.config["vision_config"], is_moe=folder.is_moe) or {})
@@ -249,6 +254,10 @@ def _mtp(folder: ModelFolder, report: DoctorReport) -> None:
 
 
 def _tied_embeddings(folder: ModelFolder, report: DoctorReport) -> None:
+    if folder.sequence_classifier:  # config.weights checks score.weight; a stored lm_head.weight is listed there
+        report.add("config.tie_word_embeddings", PASS, "a sequence-classification model: its head is score.weight, "
+                   "there is no output embedding to tie")  # fmt: skip
+        return
     tied = folder.tied
     head, embed = folder.text_key("lm_head.weight"), folder.text_key("model.embed_tokens.weight")
     has_head = head in folder.headers

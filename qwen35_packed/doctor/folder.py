@@ -36,6 +36,13 @@ class ModelFolder:
         return architectures[0] if architectures else None
 
     @property
+    def sequence_classifier(self) -> bool:
+        """A sequence-classification (reward / value) model: `score.weight` is its head, there is no lm_head."""
+        from ..conversion.config import is_sequence_classifier
+
+        return is_sequence_classifier(self.config)
+
+    @property
     def is_qwen35(self) -> bool:
         """Whether config.json describes a Qwen3.5 model at all (text, or composite with a Qwen3.5 text_config)."""
         if self.composite:

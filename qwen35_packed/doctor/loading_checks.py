@@ -6,8 +6,12 @@ without loading any weights.
 * transformers with trust_remote_code: the `auto_map` class from the folder's own remote code;
 * TRL 1.16 (`trl.trainer.utils.create_model_from_path`): `getattr(transformers, architectures[0])` wins over
   `auto_map`; only a name transformers lacks falls through to the most specific auto class in `auto_map`
-  (AutoModelForImageTextToText, then AutoModelForCausalLM), loaded with trust_remote_code;
+  (AutoModelForImageTextToText, then AutoModelForCausalLM), loaded with trust_remote_code. Its RewardTrainer names
+  the auto class itself: AutoModelForSequenceClassification (the `auto_map` class with trust_remote_code);
 * vLLM: its registry by architecture name, with this package's plugin mapping our names onto vLLM's native classes.
+
+A sequence-classification (reward / value) folder is checked through AutoModelForSequenceClassification, and is
+not served through vLLM by this package.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .report import FAIL, PASS, SKIP, WARN, DoctorReport
 OUR_ARCHITECTURES = {
     "Qwen3_5PackedForCausalLM", "Qwen3_5MoePackedForCausalLM",
     "Qwen3_5PackedForConditionalGeneration", "Qwen3_5MoePackedForConditionalGeneration",
+    "Qwen3_5PackedForSequenceClassification", "Qwen3_5MoePackedForSequenceClassification",
 }  # fmt: skip
 # vLLM's own Qwen3.5 architecture names (vllm/model_executor/models/registry.py)
 VLLM_NATIVE = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
@@ -42,6 +47,8 @@ def run_loading_checks(folder: ModelFolder, report: DoctorReport) -> None:
 def _auto_class(folder: ModelFolder):
     import transformers
 
+    if folder.sequence_classifier:
+        return transformers.AutoModelForSequenceClassification
     return transformers.AutoModelForImageTextToText if folder.composite else transformers.AutoModelForCausalLM
 
 
@@ -57,6 +64,10 @@ def _transformers_builtin(folder: ModelFolder, report: DoctorReport) -> None:
     if not builtin_qwen35_available():
         report.add("loading.transformers", SKIP, f"transformers {transformers.__version__} has no Qwen3.5: without "
                    "trust_remote_code nothing loads this folder")  # fmt: skip
+        return
+    if folder.sequence_classifier and folder.is_moe:
+        report.add("loading.transformers", SKIP, f"transformers {transformers.__version__} has no MoE Qwen3.5 "
+                   "sequence-classification class: without trust_remote_code nothing loads this folder")  # fmt: skip
         return
     try:
         config = transformers.AutoConfig.from_pretrained(folder.path)
@@ -156,6 +167,8 @@ def trl_resolved_class(folder: ModelFolder):
     """The class TRL 1.16's `create_model_from_path` builds for this folder (its decision, without the weights)."""
     import transformers
 
+    if folder.sequence_classifier:  # RewardTrainer: AutoModelForSequenceClassification, auto_map before the built-in
+        return _remote_class(folder, transformers.AutoModelForSequenceClassification.__name__)
     architecture = getattr(transformers, folder.architecture or "", None)
     if architecture is not None:
         return architecture  # a concrete built-in class: from_pretrained ignores auto_map
@@ -177,8 +190,13 @@ def _trl(folder: ModelFolder, report: DoctorReport, remote) -> None:
         report.add("loading.trl", FAIL, f"TRL's class cannot be resolved: {type(exc).__name__}: {exc}", CONVERT_FIX)
         return
     if cls is not None and cls.__name__ in OUR_ARCHITECTURES and (remote is None or cls is remote):
-        report.add("loading.trl", PASS, f"TRL ({version}) builds {cls.__name__} from auto_map, the policy and the "
-                   "reference model alike")  # fmt: skip
+        users = "its RewardTrainer" if folder.sequence_classifier else "the policy and the reference model alike"
+        report.add("loading.trl", PASS, f"TRL ({version}) builds {cls.__name__} from auto_map, {users}")
+        return
+    if folder.sequence_classifier:
+        report.add("loading.trl", FAIL, f"TRL's RewardTrainer ({version}) builds the built-in class of "
+                   "AutoModelForSequenceClassification (no auto_map entry for it), not this package's: packed "
+                   "documents mix silently", CONVERT_FIX)  # fmt: skip
         return
     built = _name(cls) if cls is not None else "the built-in class of AutoModelForCausalLM"
     why = (
@@ -196,6 +214,12 @@ def _vllm_registry(folder: ModelFolder, report: DoctorReport) -> None:
     from ..integrations.vllm_plugin import ARCHITECTURES
 
     arch = folder.architecture
+    if folder.sequence_classifier:
+        report.add("loading.vllm", SKIP, f"{arch} is a sequence-classification (reward / value) model: this package "
+                   "serves causal-LM and vision-language models through vLLM, not reward models (its plugin maps no "
+                   "class for it and the vLLM tools refuse it); score with this package's class in "
+                   "transformers")  # fmt: skip
+        return
     plugin = [p for p in importlib.metadata.entry_points(group="vllm.general_plugins") if p.name == "qwen35_packed"]
     if arch in ARCHITECTURES:
         target = ARCHITECTURES[arch].replace(":", ".")

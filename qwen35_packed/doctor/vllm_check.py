@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .folder import ModelFolder
 from .loading_checks import VLLM_NATIVE
-from .report import FAIL, PASS, WARN, DoctorReport, Measurement
+from .report import FAIL, PASS, SKIP, WARN, DoctorReport, Measurement
 
 PROBE_DOC_LENGTHS = (3, 17, 40, 9, 70, 33)
 # vLLM runs bf16 (the CPU build's GDN kernel takes nothing else); the model fp32. Fixed thresholds, used where no
@@ -64,6 +64,10 @@ def vllm_python() -> str | None:
 def run_vllm_checks(folder: ModelFolder, device: str, report: DoctorReport) -> None:
     from .environment_checks import TESTED, check_version
 
+    if folder.sequence_classifier:  # loading.vllm says why; the probe would refuse the folder
+        report.add("numerics.vllm_logprobs", SKIP, f"{folder.architecture} is a sequence-classification model, "
+                   "which this package does not serve through vLLM")  # fmt: skip
+        return
     python = vllm_python()
     fix = ("build vLLM's environment (scripts/setup-vllm-cpu-venv.sh) or set QWEN35_VLLM_PYTHON; run the probe by "
            f"hand: python -m qwen35_packed.doctor.vllm_check {folder.path}")  # fmt: skip

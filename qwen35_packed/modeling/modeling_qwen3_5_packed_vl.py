@@ -526,7 +526,6 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         max_length_k=None,
         seq_idx=None,
         use_cache=None,
-        shift_labels=None,
         return_dict=None,
         past_key_values=None,
         cache=None,
@@ -559,6 +558,8 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         )
         packed, hidden = result.packed, result.hidden
 
+        # shift_labels comes through **kwargs as in the text classes (_LOSS_KWARGS): as a parameter it would join the
+        # Trainer's label_names, and evaluation would find no labels in batches without it.
         loss, aux_loss, logits = self.lm_head_outputs(
             hidden,
             packed,
@@ -567,7 +568,7 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
             kwargs.get("num_items_in_batch"),
             result.router_logits,
             want_router,
-            shift_labels,
+            kwargs.get("shift_labels"),
         )
 
         output = Qwen3_5PackedVLCausalLMOutput(
