@@ -177,12 +177,39 @@ def render_moe_summary() -> str:
     return "\n".join(lines) + f"\n\n({name})"
 
 
+def render_workload() -> str:
+    """What one GPU trains (bench_workload.py): every row of the newest file of each model and implementation."""
+    newest = {}
+    for path in sorted(RESULTS.glob("*-workload-*.json"), key=by_date_and_version):
+        newest[re.sub(r"^\d{4}-\d{2}-\d{2}-workload-|-v\d+$", "", path.stem)] = path
+    lines = [
+        "| model | implementation | batch:setup | tokens | real tokens/s | peak GiB | result file |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(newest):
+        data = json.loads(newest[key].read_text())
+        model = data["model"].split(" ")[0]
+        for row_name, row in data["rows"].items():
+            if "error" in row:
+                rate = row["error"] + (" (see the row's note)" if "note" in row else "")
+            elif row.get("warmup_steps") == 0:
+                rate = "trains (first step, compile included: no rate)"
+            else:
+                rate = f"{row['real_tok_per_s']:,}"
+            lines.append(
+                f"| {model} | {data['impl']} | {row_name} | {row['tokens']:,} | {rate} | {row['peak_GiB']} | "
+                f"{newest[key].name} |"
+            )
+    return "\n".join(lines)
+
+
 TABLES = {
     "dense": render,
     "dense-history": lambda: render(newest_only=False),
     "dense-summary": render_dense_summary,
     "moe": render_moe,
     "moe-summary": render_moe_summary,
+    "workload": render_workload,
 }
 
 
