@@ -303,7 +303,7 @@ def main():
         workload.release()
         before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
-        row.update(tokens=sum(lengths), documents=len(lengths))
+        row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
         if row_name == args.profile and "error" not in row:
             row["profile"] = profile_step(step, device)
             workload.release()
