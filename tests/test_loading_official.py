@@ -186,15 +186,21 @@ def test_text_class_on_folder_without_text_weights_names_them(tmp_path):
         Qwen3_5MoePackedForCausalLM.from_pretrained(tmp_path)
 
 
-def test_missing_tensor_is_named(tmp_path):
-    saved_composite(tmp_path, kind="dense", per_expert=False)
+def folder_missing_one_tensor(tmp_path):
+    """A dense composite folder without layer 2's A_log: the source model, and (class, the missing key as that class
+    names it) for the text and the vision-language class."""
+    source = saved_composite(tmp_path, kind="dense", per_expert=False)
     tensors = read_folder(tmp_path)
     del tensors["model.language_model.layers.2.linear_attn.A_log"]
     rewrite_weights(tmp_path, tensors)
-    for cls, name in (
+    return source, (
         (Qwen3_5PackedForCausalLM, "model.layers.2.linear_attn.A_log"),
         (Qwen3_5PackedForConditionalGeneration, "model.language_model.layers.2.linear_attn.A_log"),
-    ):
+    )
+
+
+def test_missing_tensor_is_named(tmp_path):
+    for cls, name in folder_missing_one_tensor(tmp_path)[1]:
         with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
             cls.from_pretrained(tmp_path)
 
@@ -205,14 +211,8 @@ LOADING_INFO_KEYS = {"missing_keys", "unexpected_keys", "mismatched_keys", "erro
 def test_output_loading_info_reports_missing_tensors_instead_of_raising(tmp_path, caplog):
     """transformers' contract: a caller who asks for the load report gets (model, info) with the missing tensors in
     `missing_keys` (and one warning line naming them), the others loaded; without the report the load raises."""
-    source = saved_composite(tmp_path, kind="dense", per_expert=False)
-    tensors = read_folder(tmp_path)
-    del tensors["model.language_model.layers.2.linear_attn.A_log"]
-    rewrite_weights(tmp_path, tensors)
-    for cls, name in (
-        (Qwen3_5PackedForCausalLM, "model.layers.2.linear_attn.A_log"),
-        (Qwen3_5PackedForConditionalGeneration, "model.language_model.layers.2.linear_attn.A_log"),
-    ):
+    source, classes = folder_missing_one_tensor(tmp_path)
+    for cls, name in classes:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="qwen35_packed"):
             model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
