@@ -18,7 +18,8 @@ later rows are recorded as not run (their peaks would include it), so rows expec
 that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name and the non-kernel remainder.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
-                                        [--profile ROW] [--reps 2] [--out FILE] [--device cuda] [--tiny]
+                                        [--profile ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
+                                        [--out FILE] [--device cuda] [--tiny]
 
 --tiny (with --device cpu) runs the rows on a small config and short documents to check the script itself.
 Writes results/benchmarks/<date>-workload-<model>-<impl>.json (or --out) after every row.
@@ -265,6 +266,11 @@ def main():
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed steps first (0: the timed step includes autotuning)"
     )
+    parser.add_argument(
+        "--config",
+        default="",
+        help="ours only: comma-separated FIELD=VALUE set on the config, e.g. long_document_attention=sdpa",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
@@ -273,6 +279,13 @@ def main():
     rows = [tuple(spec.split(":")) for spec in args.rows.split(",")]
     plans = [(batch, setup, batch_lengths(batch, args.tiny), parse_setup(setup)) for batch, setup in rows]
     workload = Workload(args.model, args.impl, device, args.tiny)
+    fields = dict(item.split("=", 1) for item in filter(None, args.config.split(",")))
+    if fields and args.impl != "ours":
+        raise SystemExit("--config sets fields of ours only")
+    for name, value in fields.items():
+        if not hasattr(workload.base.config, name):
+            raise SystemExit(f"--config: the config has no field {name!r}")
+        setattr(workload.base.config, name, value)
     choice = kernels.select_kernels(workload.reference_config, device, torch.bfloat16) if args.impl == "ours" else None
     result = {
         "date": datetime.date.today().isoformat(),
@@ -286,6 +299,7 @@ def main():
         "fla_available": kernels.FLA_AVAILABLE,
         "ours_kernels": dataclasses.asdict(choice) if choice else None,
         "build_seconds": workload.build_seconds,
+        "config_fields_set": fields,
         "rows": {},
     }
     out = Path(

@@ -34,6 +34,9 @@
 #   workload-4b-ours      bench_workload.py, Qwen3.5-4B full fine-tune, ours: one document of 32k
 #                (profiled) / 128k / 256k tokens                                                     ~7 min
 #   workload-4b-builtin   the same, the built-in: 32k / 128k                                          ~3 min
+#   long-attention  tests/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
+#                against the varlen kernel, attention timed both ways), then workload-4b-ours's 32k and 128k rows
+#                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
 #
 # Bundle c (transformers 5.24, causal_conv1d) is needed only where the built-in runs; the workload-*-ours stages run
 # without it, on the machine's transformers. Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
@@ -45,7 +48,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours) needed="a b" ;;
+  workload-*-ours | long-attention) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -141,6 +144,13 @@ case "$stage" in
   workload-4b-builtin)
     step workload-4b-builtin python3 benchmarks/bench_workload.py --model qwen35_4b --impl builtin \
       --rows doc_32768:full,doc_131072:full --profile doc_32768:full --out "$OUT/workload-4b-builtin.json"
+    ;;
+  long-attention)
+    step gpu-tests-long-attention env QWEN35_GPU_RESULTS="$OUT/gpu-tests-long-attention.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k long_documents
+    step workload-4b-ours-long-attention python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
+      --rows doc_32768:full,doc_131072:full --profile doc_32768:full --config long_document_attention=sdpa \
+      --out "$OUT/workload-4b-ours-long-attention.json"
     ;;
   gpu-tests)
     step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py

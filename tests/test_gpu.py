@@ -207,6 +207,81 @@ def test_torch_varlen_attention_is_causal_per_document():
 
 
 @pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
+    """long_document_attention="sdpa": a document of >= LONG_DOCUMENT_TOKENS among short ones runs its attention
+    alone through SDPA (cuDNN's flash attention where torch picks it), the short ones through the varlen kernel.
+    Through the whole model in bf16: packed == per-document bit for bit, and the logits and gradients within bf16
+    rounding of the varlen kernel's. Also times the attention of the long document both ways (the speed that decides
+    whether `auto` turns it on)."""
+    model = _model(torch.bfloat16, return_logits_with_loss=True).train()
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, kernels.LONG_DOCUMENT_TOKENS + 1000, 300, 2, kernels.LONG_DOCUMENT_TOKENS, 64]
+    docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
+    ids = torch.cat(docs).unsqueeze(0)
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    runs = {}
+    for mode in ("sdpa", "varlen"):
+        model.config.long_document_attention = mode
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1)
+        out.loss.backward()
+        logits = out.logits[0].detach()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        differing, start = 0, 0
+        with torch.no_grad():
+            for d in docs:
+                alone = model(d[None]).logits[0]
+                differing += int((alone != logits[start : start + d.shape[0]]).any(-1).sum())
+                start += d.shape[0]
+        runs[mode] = dict(logits=logits.float(), grads=grads, differing=differing)
+    model.config.long_document_attention = "auto"
+    logit_gap = (runs["sdpa"]["logits"] - runs["varlen"]["logits"]).abs().max().item()
+    grad_gap = max(
+        ((runs["sdpa"]["grads"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
+        for n, g in runs["varlen"]["grads"].items()
+    )
+    n, heads, kv_heads = 4 * kernels.LONG_DOCUMENT_TOKENS, 16, 2
+    q = torch.randn(n, heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(n, kv_heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    packed = _packed_stream([n])
+    times = {}
+    for mode in ("sdpa", "varlen"):
+        choice = kernels.KernelChoice("fla", "torch_varlen", long_documents=mode)
+        times[mode] = _cuda_ms(
+            lambda: kernels.varlen_causal_attention(q, k, v, packed, 256**-0.5, choice).sum().backward()
+        )
+    RESULTS["long_documents_sdpa"] = {
+        "rows_not_bitwise_equal_packed_vs_per_document": {k: r["differing"] for k, r in runs.items()},
+        "max_abs_logit_diff_sdpa_vs_varlen": logit_gap,
+        "grad_relative_diff_sdpa_vs_varlen": grad_gap,
+        f"attention_fwd_bwd_ms_one_document_{n}_tokens_16_heads_x_256": times,
+    }
+    print(RESULTS["long_documents_sdpa"])
+    assert runs["sdpa"]["differing"] == 0 and runs["varlen"]["differing"] == 0
+    # two bf16 attention kernels of the same formula; the bounds of the FlashQLA-vs-FLA comparison above
+    assert logit_gap <= 1e-1 and grad_gap <= 1.5e-1
+
+
+def _packed_stream(lengths):
+    from qwen35_packed.modeling.packing import PackedSequence
+
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return PackedSequence(cu.cuda(), max(lengths), None, None, (1, int(cu[-1])), host_cu_seqlens=cu.long())
+
+
+def _cuda_ms(fn, reps: int = 5) -> float:
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_triton_elementwise_matches_eager_bf16():
     """This project's Triton kernels for the elementwise chains (auto on CUDA) against the eager formulas: bf16
     training step, packed."""

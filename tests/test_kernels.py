@@ -99,6 +99,70 @@ def test_sdpa_per_document_attention_matches_masked_reference():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "lengths",
+    [[3, 9, 2], [1, 12, 9, 2], [9, 10, 4], [2, 5, 11], [16]],
+    ids=["long-inside", "long-runs-around", "two-long-first", "long-last", "one-long"],
+)
+def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, lengths):
+    # long_documents="sdpa": documents of >= LONG_DOCUMENT_TOKENS run alone through SDPA, the runs of shorter ones
+    # between them through the varlen kernel with boundaries relative to the run. The varlen kernel is replaced by
+    # the per-document reference (it needs a GPU) and records what it receives; values and every gradient must equal
+    # the varlen kernel over the whole stream, and each document must get the same as alone.
+    calls = []
+
+    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
+        assert cu_q is cu_k and window_size == (-1, 0)
+        calls.append((cu_q.tolist(), max_q, q.shape[0]))
+        return kernels.varlen_attention(q, k, v, cu_q, max_q, scale, "sdpa", True)
+
+    monkeypatch.setattr(kernels, "_torch_varlen_attn", reference_varlen, raising=False)
+    monkeypatch.setattr(kernels, "LONG_DOCUMENT_TOKENS", 9)
+    gen = torch.Generator().manual_seed(4)
+    n, heads, kv_heads, d = sum(lengths), 4, 2, 8
+    q0 = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
+    k0, v0 = (torch.randn(n, kv_heads, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    cotangent = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
+
+    def run(choice, lens):
+        q, k, v = (t[: sum(lens)].clone().requires_grad_() for t in (q0, k0, v0))
+        out = kernels.varlen_causal_attention(q, k, v, _packed(lens), d**-0.5, choice)
+        out.mul(cotangent[: sum(lens)]).sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    whole = run(kernels.KernelChoice("torch", "torch_varlen"), lengths)
+    calls.clear()
+    split = run(kernels.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths)
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, atol=1e-12)
+    # the varlen kernel saw only the runs of short documents, each from 0
+    runs, current = [], [0]
+    for length in lengths:
+        if length >= 9:
+            runs += [current] if len(current) > 1 else []
+            current = [0]
+        else:
+            current.append(current[-1] + length)
+    runs += [current] if len(current) > 1 else []
+    assert [c[0] for c in calls] == runs
+    # a long document at the front of a stream gets bitwise what it gets alone
+    first = next(i for i, length in enumerate(lengths) if length >= 9)
+    if first == 0:
+        alone = run(kernels.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths[:1])
+        assert torch.equal(alone[0], split[0][: lengths[0]])
+
+
+def test_long_document_attention_is_opt_in_and_validated():
+    from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
+
+    cpu = torch.device("cpu")
+    assert kernels.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).long_documents == "varlen"
+    forced = Qwen3_5PackedConfig(long_document_attention="sdpa")
+    assert kernels.select_kernels(forced, cpu, torch.float32).long_documents == "sdpa"
+    with pytest.raises(ValueError, match="long_document_attention must be one of 'auto', 'varlen', 'sdpa'"):
+        Qwen3_5PackedConfig(long_document_attention="cudnn")
+
+
 def test_elementwise_choice_follows_device_and_config():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 

@@ -82,6 +82,9 @@ KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "flash_qla", "fla", "torch"),
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
+    # how a document of at least kernels.LONG_DOCUMENT_TOKENS runs its attention: with the others through the varlen
+    # kernel, or alone through SDPA
+    "long_document_attention": ("auto", "varlen", "sdpa"),
     "elementwise_kernel": ("auto", "triton", "eager"),
     "moe_kernel": ("auto", "grouped_mm", "loop"),  # read by MoE models only
     "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
@@ -271,6 +274,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         partial_rotary_factor: float | None = None,
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
+        long_document_attention: str = "auto",
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool | str = "auto",
         conv_kernel: str = "auto",
@@ -305,6 +309,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         # Kernel selection ("auto" picks the fastest exact path for the device; see modeling/kernels.py).
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
+        self.long_document_attention = long_document_attention
         self.elementwise_kernel = elementwise_kernel
         self.return_logits_with_loss = return_logits_with_loss
         self.conv_kernel = conv_kernel
@@ -519,6 +524,7 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
         router_aux_loss_coef: float = 0.001,
         gdn_kernel: str = "auto",
         attention_kernel: str = "auto",
+        long_document_attention: str = "auto",
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool | str = "auto",
         conv_kernel: str = "auto",

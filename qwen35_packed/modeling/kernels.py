@@ -32,7 +32,8 @@ needs Hopper or Blackwell, bf16 / fp16 and key and value head dims of 128 (every
 
 `config.gdn_kernel` ("auto" | "flash_qla" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" | "compiled" |
 "torch"),
-`config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.elementwise_kernel`
+`config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"), `config.long_document_attention`
+("auto" | "varlen" | "sdpa": see `varlen_causal_attention`), `config.elementwise_kernel`
 ("auto" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" | "grouped_mm" | "loop") and
 `config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k combine) and
 `config.moe_lora_kernel` ("auto" | "low_rank" | "peft": PEFT LoRA on the experts, see expert_lora.py) force a path;
@@ -106,6 +107,9 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 class KernelChoice:
     gdn: str  # "flash_qla" | "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
+    # "varlen" | "sdpa": documents of at least LONG_DOCUMENT_TOKENS run alone through SDPA when "sdpa" and the
+    # attention kernel is a varlen one (with attention="sdpa" every document already runs alone)
+    long_documents: str = "varlen"
     elementwise: str = "eager"  # "triton" | "eager"
     conv: str = "torch"  # "fla" | "triton" | "compiled" | "torch" (GDN short conv)
     moe: str = "loop"  # "grouped_mm" | "loop" (MoE experts; dense models keep "loop", unused)
@@ -165,6 +169,10 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         raise RuntimeError(f"attention_kernel='flash_attn' was forced but flash-attn is not usable here ({dtype})")
     elif attention == "torch_varlen" and not (on_cuda and half and TORCH_VARLEN_AVAILABLE):
         raise RuntimeError(f"attention_kernel='torch_varlen' was forced but varlen_attn is not usable here ({dtype})")
+
+    # The SDPA path for long documents is opt-in until its GPU run (packed == per-document, speed) has been made.
+    long_documents = getattr(config, "long_document_attention", "auto")
+    long_documents = "varlen" if long_documents == "auto" else long_documents
 
     elementwise = getattr(config, "elementwise_kernel", "auto")
     if elementwise == "auto":
@@ -238,6 +246,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     choice = KernelChoice(
         gdn=gdn,
         attention=attention,
+        long_documents=long_documents,
         elementwise=elementwise,
         conv=conv,
         moe=moe,
@@ -263,12 +272,13 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
             )
             slow += f" (MoE experts in a per-expert loop with a host sync per layer: {why})"
         logger.warning(
-            "qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s, elementwise=%s%s%s",
+            "qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s%s, elementwise=%s%s%s",
             device.type,
             dtype,
             gdn,
             conv,
             attention,
+            f" (documents of >= {LONG_DOCUMENT_TOKENS} tokens: sdpa)" if long_documents == "sdpa" else "",
             elementwise,
             f", moe={moe}, combine={combine}" + (f", expert_lora={expert_lora}" if expert_lora != "auto" else "")
             if is_moe
@@ -615,6 +625,12 @@ def gated_rms_norm(x, gate, weight, eps, choice: KernelChoice):
 # Causal varlen attention
 # --------------------------------------------------------------------------------------------------------------
 
+# The length from which `long_document_attention="sdpa"` runs a document alone through SDPA: on Hopper torch's SDPA
+# picks cuDNN's flash attention for a long causal document, faster than the FlashAttention-2 varlen kernels at
+# head_dim 256 in the profile of a long-document step (docs/performance.md, "What one H200 trains"); below it the
+# per-document calls would cost more launches than they save.
+LONG_DOCUMENT_TOKENS = 16384
+
 
 def sdpa_one_document(q, k, v, scale: float, causal: bool) -> torch.Tensor:
     """SDPA over one document: q [Lq, H, D], k / v [Lk, Hkv, D] (kv heads repeated for grouped-query attention) ->
@@ -669,8 +685,41 @@ def varlen_attention(
     )
 
 
+def sdpa_long_document(q, k, v, scale: float) -> torch.Tensor:
+    """Causal SDPA over one document in the layout transformers' SDPA attention passes ([1, heads, length, dim],
+    grouped-query heads through `enable_gqa`), where torch may pick cuDNN's flash attention; q [L, H, D],
+    k / v [L, Hkv, D] -> [L, H, D]."""
+    qd, kd, vd = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
 def varlen_causal_attention(q, k, v, packed, scale: float, choice: KernelChoice) -> torch.Tensor:
-    """Causal attention within each document of a PackedSequence (the text model's attention layers)."""
+    """Causal attention within each document of a PackedSequence (the text model's attention layers).
+
+    With `long_documents="sdpa"` and a varlen attention kernel, every document of at least LONG_DOCUMENT_TOKENS
+    runs alone through `sdpa_long_document` and the runs of shorter documents between them through the varlen
+    kernel. Which kernel a document gets depends on its own length only, so packed == per-document holds as it does
+    for either kernel alone."""
+    if choice.long_documents == "sdpa" and choice.attention != "sdpa":
+        segments = packed.attention_segments(LONG_DOCUMENT_TOKENS)
+        if any(segment.alone for segment in segments):
+            outs = [
+                sdpa_long_document(q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end], scale)
+                if seg.alone
+                else varlen_attention(
+                    q[seg.start : seg.end],
+                    k[seg.start : seg.end],
+                    v[seg.start : seg.end],
+                    seg.cu_seqlens,
+                    seg.max_seqlen,
+                    scale,
+                    choice.attention,
+                    True,
+                )
+                for seg in segments
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
     host = packed.cu_seqlens_cpu() if choice.attention == "sdpa" else None
     return varlen_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, scale, choice.attention, True, host)
 

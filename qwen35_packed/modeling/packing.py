@@ -26,6 +26,18 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class AttentionSegment:
+    """Tokens [start, end) of a stream: one long document attended alone, or a run of shorter documents attended
+    through the varlen kernel with their boundaries relative to `start` (cu_seqlens on the stream's device)."""
+
+    start: int
+    end: int
+    alone: bool
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+
 @dataclass
 class PackedSequence:
     """One varlen stream of `num_tokens` real tokens, split into documents by `cu_seqlens`."""
@@ -85,6 +97,32 @@ class PackedSequence:
                 output_size=self.num_tokens,
             )
         return self._derived["doc_index"]
+
+    def attention_segments(self, long_tokens: int) -> list[AttentionSegment]:
+        """The stream cut into documents of at least `long_tokens` (alone) and the runs of shorter documents between
+        them, in stream order; built once per stream from the host boundaries (one small host-to-device copy per
+        run), shared by every attention layer."""
+        key = ("attention_segments", long_tokens)
+        if key not in self._derived:
+            bounds = self.cu_seqlens_cpu().tolist()
+            segments, run = [], [bounds[0]]
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end - start < long_tokens:
+                    run.append(end)
+                    continue
+                if len(run) > 1:
+                    segments.append(self._varlen_run(run))
+                segments.append(AttentionSegment(start, end, alone=True))
+                run = [end]
+            if len(run) > 1:
+                segments.append(self._varlen_run(run))
+            self._derived[key] = segments
+        return self._derived[key]
+
+    def _varlen_run(self, bounds: list[int]) -> AttentionSegment:
+        cu = torch.tensor([b - bounds[0] for b in bounds], dtype=torch.int32).to(self.cu_seqlens.device)
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return AttentionSegment(bounds[0], bounds[-1], alone=False, cu_seqlens=cu, max_seqlen=longest)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, seq, ...] -> [num_tokens, ...] (real tokens only)."""
