@@ -4,6 +4,7 @@ instead of keeping their outputs. Same gradients bit for bit, and those outputs 
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 
 import pytest
@@ -110,6 +111,37 @@ def test_recompute_gives_bitwise_equal_gradients_and_frees_chain_outputs(kind):
     # With it, the chain outputs are gone after the forward. q_proj / in_proj_qkv / gate_proj read the input norm
     # (or the post-attention norm), down_proj / out_proj / o_proj SwiGLU / the gated norm / the output gate.
     assert recomputed_alive == [], recomputed_alive
+
+
+@pytest.mark.parametrize("ending", ["dropped", "raised"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_forward_that_never_reaches_a_backward_frees_its_graph(kind, ending):
+    """A training forward whose loss is dropped, or that raises halfway (an out-of-memory error a caller catches
+    to retry with a smaller batch), must free every activation: nothing of its graph may stay alive. The embeddings
+    it was given are saved by the first layer, so they live exactly as long as the graph."""
+    model = _model(kind)
+    ids, cu = _batch(model.config.vocab_size)
+
+    def forward() -> weakref.ref:
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        if ending == "dropped":
+            model(inputs_embeds=embeds, cu_seqlens=cu, labels=ids)
+            return weakref.ref(embeds)
+        failing = model.model.layers[-1]
+        handle = failing.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+        try:
+            model(inputs_embeds=embeds, cu_seqlens=cu, labels=ids)
+        except torch.OutOfMemoryError:
+            pass
+        finally:
+            handle.remove()
+        return weakref.ref(embeds)
+
+    ref = forward()
+    gc.collect()
+    assert ref() is None, "the forward's graph outlived it"
+    loss = model(input_ids=ids, cu_seqlens=cu, labels=ids).loss  # and the model still trains afterwards
+    loss.backward()
 
 
 def test_inputs_modified_after_the_forward_raise():

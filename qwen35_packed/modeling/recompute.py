@@ -12,7 +12,8 @@ was produced, the hook stores the recipe (fn and inputs) instead; the first back
 and every other node that saved the same tensor shares that result. The rerun uses the grad mode and the
 requires_grad flags of the forward, so a compiled chain runs the same compiled graph: gradients are bitwise those
 of keeping the tensor (tests/test_recompute.py). A recipe whose inputs were modified in place after the forward
-raises, as autograd does for saved tensors. Everything else autograd saves passes through untouched.
+raises, as autograd does for saved tensors. Everything else autograd saves is kept as it is, detached from its
+graph (see `_pack`), so a forward that never reaches its backward frees its activations.
 
 `recompute_enabled()` says when to install it: autograd recording, no saved-tensors hooks already active around the
 forward (a caller's `save_on_cpu()`, offloading or checkpointing of the whole call keep deciding about every saved
@@ -91,7 +92,11 @@ class RecomputedActivations:
             ref, recipe, version = entry
             if ref() is tensor and tensor._version == version:
                 return recipe
-        return tensor
+        # Detached (same storage and version counter): a node that saves its own output would otherwise hold, through
+        # the hook, the tensor whose grad_fn is that node, a cycle the garbage collector cannot see. A backward breaks
+        # it by releasing the saved tensors; a forward that never reaches one (an out-of-memory error, a dropped loss)
+        # would keep its whole graph alive.
+        return tensor.detach()
 
     @staticmethod
     def _unpack(saved):
