@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_elementwise
-from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE, gather_sum_rows
+from .utils import first_time
 
 logger = logging.getLogger(__name__)
 
