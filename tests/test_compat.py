@@ -189,9 +189,9 @@ def test_top_level_rope_key_written_by_transformers_5_is_read_as_transformers_5_
 
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig
     from qwen35_packed.conversion.config import build_output_config
-    from qwen35_packed.modeling import configuration_qwen3_5_packed
+    from qwen35_packed.modeling import utils
 
-    monkeypatch.setattr(configuration_qwen3_5_packed, "_logged_once", set())
+    monkeypatch.setattr(utils, "_logged_once", set())
     text = {**tiny_kwargs("dense"), "model_type": "qwen3_5_text", "partial_rotary_factor": 0.25}
     (tmp_path / "config.json").write_text(json.dumps({**text, "transformers_version": "5.17.0"}))
     with caplog.at_level("WARNING"):

@@ -349,6 +349,17 @@ def test_report_feeds_the_model_card(dense, tmp_path):
         hub.load_report(folder)
 
 
+def test_a_malformed_existing_report_is_not_overwritten(tmp_path):
+    """The doctor validates an existing report with the schema's own reader and refuses one that is not a report."""
+    from qwen35_packed.doctor import DoctorError, DoctorReport
+
+    path = tmp_path / hub.REPORT_NAME
+    path.write_text(json.dumps({"schema": "other/2"}))
+    with pytest.raises(DoctorError, match="schema must be"):
+        DoctorReport("m", "cpu").write_json(path)
+    assert json.loads(path.read_text()) == {"schema": "other/2"}
+
+
 def test_vision_language_folder(tmp_path):
     """A composite folder: text checks on text_config and model.language_model.*, the vision tower against
     transformers' vision model for vision_config, the composite classes for every consumer."""

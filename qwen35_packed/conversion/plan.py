@@ -219,10 +219,6 @@ class ConversionPlan:
     verbose_only: set[int] = field(default_factory=set)  # indices of `lines` printed only with -v (the rules)
 
     @property
-    def copied_files(self) -> list[str]:
-        return [c.name for c in self.copied]
-
-    @property
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.mapping.outputs.values())
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 
-from ..modeling.configuration_qwen3_5_packed import same_value
+from ..modeling.utils import same_value
 
 ROPE_FIELDS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 READERS = ("transformers v5", "v4 getattr", "vLLM + transformers 5", "vLLM + transformers 4")

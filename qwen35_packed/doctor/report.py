@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..hub import load_report_file
-from ..report_schema import FAIL, PASS, REPORT_SCHEMA, SKIP, STATUSES, WARN
+from ..report_schema import FAIL, PASS, REPORT_SCHEMA, SKIP, STATUSES, WARN, read_report_file
+from .folder import DoctorError
 
 
 @dataclass
@@ -81,15 +81,16 @@ class DoctorReport:
         return out
 
     def doctor_section(self) -> dict:
-        """The `doctor` section of the model-card report (schema in qwen35_packed/hub.py)."""
+        """The `doctor` section of the model-card report (schema in qwen35_packed/report_schema.py)."""
         return {"status": self.overall, "device": self.device, "versions": dict(self.versions),
                 "checks": [asdict(c) for c in self.checks]}  # fmt: skip
 
     def write_json(self, path) -> Path:
         """Write this run into a model-card report at `path`: an existing report keeps its other sections; the
-        doctor section and the parity entries of earlier doctor runs (checks named `numerics.*`) are replaced."""
+        doctor section and the parity entries of earlier doctor runs (checks named `numerics.*`) are replaced; a
+        malformed existing report raises DoctorError."""
         path = Path(path)
-        report = load_report_file(path) if path.is_file() else {"schema": REPORT_SCHEMA}
+        report = read_report_file(path, DoctorError) if path.is_file() else {"schema": REPORT_SCHEMA}
         report["doctor"] = self.doctor_section()
         kept = [e for e in report.get("parity", []) if not e["check"].startswith("numerics.")]
         report["parity"] = kept + [asdict(m) for m in self.measurements]

@@ -54,11 +54,6 @@ def make_documents(vocab_size: int, seed: int = 0, lengths=DOC_LENGTHS) -> list[
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def _predicted(docs):
-    """Per document, the (index in doc) of every token that has a prediction: 1..len-1."""
-    return [(i, list(range(1, len(d)))) for i, d in enumerate(docs) if len(d) > 1]
-
-
 def vllm_logprobs(llm, docs, vocab_size: int) -> list[torch.Tensor]:
     """Per document, [len-1, vocab] log-probs of the distribution predicting tokens 1..len-1."""
     return vllm_prompt_logprobs(llm, [{"prompt_token_ids": d} for d in docs], vocab_size)[0]

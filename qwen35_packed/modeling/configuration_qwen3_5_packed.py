@@ -1,7 +1,7 @@
 """Configuration of the packed-varlen Qwen3.5 text models (dense and MoE).
 
 This file is remote code: it is copied flat into model folders next to the modeling files, so it imports only
-the standard library and transformers.
+the standard library, transformers and its sibling `utils.py`.
 
 Rope has one source of truth, resolved once in `resolve_rope_parameters`:
   * transformers v5 writes `rope_parameters` = {rope_type, rope_theta, partial_rotary_factor, mrope_section,
@@ -18,11 +18,12 @@ official Qwen3.5 values are used and a warning says so once.
 from __future__ import annotations
 
 import logging
-import math
 
 import transformers
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .utils import log_once, same_value
 
 logger = logging.getLogger(__name__)
 
@@ -35,27 +36,6 @@ QWEN3_5_ROPE_DEFAULTS = {
     "mrope_interleaved": True,
 }
 _ROPE_KEYS = tuple(QWEN3_5_ROPE_DEFAULTS)
-
-# The installed transformers' major version: the remote-code files switch on it where 4.x and 5.x differ (this
-# bundle's one copy; tooling imports it from here too).
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
-
-_logged_once: set = set()
-
-
-def first_time(key) -> bool:
-    """True the first time `key` is asked about in this process: for messages the remote code says once."""
-    if key in _logged_once:
-        return False
-    _logged_once.add(key)
-    return True
-
-
-def log_once(log: logging.Logger, key, message: str, *args) -> None:
-    """`log.warning(message, *args)` the first time `key` comes by."""
-    if first_time(key):
-        log.warning(message, *args)
-
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # model_type of the official composite (vision-language) configs, whose `text_config` is a text config.
@@ -92,19 +72,6 @@ KERNEL_FIELDS = {
 }
 
 
-def same_value(a, b) -> bool:
-    """Whether two readings of one config value agree: numbers within 1e-9 relative, lists element-wise; a boolean
-    on either side is compared as Python compares it (`True == 1`), never with the float tolerance, so that the
-    order of the two sides does not matter."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _written_by_transformers_5(writer_version) -> bool:
     try:
         return int(str(writer_version).split(".")[0]) >= 5
@@ -126,8 +93,8 @@ def resolve_rope_parameters(
 
     One exception, with a one-time warning: in a config.json written by transformers 5 (`writer_version`, its
     `transformers_version`) a top-level `partial_rotary_factor` that contradicts `rope_parameters` is ignored, as
-    transformers 5 itself reads it: some 5.x releases save the class default there (5.17's Qwen3_5TextConfig writes
-    0.25 next to the 0.5 of `rope_parameters` that its model uses).
+    transformers 5 itself reads it: some 5.x releases save the class default there (0.25 next to the 0.5 of
+    `rope_parameters` that the model uses).
     """
     stated = rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
     if (

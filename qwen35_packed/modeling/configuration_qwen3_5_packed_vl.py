@@ -1,7 +1,7 @@
 """Composite (vision-language) configurations of the packed Qwen3.5 models, dense and MoE.
 
 Remote code: copied flat into model folders next to `configuration_qwen3_5_packed.py`, so it imports only the
-standard library, transformers and that sibling.
+standard library, transformers and its siblings.
 
 `model_type` is `qwen3_5` / `qwen3_5_moe` and the classes subclass transformers' `Qwen3_5Config` /
 `Qwen3_5MoeConfig` (vLLM's multimodal processor checks `isinstance` against them). The only difference from the
@@ -23,6 +23,9 @@ from __future__ import annotations
 import transformers
 
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+
+# named for transformers 4.x, which copies into its module cache only the files this module names itself
+from .utils import TRANSFORMERS_MAJOR  # noqa: F401
 
 _BuiltinConfig = getattr(transformers, "Qwen3_5Config", None)
 _BuiltinMoeConfig = getattr(transformers, "Qwen3_5MoeConfig", None)

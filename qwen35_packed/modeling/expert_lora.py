@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .configuration_qwen3_5_packed import first_time, log_once
 from .kernels import KernelChoice, grouped_linear
+from .utils import first_time, log_once
 
 logger = logging.getLogger(__name__)
 

@@ -7,11 +7,9 @@ input (per-document chunked delta rule, boundary-masked conv).
 
 Elementwise chains (zero-centred RMSNorm, SwiGLU, the MoE experts' weighted SwiGLU, the sigmoid output gate, the
 GDN gates) run on CUDA as this project's Triton kernels (`triton_elementwise.py`): one launch each way inside an
-autograd Function, fp32 inside, and autograd keeps only the bf16 inputs (the fp32 intermediates of the eager chain
-were a large share of activation memory). Elsewhere they run eagerly; the two compute the same formula. The loss's
-per-chunk math, which has no kernel of its own, runs through `torch.compile` on CUDA. The Triton kernels replaced
-`torch.compile`d forms of the chains, which were slower on the H200 in every measured step
-(results/benchmarks/2026-12-01-train-step-h200-v7.json).
+autograd Function, fp32 inside, and autograd keeps only the bf16 inputs, not the eager chain's fp32 intermediates.
+Elsewhere they run eagerly; the two compute the same formula. The loss's per-chunk math, which has no kernel of its
+own, runs through `torch.compile` on CUDA.
 
 The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
 k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
@@ -53,9 +51,9 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_elementwise
-from .configuration_qwen3_5_packed import first_time
 from .triton_conv import TRITON_CONV_AVAILABLE, causal_conv1d_silu_split
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE, gather_sum_rows
+from .utils import first_time
 
 logger = logging.getLogger(__name__)
 

@@ -34,12 +34,7 @@ from .checkpoint_keys import (
     TEXT_KEY_MAPPING,
     from_official_layout,
 )
-from .configuration_qwen3_5_packed import (
-    TRANSFORMERS_MAJOR,
-    Qwen3_5MoePackedConfig,
-    Qwen3_5PackedConfig,
-    log_once,
-)
+from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
 from .kernels import select_kernels
@@ -59,6 +54,7 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401
+from .utils import TRANSFORMERS_MAJOR, log_once
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from .attention import GatedAttention  # noqa: F401
 from .cache import Qwen3_5PackedCache, as_packed_cache
 from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
-from .configuration_qwen3_5_packed import (
-    TRANSFORMERS_MAJOR,
-    Qwen3_5PackedConfig,  # noqa: F401
-)
+from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import FP32_PARAMETERS
@@ -68,6 +65,7 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401
+from .utils import TRANSFORMERS_MAJOR
 from .vision import Qwen3_5PackedVisionModel
 
 Qwen3_5PackedVLModelOutput = _output_class(

@@ -23,7 +23,9 @@ import torch
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
-def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int) -> torch.Tensor | None:
+def check_grid_thw(grid: torch.Tensor | None, name: str, spatial_merge_size: int) -> torch.Tensor | None:
+    """`grid` ([num, 3] of (t, h, w) in patches) as a long tensor on the host, after checking it: integer, positive,
+    heights and widths multiples of `spatial_merge_size`; None stays None. Raises ValueError naming `name`."""
     if grid is None:
         return None
     grid = torch.as_tensor(grid)
@@ -108,8 +110,8 @@ def packed_mrope_positions(
     if int(cu[-1]) != n:
         raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the stream has {n} tokens")
     merge = int(spatial_merge_size)
-    image_grid = _check_grid(image_grid_thw, "image_grid_thw", merge)
-    video_grid = _check_grid(video_grid_thw, "video_grid_thw", merge)
+    image_grid = check_grid_thw(image_grid_thw, "image_grid_thw", merge)
+    video_grid = check_grid_thw(video_grid_thw, "video_grid_thw", merge)
     if video_grid is not None:  # one grid per frame, as the text separates frames with timestamps
         video_grid = torch.repeat_interleave(video_grid, video_grid[:, 0], dim=0)
         video_grid[:, 0] = 1

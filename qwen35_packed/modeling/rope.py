@@ -101,11 +101,15 @@ class MRotaryEmbedding(nn.Module):
         return cos.view(*batch_shape, -1), sin.view(*batch_shape, -1)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(-second half, first half) of the last dim: the rotate-half rope layout (text and vision)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D]; cos/sin [N, rotary_dim]: rotate the first rotary_dim channels, pass the rest through."""
     rotary_dim = cos.shape[-1]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

@@ -22,6 +22,8 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from .kernels import select_kernels, varlen_bidirectional_attention
+from .mrope_positions import check_grid_thw
+from .rope import rotate_half
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -77,11 +79,9 @@ class VisionAttention(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope over the full head dim, in fp32, back to x's dtype. x [N, H, D]; cos/sin [N, D]."""
+    """Rope over the full head dim, in fp32, back to x's dtype. x [N, H, D]; cos/sin [N, D]."""
     xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+    return (xf * cos.unsqueeze(1) + rotate_half(xf) * sin.unsqueeze(1)).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -200,13 +200,7 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def check_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
-        if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
-            raise ValueError(f"grid_thw must be [num_images, 3], got shape {tuple(grid_thw.shape)}")
-        if bool((grid_thw <= 0).any()) or bool((grid_thw[:, 1:] % self.spatial_merge_size).any()):
-            raise ValueError(
-                f"grid_thw entries must be positive with h and w multiples of spatial_merge_size="
-                f"{self.spatial_merge_size}, got {grid_thw.tolist()}"
-            )
+        grid_thw = check_grid_thw(grid_thw, "grid_thw", self.spatial_merge_size)
         patch_dim = self.patch_embed.patch_dim
         expected = int(grid_thw.prod(-1).sum())
         if pixel_values.ndim != 2 or pixel_values.shape[1] != patch_dim:
