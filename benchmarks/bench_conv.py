@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import batches  # noqa: E402
 
-from qwen35_packed.modeling import kernels  # noqa: E402
+from qwen35_packed.modeling import kernel_selection, reference_kernels  # noqa: E402
 from qwen35_packed.modeling.packing import build_packed_sequence  # noqa: E402
 from qwen35_packed.modeling.triton_conv import DEFAULT_BLOCKS, ConvBlocks, causal_conv1d_silu_split  # noqa: E402
 
@@ -76,7 +76,7 @@ def main():
 
     # Reference: the boundary-masked formula in fp32.
     x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    ref = kernels.torch_causal_conv1d_varlen(x32, w32, pos)
+    ref = reference_kernels.torch_causal_conv1d_varlen(x32, w32, pos)
     ref.backward(torch.cat(grads, dim=1).float())
     ref_out, ref_dx, ref_dw = ref.detach(), x32.grad, w32.grad
 
@@ -131,14 +131,14 @@ def main():
         "split": SPLIT,
         "rows": rows,
     }
-    if kernels.FLA_AVAILABLE:
+    if kernel_selection.FLA_AVAILABLE:
         # Own leaves: FLA's timed backwards must not accumulate into the gradients the final check reads.
         x_fla, w_fla = x.detach().unsqueeze(0).requires_grad_(), weight.detach().requires_grad_()
         cu64, cu_cpu = packed.cu_seqlens_int64(), packed.cu_seqlens_cpu()
         dy = torch.cat(grads, dim=1).unsqueeze(0)
 
         def fla():
-            return kernels._fla_causal_conv1d(
+            return kernel_selection.fla_causal_conv1d(
                 x_fla, weight=w_fla, activation="silu", cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu
             )[0]
 

@@ -62,7 +62,7 @@ from bench_train_step import (
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
-from qwen35_packed.modeling import kernels, moe, triton_elementwise
+from qwen35_packed.modeling import kernel_selection, kernels, moe, triton_elementwise
 
 ROOT = Path(__file__).resolve().parent
 
@@ -161,12 +161,12 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
     with torch.no_grad():
         _, weights, index = block.gate(x)
     on_cuda = device.type == "cuda"
-    choice = kernels.KernelChoice(
+    choice = kernel_selection.KernelChoice(
         gdn="torch",
         attention="sdpa",
         elementwise="triton" if on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE else "eager",
         moe="grouped_mm",
-        combine="triton" if on_cuda and kernels.TRITON_GATHER_SUM_AVAILABLE else "eager",
+        combine="triton" if on_cuda and kernel_selection.TRITON_GATHER_SUM_AVAILABLE else "eager",
     )
     rows = {}
 
@@ -215,7 +215,7 @@ def run_vocab(vocab, args, device, rate, results, save):
     )
     models = (builtin, ours)
     n_active = active_parameters(ours.config)
-    choice = kernels.select_kernels(ours.config, device, torch.bfloat16)
+    choice = kernel_selection.select_kernels(ours.config, device, torch.bfloat16)
     entry = results.setdefault(
         name,
         {
@@ -374,7 +374,7 @@ def main():
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "fla_available": kernels.FLA_AVAILABLE,
+        "fla_available": kernel_selection.FLA_AVAILABLE,
         "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None,
     }
     out = (

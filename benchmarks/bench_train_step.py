@@ -275,9 +275,9 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
         0 if ours.config.tie_word_embeddings else ours.lm_head.weight.numel()
     )
     n_lm_head = ours.lm_head.weight.numel()
-    from qwen35_packed.modeling import kernels, triton_conv
+    from qwen35_packed.modeling import kernel_selection, triton_conv
 
-    choice = kernels.select_kernels(ours.config, device, torch.bfloat16)
+    choice = kernel_selection.select_kernels(ours.config, device, torch.bfloat16)
     results[name] = {
         "params": n_all,
         "non_embedding_params": n_all - n_embed,
@@ -430,7 +430,7 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a small config (script check, e.g. on CPU)")
     args = parser.parse_args()
-    from qwen35_packed.modeling import kernels
+    from qwen35_packed.modeling import kernel_selection
 
     device = torch.device(args.device)
     rate = matmul_rate() if device.type == "cuda" else None
@@ -439,7 +439,7 @@ def main():
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "fla_available": kernels.FLA_AVAILABLE,
+        "fla_available": kernel_selection.FLA_AVAILABLE,
         "bf16_matmul_tflops": round(rate / 1e12, 1) if rate else None,
     }
     out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{results['date']}-train-step.json"

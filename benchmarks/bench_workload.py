@@ -51,7 +51,7 @@ from qwen35_packed import (
     Qwen3_5PackedForCausalLM,
 )
 from qwen35_packed.integrations.lora import lora_config
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection
 
 ROOT = Path(__file__).resolve().parent
 MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5-4B.config.json"}
@@ -286,7 +286,11 @@ def main():
         if not hasattr(workload.base.config, name):
             raise SystemExit(f"--config: the config has no field {name!r}")
         setattr(workload.base.config, name, value)
-    choice = kernels.select_kernels(workload.reference_config, device, torch.bfloat16) if args.impl == "ours" else None
+    choice = (
+        kernel_selection.select_kernels(workload.reference_config, device, torch.bfloat16)
+        if args.impl == "ours"
+        else None
+    )
     result = {
         "date": datetime.date.today().isoformat(),
         "model": f"{args.model} (official text config, every layer, vocab {workload.kwargs['vocab_size']})"
@@ -296,7 +300,7 @@ def main():
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "fla_available": kernels.FLA_AVAILABLE,
+        "fla_available": kernel_selection.FLA_AVAILABLE,
         "ours_kernels": dataclasses.asdict(choice) if choice else None,
         "build_seconds": workload.build_seconds,
         "config_fields_set": fields,

@@ -24,7 +24,7 @@ import transformers
 from bench_train_step import CONFIGS, batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection
 
 ROOT = Path(__file__).resolve().parent
 LENGTHS = batches()["rl_longtail_x16"]
@@ -117,7 +117,7 @@ def main():
     docs = [torch.randint(0, kwargs["vocab_size"], (n,), generator=gen).cuda() for n in LENGTHS]
     flat = torch.cat(docs)[None]
     cu = torch.tensor([0, *LENGTHS], device="cuda").cumsum(0).to(torch.int32)
-    choice = kernels.select_kernels(ours.config, torch.device("cuda"), torch.bfloat16)
+    choice = kernel_selection.select_kernels(ours.config, torch.device("cuda"), torch.bfloat16)
     out = Path(args.out or ROOT.parent / "results" / "gpu" / f"{datetime.date.today()}-full-depth-exactness.json")
     result = {
         "model": f"Qwen3.5-35B-A3B official config, {args.layers} of 40 layers, random weights (seed 0)",

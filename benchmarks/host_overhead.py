@@ -30,7 +30,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_kwargs  # noqa: E402
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
-from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed, triton_elementwise  # noqa: E402
+from qwen35_packed.modeling import (  # noqa: E402
+    kernel_selection,
+    kernels,
+    modeling_qwen3_5_packed,
+    reference_kernels,
+    triton_elementwise,
+)
 
 
 def per_call_us(fn, device, reps=300):
@@ -56,11 +62,15 @@ def chains(device):
     x, w, g, u, gate_up, rows_weight = leaf(8, 64), leaf(64), leaf(8, 64), leaf(8, 64), leaf(8, 128), leaf(8)
     a, b, a_log, dt_bias = leaf(8, 8), leaf(8, 8), leaf(8), leaf(8)
     return {
-        "rms_norm": (kernels._zero_centred_rms_norm, triton_elementwise.rms_norm, (x, w, 1e-6)),
-        "swiglu": (kernels._swiglu, triton_elementwise.swiglu, (g, u)),
-        "sigmoid_gate": (kernels._sigmoid_gate, triton_elementwise.sigmoid_gate, (g, u)),
-        "weighted_swiglu": (kernels._weighted_swiglu, triton_elementwise.weighted_swiglu, (gate_up, rows_weight)),
-        "gdn_gates": (kernels._gdn_gates, triton_elementwise.gdn_gates, (a, b, a_log, dt_bias)),
+        "rms_norm": (reference_kernels.zero_centred_rms_norm, triton_elementwise.rms_norm, (x, w, 1e-6)),
+        "swiglu": (reference_kernels.swiglu, triton_elementwise.swiglu, (g, u)),
+        "sigmoid_gate": (reference_kernels.sigmoid_gate, triton_elementwise.sigmoid_gate, (g, u)),
+        "weighted_swiglu": (
+            reference_kernels.weighted_swiglu,
+            triton_elementwise.weighted_swiglu,
+            (gate_up, rows_weight),
+        ),
+        "gdn_gates": (reference_kernels.gdn_gates, triton_elementwise.gdn_gates, (a, b, a_log, dt_bias)),
     }
 
 
@@ -96,7 +106,7 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     modes = ["eager", "compiled"] + (["triton"] if device.type == "cuda" else [])
-    choices = {mode: kernels.KernelChoice("torch", "sdpa", mode) for mode in modes if mode != "compiled"}
+    choices = {mode: kernel_selection.KernelChoice("torch", "sdpa", mode) for mode in modes if mode != "compiled"}
     result = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

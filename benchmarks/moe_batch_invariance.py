@@ -49,7 +49,7 @@ from bench_moe import layer_shapes, plain_gemms
 from bench_train_step import batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernels, moe
+from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernel_selection, moe
 from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,7 +199,7 @@ def locate_in_model(config, lengths, plain: bool) -> dict:
         )
     print("first output that differs:", first)
     return {
-        "choice": kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__,
+        "choice": kernel_selection.select_kernels(config, torch.device(DEVICE), torch.bfloat16).__dict__,
         "plain_gemms": plain,
         "first_differing": first,
         "rows": rows,
@@ -259,7 +259,7 @@ def locate_in_block(config, lengths) -> dict:
             p.normal_(0, 0.05)
     block = block.to(DEVICE, torch.bfloat16)
     config.moe_kernel = "grouped_mm"
-    choice = kernels.select_kernels(config, torch.device(DEVICE), torch.bfloat16)
+    choice = kernel_selection.select_kernels(config, torch.device(DEVICE), torch.bfloat16)
     x = torch.randn(sum(lengths), config.hidden_size, device=DEVICE).to(torch.bfloat16)
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
     slices = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]

@@ -14,9 +14,9 @@ import torch
 from conftest import packed_model
 from torch import nn
 
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection, kernels
 from qwen35_packed.modeling.expert_lora import ExpertWeight
-from qwen35_packed.modeling.kernels import KernelChoice
+from qwen35_packed.modeling.kernel_selection import KernelChoice
 from qwen35_packed.modeling.moe import SparseMoeBlock
 
 peft = pytest.importorskip("peft")
@@ -25,7 +25,8 @@ from peft.tuners.lora.layer import _LoraFactorsProxy  # noqa: E402
 from qwen35_packed.integrations.lora import EXPERT_PARAMETERS, lora_config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32), reason="this torch has no grouped_mm on CPU"
+    not kernel_selection.grouped_mm_usable(torch.device("cpu"), torch.float32),
+    reason="this torch has no grouped_mm on CPU",
 )
 
 DOCUMENTS = (37, 1, 22, 14)

@@ -22,7 +22,7 @@ from qwen35_packed import (  # noqa: E402
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
 )
-from qwen35_packed.modeling import kernels  # noqa: E402
+from qwen35_packed.modeling import kernel_selection, kernels  # noqa: E402
 
 RESULTS: dict = {}
 GPU_CONFIG = dict(
@@ -48,7 +48,7 @@ def write_results():
     if path:
         RESULTS["device"] = torch.cuda.get_device_name()
         RESULTS["torch"] = torch.__version__
-        RESULTS["fla_available"] = kernels.FLA_AVAILABLE
+        RESULTS["fla_available"] = kernel_selection.FLA_AVAILABLE
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=2)
 
@@ -82,14 +82,14 @@ def _docs(n=24):
     return [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_packed_equals_per_document(dtype):
     model = _model(dtype)
     docs = _docs()
     ids = torch.cat(docs).unsqueeze(0)
     cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32).cuda()
-    choice = kernels.select_kernels(model.config, ids.device, dtype)
+    choice = kernel_selection.select_kernels(model.config, ids.device, dtype)
     with torch.no_grad():
         packed = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
         per_doc = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs]).float()
@@ -115,7 +115,7 @@ def test_fla_packed_equals_per_document(dtype):
     assert diff_ref <= (1e-2 if dtype == torch.float32 else 1e-1)
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_fla_packed_gradients_equal_per_document_bf16():
     model = _model(torch.bfloat16)
     model.train()
@@ -136,7 +136,7 @@ def test_fla_packed_gradients_equal_per_document_bf16():
     assert worst <= 3e-2  # measured 5e-3 to 9e-3
 
 
-@pytest.mark.skipif(not kernels.FLASH_QLA_AVAILABLE, reason="flash-qla not installed")
+@pytest.mark.skipif(not kernel_selection.FLASH_QLA_AVAILABLE, reason="flash-qla not installed")
 def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
     """FlashQLA (called with its intra-card split off) and FLA's Triton kernels, each through the whole model in
     bf16 with a 12,000-token document among short ones: packed == per-document bit for bit (FlashQLA's own split,
@@ -152,7 +152,7 @@ def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
     runs = {}
     for gdn in ("flash_qla", "fla"):
         model.config.gdn_kernel = gdn
-        assert kernels.select_kernels(model.config, ids.device, torch.bfloat16).gdn == gdn
+        assert kernel_selection.select_kernels(model.config, ids.device, torch.bfloat16).gdn == gdn
         model.zero_grad(set_to_none=True)
         out = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1)
         out.loss.backward()
@@ -192,7 +192,7 @@ def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
 
 
 def test_torch_varlen_attention_is_causal_per_document():
-    if not kernels.TORCH_VARLEN_AVAILABLE:
+    if not kernel_selection.TORCH_VARLEN_AVAILABLE:
         pytest.skip("torch varlen_attn not available")
     from qwen35_packed.modeling.packing import PackedSequence
 
@@ -200,13 +200,15 @@ def test_torch_varlen_attention_is_causal_per_document():
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32).cuda()
     packed = PackedSequence(cu, max(lengths), None, None, (1, int(cu[-1])))
     q, k, v = (torch.randn(int(cu[-1]), h, 128, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
-    got = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernels.KernelChoice("fla", "torch_varlen"))
-    ref = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernels.KernelChoice("fla", "sdpa"))
+    got = kernels.varlen_causal_attention(
+        q, k, v, packed, 128**-0.5, kernel_selection.KernelChoice("fla", "torch_varlen")
+    )
+    ref = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernel_selection.KernelChoice("fla", "sdpa"))
     RESULTS["torch_varlen_vs_sdpa_bf16"] = (got.float() - ref.float()).abs().max().item()
     assert (got.float() - ref.float()).abs().max().item() <= 2e-2
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
     """long_document_attention="sdpa": a document of >= LONG_DOCUMENT_TOKENS among short ones runs its attention
     alone through SDPA (cuDNN's flash attention where torch picks it), the short ones through the varlen kernel.
@@ -215,7 +217,7 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
     whether `auto` turns it on)."""
     model = _model(torch.bfloat16, return_logits_with_loss=True).train()
     gen = torch.Generator().manual_seed(7)
-    lengths = [5, kernels.LONG_DOCUMENT_TOKENS + 1000, 300, 2, kernels.LONG_DOCUMENT_TOKENS, 64]
+    lengths = [5, kernel_selection.LONG_DOCUMENT_TOKENS + 1000, 300, 2, kernel_selection.LONG_DOCUMENT_TOKENS, 64]
     docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
     ids = torch.cat(docs).unsqueeze(0)
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
@@ -240,13 +242,13 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
         ((runs["sdpa"]["grads"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
         for n, g in runs["varlen"]["grads"].items()
     )
-    n, heads, kv_heads = 4 * kernels.LONG_DOCUMENT_TOKENS, 16, 2
+    n, heads, kv_heads = 4 * kernel_selection.LONG_DOCUMENT_TOKENS, 16, 2
     q = torch.randn(n, heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(n, kv_heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     packed = _packed_stream([n])
     times = {}
     for mode in ("sdpa", "varlen"):
-        choice = kernels.KernelChoice("fla", "torch_varlen", long_documents=mode)
+        choice = kernel_selection.KernelChoice("fla", "torch_varlen", long_documents=mode)
         times[mode] = _cuda_ms(
             lambda: kernels.varlen_causal_attention(q, k, v, packed, 256**-0.5, choice).sum().backward()
         )
@@ -281,7 +283,7 @@ def _cuda_ms(fn, reps: int = 5) -> float:
     return start.elapsed_time(end) / reps
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_triton_elementwise_matches_eager_bf16():
     """This project's Triton kernels for the elementwise chains (auto on CUDA) against the eager formulas: bf16
     training step, packed."""
@@ -326,7 +328,7 @@ def test_triton_elementwise_matches_eager_bf16():
     assert loss_diff <= 5e-4 and worst <= 1e-1 and small <= 3e-4  # measured 1.4e-4, 2.2e-2 to 3.5e-2
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_recomputed_activations_bitwise_and_smaller_bf16():
     """Recomputing norm / SwiGLU / gated-norm / gate outputs in the backward (FLA's gated norm and the Triton
     chains): bf16 gradients as close to those of keeping them as two runs that keep them are to each other (FLA's
@@ -375,7 +377,7 @@ def test_recomputed_activations_bitwise_and_smaller_bf16():
     assert runs["recomputed"][1] < runs["kept_again"][1]
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_host_syncs_do_not_grow_with_depth():
     """A training step reads nothing back from the GPU per layer: the boundaries reach FLA as one cu_seqlens object
     and a CPU copy, and the loss masks ignored targets without `nonzero`. Counted with CUDA's sync debug mode; a
@@ -403,7 +405,7 @@ def test_host_syncs_do_not_grow_with_depth():
     print(counts)
     # FlashQLA (the auto GDN backend where it is installed) adds a fixed few of its own per step (measured on the
     # H200: 6 at 2 layers, 5 at 8); what must not happen is a sync per layer.
-    allowed = 6 if kernels.select_kernels(model.config, ids.device, torch.bfloat16).gdn == "flash_qla" else 4
+    allowed = 6 if kernel_selection.select_kernels(model.config, ids.device, torch.bfloat16).gdn == "flash_qla" else 4
     assert counts[8] <= counts[2] <= allowed, counts
 
 
@@ -411,7 +413,7 @@ def test_host_syncs_do_not_grow_with_depth():
 RL_BATCH_LENGTHS = [796, 553, 3081, 2249, 523, 3342, 2160, 2882, 3611, 473, 558, 485, 1730, 701, 2307, 903]
 
 
-@pytest.mark.skipif(not kernels.TRITON_CONV_AVAILABLE, reason="triton not installed")
+@pytest.mark.skipif(not kernel_selection.TRITON_CONV_AVAILABLE, reason="triton not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_conv_matches_reference_and_fla(dtype):
     """The Triton GDN conv on the benchmark shape ([26,354 x 8192], q | k | v = 2048 | 2048 | 4096, K = 4, the RL
@@ -430,13 +432,15 @@ def test_triton_conv_matches_reference_and_fla(dtype):
 
     def run(conv, inputs, grads=True):
         xi, wi = (t.detach().clone().requires_grad_(grads) for t in inputs)
-        outs = kernels.causal_conv1d_varlen(xi, wi, packed, kernels.KernelChoice("fla", "sdpa", conv=conv), splits)
+        outs = kernels.causal_conv1d_varlen(
+            xi, wi, packed, kernel_selection.KernelChoice("fla", "sdpa", conv=conv), splits
+        )
         if grads:
             torch.autograd.backward(outs, [c.to(o.dtype) for o, c in zip(outs, cotangents)])
         return torch.cat([o.detach().float() for o in outs], dim=1), xi.grad, wi.grad
 
     ref_out, ref_dx, ref_dw = run("torch", (x.float(), weight.float()))
-    convs = ["triton"] + (["fla"] if kernels.FLA_AVAILABLE else [])
+    convs = ["triton"] + (["fla"] if kernel_selection.FLA_AVAILABLE else [])
     name = str(dtype).split(".")[-1]
     result = {}
     for conv in convs:
@@ -482,7 +486,7 @@ def test_chunked_loss_gradients_bf16_against_fp64():
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.03).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     targets[::9] = -100
-    choice = kernels.select_kernels(Qwen3_5PackedConfig(), hidden.device, torch.bfloat16)
+    choice = kernel_selection.select_kernels(Qwen3_5PackedConfig(), hidden.device, torch.bfloat16)
     loss, _ = loss_module.chunked_linear_cross_entropy(
         hidden, weight, targets, chunk_tokens=2048, keep_logits=False, choice=choice
     )
@@ -535,7 +539,7 @@ def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
     model = _model(torch.bfloat16, moe=True).train()
     block = next(m for m in model.modules() if type(m).__name__ == "SparseMoeBlock")
     config = model.config
-    choice = kernels.select_kernels(config, torch.device("cuda"), torch.bfloat16)
+    choice = kernel_selection.select_kernels(config, torch.device("cuda"), torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = 6000
     x = torch.randn(n, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
@@ -597,11 +601,13 @@ def test_moe_triton_combine_is_the_in_order_sum_bf16():
     print(RESULTS["moe_triton_combine"])
     assert RESULTS["moe_triton_combine"]["bitwise_in_order"], RESULTS["moe_triton_combine"]
     assert RESULTS["moe_triton_combine"]["max_abs_vs_eager"] <= 2**-7 * RESULTS["moe_triton_combine"]["scale"]
-    choice = kernels.select_kernels(_model(torch.bfloat16, moe=True).config, torch.device("cuda"), torch.bfloat16)
+    choice = kernel_selection.select_kernels(
+        _model(torch.bfloat16, moe=True).config, torch.device("cuda"), torch.bfloat16
+    )
     assert choice.combine == "triton"
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_moe_packed_equals_per_document_bf16(monkeypatch):
     """Grouped-GEMM experts, packed vs each document alone in bf16: the same experts for every token and layer,
     and logits as close as the dense model's. The forwards run under no_grad, where a grouped_mm probe that needed
@@ -631,14 +637,14 @@ def test_moe_packed_equals_per_document_bf16(monkeypatch):
     assert same == total and diff <= 2e-3
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_moe_grouped_experts_sync_free_and_deterministic():
     """The MoE block with grouped_mm experts reads nothing back from the GPU in forward or backward (CUDA sync
     debug mode 'error' raises on any synchronising call), and two identical backward passes give identical
     gradients (no atomics in the combination of the top-k outputs)."""
     model = _model(torch.bfloat16, moe=True).train()
     block = next(m for m in model.modules() if type(m).__name__ == "SparseMoeBlock")
-    choice = kernels.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
+    choice = kernel_selection.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(5000, GPU_CONFIG["hidden_size"], device="cuda", generator=gen).to(torch.bfloat16)
     cotangent = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
@@ -663,7 +669,7 @@ def test_moe_grouped_experts_sync_free_and_deterministic():
     assert choice.moe == "grouped_mm" and identical
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("rank", [4, 16], ids=["r4_padded", "r16"])
 def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
     """PEFT LoRA on the fused experts in bf16 on the GPU: the low-rank products on the expert rows

@@ -36,7 +36,7 @@ from qwen35_packed import (  # noqa: E402
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
 )
-from qwen35_packed.modeling import kernels  # noqa: E402
+from qwen35_packed.modeling import kernel_selection  # noqa: E402
 
 RESULTS: dict = {}
 LENGTHS = batches()["rl_longtail_x16"]
@@ -88,13 +88,13 @@ def documents(vocab: int):
     return docs, torch.cat(docs)[None], cu
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("kind", ["dense_4b_8_layers", "moe_35b_a3b_shapes_4_layers"])
 def test_packed_equals_per_document_bitwise_at_real_shapes(kind, mode):
     model = build(kind)
     model.train(mode == "train")
-    choice = kernels.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
+    choice = kernel_selection.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
     docs, ids, cu = documents(model.config.vocab_size)
     moe = kind.startswith("moe")
     with torch.set_grad_enabled(mode == "train"):
@@ -130,7 +130,7 @@ def group_of(name: str) -> str:
     return next(group for group, fragment in GROUPS if fragment in name)
 
 
-@pytest.mark.skipif(not kernels.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_gradients_packed_vs_per_document_at_35b_a3b_shapes_bf16():
     """Summed-token loss (num_items_in_batch=1): the packed step's gradient against the sum of the per-document
     steps' gradients, relative error per parameter group. The forwards are bit for bit equal (the test above) and

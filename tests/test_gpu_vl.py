@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import transformers  # noqa: E402
 
 from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig  # noqa: E402
-from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration, kernels  # noqa: E402
+from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration, kernel_selection  # noqa: E402
 from qwen35_packed.modeling.vision import varlen_bidirectional_attention  # noqa: E402
 
 RESULTS: dict = {}
@@ -65,8 +65,8 @@ def write_results():
     if path:
         RESULTS["device"] = torch.cuda.get_device_name()
         RESULTS["torch"] = torch.__version__
-        RESULTS["fla_available"] = kernels.FLA_AVAILABLE
-        RESULTS["flash_attn_available"] = kernels.FLASH_ATTN_AVAILABLE
+        RESULTS["fla_available"] = kernel_selection.FLA_AVAILABLE
+        RESULTS["flash_attn_available"] = kernel_selection.FLASH_ATTN_AVAILABLE
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=2)
 
@@ -128,7 +128,7 @@ def _packed_logits(model, docs, dtype):
 def test_packed_vl_equals_per_document(dtype):
     model = _model(dtype)
     docs = _documents()
-    choice = kernels.select_kernels(model.config.text_config, torch.device("cuda"), dtype)
+    choice = kernel_selection.select_kernels(model.config.text_config, torch.device("cuda"), dtype)
     with torch.no_grad():
         packed = _packed_logits(model, docs, dtype)
         per_doc = _per_document_logits(model, docs, dtype)
@@ -215,8 +215,8 @@ def test_vision_varlen_kernels_match_sdpa():
     q, k, v = (torch.randn(int(cu[-1]), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = varlen_bidirectional_attention(q, k, v, cu, max(lengths), 0.125, "sdpa").float()
     for kernel, available in (
-        ("flash_attn", kernels.FLASH_ATTN_AVAILABLE),
-        ("torch_varlen", kernels.TORCH_VARLEN_AVAILABLE),
+        ("flash_attn", kernel_selection.FLASH_ATTN_AVAILABLE),
+        ("torch_varlen", kernel_selection.TORCH_VARLEN_AVAILABLE),
     ):
         if not available:
             continue

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection, kernels, reference_kernels
 from qwen35_packed.modeling.packing import PackedSequence
 
 
@@ -43,7 +43,7 @@ def test_delta_rule_varlen_matches_naive_per_document(with_initial_state):
     beta = torch.rand(n, hv, generator=gen)
     init = torch.randn(len(lengths), hv, d, d, generator=gen) * 0.1 if with_initial_state else None
     packed = _packed(lengths)
-    out, final = kernels.torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens, init, True)
+    out, final = reference_kernels.torch_gated_delta_rule_varlen(q, k, v, g, beta, packed.cu_seqlens, init, True)
     start = 0
     for i, length in enumerate(lengths):
         sl = slice(start, start + length)
@@ -72,7 +72,9 @@ def test_conv_varlen_never_crosses_documents_and_uses_history():
     history = torch.randn(len(lengths), channels, kernel - 1, generator=gen)
     packed = _packed(lengths)
     for init in (None, history):
-        out = kernels.torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), init)
+        out = reference_kernels.torch_causal_conv1d_varlen(
+            x, weight, packed.position_in_doc(), packed.doc_index(), init
+        )
         final = kernels.conv_final_state(x, packed.cu_seqlens, kernel, init)
         start = 0
         for i, length in enumerate(lengths):
@@ -90,7 +92,7 @@ def test_sdpa_per_document_attention_matches_masked_reference():
     q = torch.randn(n, heads, d, generator=gen)
     k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
     packed = _packed(lengths)
-    out = kernels.varlen_causal_attention(q, k, v, packed, d**-0.5, kernels.KernelChoice("torch", "sdpa"))
+    out = kernels.varlen_causal_attention(q, k, v, packed, d**-0.5, kernel_selection.KernelChoice("torch", "sdpa"))
     doc = packed.doc_index()
     allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -116,8 +118,8 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
         calls.append((cu_q.tolist(), max_q, q.shape[0]))
         return kernels.varlen_attention(q, k, v, cu_q, max_q, scale, "sdpa", True)
 
-    monkeypatch.setattr(kernels, "_torch_varlen_attn", reference_varlen, raising=False)
-    monkeypatch.setattr(kernels, "LONG_DOCUMENT_TOKENS", 9)
+    monkeypatch.setattr(kernel_selection, "torch_varlen_attn", reference_varlen, raising=False)
+    monkeypatch.setattr(kernel_selection, "LONG_DOCUMENT_TOKENS", 9)
     gen = torch.Generator().manual_seed(4)
     n, heads, kv_heads, d = sum(lengths), 4, 2, 8
     q0 = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
@@ -130,9 +132,9 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
         out.mul(cotangent[: sum(lens)]).sum().backward()
         return out, q.grad, k.grad, v.grad
 
-    whole = run(kernels.KernelChoice("torch", "torch_varlen"), lengths)
+    whole = run(kernel_selection.KernelChoice("torch", "torch_varlen"), lengths)
     calls.clear()
-    split = run(kernels.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths)
+    split = run(kernel_selection.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths)
     for a, b in zip(whole, split):
         assert torch.allclose(a, b, atol=1e-12)
     # the varlen kernel saw only the runs of short documents, each from 0
@@ -148,7 +150,7 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
     # a long document at the front of a stream gets bitwise what it gets alone
     first = next(i for i, length in enumerate(lengths) if length >= 9)
     if first == 0:
-        alone = run(kernels.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths[:1])
+        alone = run(kernel_selection.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths[:1])
         assert torch.equal(alone[0], split[0][: lengths[0]])
 
 
@@ -156,9 +158,9 @@ def test_long_document_attention_is_opt_in_and_validated():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 
     cpu = torch.device("cpu")
-    assert kernels.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).long_documents == "varlen"
+    assert kernel_selection.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).long_documents == "varlen"
     forced = Qwen3_5PackedConfig(long_document_attention="sdpa")
-    assert kernels.select_kernels(forced, cpu, torch.float32).long_documents == "sdpa"
+    assert kernel_selection.select_kernels(forced, cpu, torch.float32).long_documents == "sdpa"
     with pytest.raises(ValueError, match="long_document_attention must be one of 'auto', 'varlen', 'sdpa'"):
         Qwen3_5PackedConfig(long_document_attention="cudnn")
 
@@ -166,9 +168,12 @@ def test_long_document_attention_is_opt_in_and_validated():
 def test_elementwise_choice_follows_device_and_config():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 
-    assert kernels.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise == "eager"
+    assert (
+        kernel_selection.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise
+        == "eager"
+    )
     forced = Qwen3_5PackedConfig(elementwise_kernel="eager")
-    assert kernels.select_kernels(forced, torch.device("cpu"), torch.float32).elementwise == "eager"
+    assert kernel_selection.select_kernels(forced, torch.device("cpu"), torch.float32).elementwise == "eager"
     for unknown in ("fused", "compiled"):  # "compiled": the torch.compile form the Triton kernels replaced
         with pytest.raises(ValueError, match="elementwise_kernel must be one of 'auto', 'triton', 'eager'"):
             Qwen3_5PackedConfig(elementwise_kernel=unknown)
@@ -195,7 +200,10 @@ def test_compiled_conv_equals_eager_conv_and_per_document():
     # conv_kernel="compiled" (torch.compile of the boundary-masked formula; inductor's C++ backend here) against the
     # eager formula, on streams with 1-token documents and documents shorter than the kernel: outputs and the
     # gradients of x and weight; then every document run alone through the compiled conv equals its packed slice.
-    eager, compiled = kernels.KernelChoice("torch", "sdpa"), kernels.KernelChoice("torch", "sdpa", conv="compiled")
+    eager, compiled = (
+        kernel_selection.KernelChoice("torch", "sdpa"),
+        kernel_selection.KernelChoice("torch", "sdpa", conv="compiled"),
+    )
     kernel, channels = 4, 6
     lengths = [1, 2, 3, 1, 9, 4, 1, 5]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -223,14 +231,16 @@ def test_conv_choice_follows_gdn_and_config():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 
     cpu = torch.device("cpu")
-    assert kernels.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).conv == "torch"
+    assert kernel_selection.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).conv == "torch"
     for forced in ("compiled", "torch"):
-        assert kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel=forced), cpu, torch.float32).conv == forced
-    if not kernels.FLA_AVAILABLE:
+        assert (
+            kernel_selection.select_kernels(Qwen3_5PackedConfig(conv_kernel=forced), cpu, torch.float32).conv == forced
+        )
+    if not kernel_selection.FLA_AVAILABLE:
         with pytest.raises(RuntimeError, match="conv_kernel='fla'"):
-            kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel="fla"), cpu, torch.float32)
+            kernel_selection.select_kernels(Qwen3_5PackedConfig(conv_kernel="fla"), cpu, torch.float32)
     with pytest.raises(RuntimeError, match="conv_kernel='triton'"):  # a CUDA kernel (CPU only in the interpreter)
-        kernels.select_kernels(Qwen3_5PackedConfig(conv_kernel="triton"), cpu, torch.float32)
+        kernel_selection.select_kernels(Qwen3_5PackedConfig(conv_kernel="triton"), cpu, torch.float32)
     with pytest.raises(ValueError, match="conv_kernel"):
         Qwen3_5PackedConfig(conv_kernel="cuda")
 
@@ -250,20 +260,20 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
     def fake_conv(x, weight, activation, cu_seqlens, cu_seqlens_cpu):
         calls.append(("conv", cu_seqlens, cu_seqlens_cpu))
         position = torch.cat([torch.arange(int(e - s)) for s, e in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:])])
-        return kernels.torch_causal_conv1d_varlen(x[0], weight, position).unsqueeze(0), None
+        return reference_kernels.torch_causal_conv1d_varlen(x[0], weight, position).unsqueeze(0), None
 
     def fake_gdn(
         q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu
     ):
         calls.append(("gdn", cu_seqlens, cu_seqlens_cpu))
-        o, final = kernels.torch_gated_delta_rule_varlen(
+        o, final = reference_kernels.torch_gated_delta_rule_varlen(
             q[0], k[0], v[0], g[0], beta[0], cu_seqlens_cpu, initial_state, output_final_state
         )
         return o.unsqueeze(0), final
 
-    monkeypatch.setattr(kernels, "_fla_causal_conv1d", fake_conv, raising=False)
-    monkeypatch.setattr(kernels, "_fla_chunk_gated_delta_rule", fake_gdn, raising=False)
-    choice = kernels.KernelChoice(gdn="fla", attention="sdpa", conv="fla")
+    monkeypatch.setattr(kernel_selection, "fla_causal_conv1d", fake_conv, raising=False)
+    monkeypatch.setattr(kernel_selection, "fla_chunk_gated_delta_rule", fake_gdn, raising=False)
+    choice = kernel_selection.KernelChoice(gdn="fla", attention="sdpa", conv="fla")
 
     gen = torch.Generator().manual_seed(6)
     lengths = [3, 1, 70, 2]

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import packed_model, tiny_kwargs
 
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection, kernels
 from qwen35_packed.modeling import loss as loss_module
-from qwen35_packed.modeling.kernels import KernelChoice
+from qwen35_packed.modeling.kernel_selection import KernelChoice
 from qwen35_packed.modeling.loss import (
     LogitsNotKept,
     LogitsNotKeptError,
@@ -137,7 +137,7 @@ def test_all_ignored_chunk_and_batch_give_zero():
 
 def test_bad_target_raises():
     """A target that is neither in [0, V) nor ignore_index fails like F.cross_entropy, it is never clamped."""
-    for chunk_math in (chunk_cross_entropy, kernels._elementwise(chunk_cross_entropy, COMPILED)):
+    for chunk_math in (chunk_cross_entropy, kernels.elementwise(chunk_cross_entropy, COMPILED)):
         for bad in (-1, 9):
             targets = torch.tensor([1, bad, -100])
             with pytest.raises((RuntimeError, IndexError)):
@@ -222,14 +222,14 @@ def test_models_kernel_choice_reaches_the_loss(monkeypatch):
 
     def spy(fn, choice):
         seen.append((fn, choice))
-        return kernels._elementwise(fn, choice)
+        return kernels.elementwise(fn, choice)
 
-    monkeypatch.setattr(loss_module, "_elementwise", spy)
+    monkeypatch.setattr(loss_module, "elementwise", spy)
     model = packed_model("dense")
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         model(ids, labels=ids)
-    assert seen == [(chunk_cross_entropy, kernels.select_kernels(model.config, ids.device, torch.float32))]
+    assert seen == [(chunk_cross_entropy, kernel_selection.select_kernels(model.config, ids.device, torch.float32))]
 
 
 def _model_loss_and_grads(model, **inputs):

@@ -15,13 +15,14 @@ import torch
 from conftest import tiny_kwargs
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import kernels
-from qwen35_packed.modeling.kernels import KernelChoice, select_kernels
+from qwen35_packed.modeling import kernel_selection
+from qwen35_packed.modeling.kernel_selection import KernelChoice, select_kernels
 from qwen35_packed.modeling.moe import FusedExperts
 from qwen35_packed.modeling.recompute import RecomputedActivations
 
 pytestmark = pytest.mark.skipif(
-    not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32), reason="this torch has no grouped_mm on CPU"
+    not kernel_selection.grouped_mm_usable(torch.device("cpu"), torch.float32),
+    reason="this torch has no grouped_mm on CPU",
 )
 
 GROUPED = KernelChoice(gdn="torch", attention="sdpa", moe="grouped_mm")
@@ -94,20 +95,20 @@ def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
     x = torch.randn(30, 16, requires_grad=True)
     index, weights = _routing(30, 2, 8, "random")
     seen = []
-    original = kernels.GROUPED_MM
+    original = kernel_selection.GROUPED_MM
 
     def watching(a, b, offs):
         seen.append(weakref.ref(a))
         return original(a, b, offs=offs)
 
-    kernels.GROUPED_MM = watching
+    kernel_selection.GROUPED_MM = watching
     try:
         with RecomputedActivations():
             out = experts(x, index, weights, GROUPED)
         alive = [ref() is not None for ref in seen]
         out.sum().backward()
     finally:
-        kernels.GROUPED_MM = original
+        kernel_selection.GROUPED_MM = original
     assert len(seen) >= 2 and not any(alive[:2]), alive
 
 
@@ -184,16 +185,16 @@ def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode():
             ("inference", torch.inference_mode),
             ("grad", torch.enable_grad),
         ):
-            kernels._grouped_mm_runs.cache_clear()
+            kernel_selection._grouped_mm_runs.cache_clear()
             with context():
                 answers[mode] = select_kernels(config, torch.device("cpu"), torch.float32).moe
     finally:
-        kernels._grouped_mm_runs.cache_clear()
+        kernel_selection._grouped_mm_runs.cache_clear()
     assert answers == {"no_grad": "grouped_mm", "inference": "grouped_mm", "grad": "grouped_mm"}
 
 
 def test_forcing_grouped_mm_where_it_cannot_run_raises(monkeypatch):
-    monkeypatch.setattr(kernels, "grouped_mm_usable", lambda device, dtype: False)
+    monkeypatch.setattr(kernel_selection, "grouped_mm_usable", lambda device, dtype: False)
     config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="grouped_mm")
     with pytest.raises(RuntimeError, match="moe_kernel='grouped_mm' was forced"):
         select_kernels(config, torch.device("cpu"), torch.float32)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import builtin_pair, tiny_kwargs
 
 from qwen35_packed import Qwen3_5MoePackedConfig
-from qwen35_packed.modeling.kernels import KernelChoice, gated_rms_norm, zero_centred_rms_norm
+from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernels import gated_rms_norm, zero_centred_rms_norm
 from qwen35_packed.modeling.loss import chunked_linear_cross_entropy
 from qwen35_packed.modeling.moe import TopKRouter
 from qwen35_packed.modeling.numerics import NonFiniteError

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import packed_model, random_doc_lengths
 
-from qwen35_packed.modeling import gated_deltanet, kernels
+from qwen35_packed.modeling import gated_deltanet, reference_kernels
 from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence
 
 N_DOCS = 22
@@ -142,7 +142,7 @@ def test_no_prediction_across_documents():
 
 def _leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
     """The GDN conv without document boundaries (what transformers' built-in does with position_ids alone)."""
-    out = kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(x.shape[0], device=x.device))
+    out = reference_kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(x.shape[0], device=x.device))
     return torch.split(out, list(split_sizes), dim=-1)
 
 

@@ -17,7 +17,7 @@ from qwen35_packed import (
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
 )
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection
 from qwen35_packed.modeling.moe import FusedExperts
 
 LENGTHS = [9, 1, 14, 6]
@@ -26,7 +26,7 @@ KERNELS = [
     pytest.param(
         "grouped_mm",
         marks=pytest.mark.skipif(
-            not kernels.grouped_mm_usable(torch.device("cpu"), torch.float32),
+            not kernel_selection.grouped_mm_usable(torch.device("cpu"), torch.float32),
             reason="this torch has no grouped_mm on CPU",
         ),
     ),

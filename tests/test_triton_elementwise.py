@@ -1,4 +1,4 @@
-"""The Triton elementwise kernels (modeling/triton_elementwise.py) against the eager formulas of kernels.py.
+"""The Triton elementwise kernels (modeling/triton_elementwise.py) against the eager formulas of reference_kernels.py.
 
 Triton's interpreter runs the kernels on CPU tensors when TRITON_INTERPRET=1 is set before they are decorated, so
 the checks run in a fresh process with it set and report their measured errors as JSON; the tests below assert on
@@ -15,7 +15,7 @@ from conftest import run_triton_interpreted
 
 pytest.importorskip("triton")
 
-from qwen35_packed.modeling import kernels, triton_elementwise, triton_support  # noqa: E402
+from qwen35_packed.modeling import kernel_selection, triton_elementwise, triton_support  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
 import json
@@ -28,7 +28,7 @@ sys.path.insert(0, "tests")
 from conftest import tiny_kwargs
 from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,
                            Qwen3_5PackedForCausalLM)
-from qwen35_packed.modeling import kernels, modeling_qwen3_5_packed, triton_elementwise as te
+from qwen35_packed.modeling import kernel_selection, kernels, modeling_qwen3_5_packed, reference_kernels, triton_elementwise as te
 
 results = {}
 
@@ -72,15 +72,15 @@ def gate_inputs(rows, heads):
 for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
     for rows, width in ((37, 64), (5, 100), (300, 256)):  # partial row blocks, a width that is no power of two
         compare(f"rms_norm_{tag}_{rows}x{width}", norm_inputs(rows, width),
-                lambda x, w: kernels._zero_centred_rms_norm(x, w, 1e-6), lambda x, w: te.rms_norm(x, w, 1e-6),
+                lambda x, w: reference_kernels.zero_centred_rms_norm(x, w, 1e-6), lambda x, w: te.rms_norm(x, w, 1e-6),
                 dtype, rows)
-    compare(f"swiglu_{tag}", pair_inputs(41, 96), kernels._swiglu, te.swiglu, dtype, 1)
-    compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), kernels._sigmoid_gate, te.sigmoid_gate, dtype, 2)
+    compare(f"swiglu_{tag}", pair_inputs(41, 96), reference_kernels.swiglu, te.swiglu, dtype, 1)
+    compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), reference_kernels.sigmoid_gate, te.sigmoid_gate, dtype, 2)
     compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: kernels.gdn_gates(a, b, al, dt),
             te.gdn_gates, dtype, 3)
     compare(f"weighted_swiglu_{tag}", lambda gen: (torch.randn(70, 2 * 24, generator=gen) * 3,
                                                    torch.rand(70, generator=gen)),
-            kernels._weighted_swiglu, te.weighted_swiglu, dtype, 4)
+            reference_kernels.weighted_swiglu, te.weighted_swiglu, dtype, 4)
 
 # softplus far below zero: log(1 + exp(a)) would round to 0 where log1p keeps exp(a)
 a = torch.tensor([[-30.0, -17.0, 0.0, 19.9, 20.1, 40.0]])
@@ -118,11 +118,11 @@ gu, rw = torch.randn(64, 512, generator=gen).bfloat16(), torch.rand(64, generato
 results["saved_bytes"] = {
     name: {"eager": saved_bytes(eager, *args), "triton": saved_bytes(fused, *args)}
     for name, eager, fused, args in (
-        ("rms_norm", lambda a, b: kernels._zero_centred_rms_norm(a, b, 1e-6), lambda a, b: te.rms_norm(a, b, 1e-6),
+        ("rms_norm", lambda a, b: reference_kernels.zero_centred_rms_norm(a, b, 1e-6), lambda a, b: te.rms_norm(a, b, 1e-6),
          (x, w)),
-        ("swiglu", kernels._swiglu, te.swiglu, (p, q)),
-        ("sigmoid_gate", kernels._sigmoid_gate, te.sigmoid_gate, (p, q)),
-        ("weighted_swiglu", kernels._weighted_swiglu, te.weighted_swiglu, (gu, rw)),
+        ("swiglu", reference_kernels.swiglu, te.swiglu, (p, q)),
+        ("sigmoid_gate", reference_kernels.sigmoid_gate, te.sigmoid_gate, (p, q)),
+        ("weighted_swiglu", reference_kernels.weighted_swiglu, te.weighted_swiglu, (gu, rw)),
     )
 }
 
@@ -141,7 +141,7 @@ for kind, model_class, config_class, moe in (
     # fp64: the per-expert loop (grouped_mm has no fp64 kernel); a route that fp32 flips moves both fp32 runs alike
     for label, mode, dtype, experts in (("eager", "eager", torch.float32, moe), ("triton", "triton", torch.float32, moe),
                                         ("fp64", "eager", torch.float64, "loop")):
-        CHOICE = kernels.KernelChoice("torch", "sdpa", mode, moe=experts)
+        CHOICE = kernel_selection.KernelChoice("torch", "sdpa", mode, moe=experts)
         torch.manual_seed(0)
         model = model_class(config_class(**tiny_kwargs(kind), return_logits_with_loss=True)).train().to(dtype)
         out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
@@ -168,7 +168,7 @@ for kind, model_class, config_class, moe in (
     ("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, "loop"),
     ("moe", Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig, "grouped_mm"),
 ):
-    CHOICE = kernels.KernelChoice("torch", "sdpa", "triton", moe=moe)
+    CHOICE = kernel_selection.KernelChoice("torch", "sdpa", "triton", moe=moe)
     torch.manual_seed(0)
     model = model_class(config_class(**tiny_kwargs(kind))).train().to(torch.bfloat16)
     ids = torch.randint(0, tiny_kwargs(kind)["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(7))
@@ -258,8 +258,13 @@ def test_triton_chains_are_chosen_only_where_they_run():
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 
     with pytest.raises(RuntimeError, match="elementwise_kernel='triton' was forced"):
-        kernels.select_kernels(Qwen3_5PackedConfig(elementwise_kernel="triton"), torch.device("cpu"), torch.float32)
-    assert kernels.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise == "eager"
+        kernel_selection.select_kernels(
+            Qwen3_5PackedConfig(elementwise_kernel="triton"), torch.device("cpu"), torch.float32
+        )
+    assert (
+        kernel_selection.select_kernels(Qwen3_5PackedConfig(), torch.device("cpu"), torch.float32).elementwise
+        == "eager"
+    )
 
 
 @pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")

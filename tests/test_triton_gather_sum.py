@@ -21,7 +21,7 @@ from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows  # noqa: E4
 INTERPRETED_CHECKS = r"""
 import json
 import torch
-from qwen35_packed.modeling import kernels
+from qwen35_packed.modeling import kernel_selection, kernels
 from qwen35_packed.modeling.triton_gather_sum import GatherSumBlocks, gather_sum_rows
 
 SMALL = GatherSumBlocks(groups=2, columns=8, warps=1)
@@ -84,8 +84,8 @@ results["slices_equal"] = all(
 )
 
 # The dispatch: kernels.gather_sum with combine="triton" against combine="eager".
-triton_choice = kernels.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="triton")
-eager_choice = kernels.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="eager")
+triton_choice = kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="triton")
+eager_choice = kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="eager")
 src = torch.randn(48, 24, generator=gen)
 index = torch.randperm(48, generator=gen)
 got, want = kernels.gather_sum(src, index, 8, triton_choice), kernels.gather_sum(src, index, 8, eager_choice)

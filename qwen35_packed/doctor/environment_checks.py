@@ -1,4 +1,4 @@
-"""Kernel and version checks: which GDN / conv / attention path runs on the device (modeling/kernels.py decides,
+"""Kernel and version checks: which GDN / conv / attention path runs on the device (modeling/kernel_selection.py decides,
 with the config's forced choices), kernel versions known to be wrong, and library versions against the ones this
 project's tests run."""
 
@@ -85,7 +85,7 @@ def run_environment_checks(
 
 
 def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernels import flash_qla_refusal, select_kernels
+    from ..modeling.kernel_selection import flash_qla_refusal, select_kernels
 
     config = folder.packed_config
     if config is None:
@@ -147,7 +147,7 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
     if device.type != "cuda":
         report.add("kernels.triton", SKIP, f"not used on {device.type} (triton {version or 'not installed'})")
         return
-    from ..modeling.kernels import FLA_AVAILABLE
+    from ..modeling.kernel_selection import FLA_AVAILABLE
 
     if version and _is_hopper(device) and FLA_AVAILABLE and _in(version, ",".join(TRITON_BAD)):
         detail = f"triton {version} on Hopper: FLA's Triton gated delta rule backward is wrong (db, dg) or refused"
@@ -166,7 +166,7 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
 
 
 def _tilelang(device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernels import FLA_AVAILABLE
+    from ..modeling.kernel_selection import FLA_AVAILABLE
 
     present = importlib.util.find_spec("tilelang") is not None
     if not _is_hopper(device):
@@ -185,7 +185,7 @@ def _tilelang(device: torch.device, report: DoctorReport) -> None:
 
 
 def _flash_attention(device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernels import FLASH_ATTN_AVAILABLE, TORCH_VARLEN_AVAILABLE
+    from ..modeling.kernel_selection import FLASH_ATTN_AVAILABLE, TORCH_VARLEN_AVAILABLE
 
     found = f"flash-attn {'importable' if FLASH_ATTN_AVAILABLE else 'absent'}, torch varlen_attn " \
             f"{'importable' if TORCH_VARLEN_AVAILABLE else 'absent'}"  # fmt: skip

@@ -2,7 +2,7 @@
 the first full-attention layer, so the GDN conv, the delta rule and attention all run) with the real weights, on a
 short random stream of documents whose lengths hit the edge cases (a 1-token document, documents shorter than the
 conv kernel, a 64-token delta-rule chunk and one past it). The same kernels run as in training on this device
-(`modeling/kernels.py` with the config's forced choices); a kernel path that lets one document see another makes
+(`modeling/kernel_selection.py` with the config's forced choices); a kernel path that lets one document see another makes
 the later documents' logits differ from running them alone."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def run_packed_numerics(folder: ModelFolder, device: torch.device, report: Docto
             or report.status("kernels.selection") in (FAIL, SKIP):  # fmt: skip
         report.add(name, SKIP, "needs a config that builds, complete weights and runnable kernels (see above)")
         return
-    from ..modeling.kernels import select_kernels
+    from ..modeling.kernel_selection import select_kernels
 
     started = time.perf_counter()
     n_layers = doctor_layer_count(folder.packed_config.layer_types)

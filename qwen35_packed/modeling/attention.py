@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, sdpa_one_document, sigmoid_gate, varlen_causal_attention
+from .kernel_selection import KernelChoice
+from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .recompute import remember
+from .reference_kernels import sdpa_one_document
 from .rope import apply_rotary
 
 

@@ -57,7 +57,7 @@ def text_config_dict(config_dict: dict) -> dict:
     return text
 
 
-# Project-only kernel choices (modeling/kernels.py) and the values each accepts.
+# Project-only kernel choices (modeling/kernel_selection.py) and the values each accepts.
 KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "flash_qla", "fla", "torch"),
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
@@ -273,7 +273,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.linear_value_head_dim = linear_value_head_dim
         self.linear_num_key_heads = linear_num_key_heads
         self.linear_num_value_heads = linear_num_value_heads
-        # Kernel selection ("auto" picks the fastest exact path for the device; see modeling/kernels.py).
+        # Kernel selection ("auto" picks the fastest exact path for the device; see modeling/kernel_selection.py).
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
         self.long_document_attention = long_document_attention

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import KernelChoice, grouped_linear
+from .kernel_selection import KernelChoice
+from .kernels import grouped_linear
 from .utils import first_time, log_once
 
 logger = logging.getLogger(__name__)

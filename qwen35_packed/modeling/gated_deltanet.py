@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
+from .kernel_selection import KernelChoice
+from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
 
 FP32_PARAMETERS = ("A_log", "dt_bias")

@@ -9,13 +9,12 @@ Per chunk, `chunk_cross_entropy` computes the fp32 log-softmax (logit - logsumex
 (-log_softmax[target]) and the logits' gradient (its exp minus onehot(target)) from it. Ignored targets are masked
 with gather / where, never selected with `nonzero`, so the loop runs without a device-to-host sync. When the kernel
 choice fuses the elementwise chains (`KernelChoice.elementwise == "triton"`, the CUDA default) it goes through
-`torch.compile` (kernels._elementwise; it has no kernel of its own): the fp32 temporaries then live in registers,
+`torch.compile` (kernels.elementwise; it has no kernel of its own): the fp32 temporaries then live in registers,
 not in [chunk x vocab] buffers. The returned logits (hidden dtype, detached) are written chunk by chunk into one
 preallocated tensor, optionally straight into the caller's padded layout, so they are never copied again.
 
 The lm_head weight gradient is an fp32 sum over chunks. On CUDA each chunk's product accumulates into it inside
-one GEMM (cuBLAS, fp32 output): no bf16 [vocab x hidden] product per chunk, no cast and no separate add
-(docs/performance.md, "What v4 changed").
+one GEMM (cuBLAS, fp32 output): no bf16 [vocab x hidden] product per chunk, no cast and no separate add.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .kernels import KernelChoice, _elementwise
+from .kernel_selection import KernelChoice
+from .kernels import elementwise
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
@@ -247,7 +247,7 @@ def chunked_linear_cross_entropy(
         logits_index,
         logits_rows,
         chunk_tokens,
-        _elementwise(chunk_cross_entropy, choice),
+        elementwise(chunk_cross_entropy, choice),
         keep_logits,
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,

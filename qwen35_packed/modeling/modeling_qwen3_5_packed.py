@@ -37,19 +37,22 @@ from .checkpoint_keys import (
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
-from .kernels import select_kernels
+from .kernel_selection import select_kernels
+
+# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
+# lines (not what those import): the files the layers need (kernels.py, reference_kernels.py, the triton_*.py
+# kernel files, moe.py's expert_lora.py) are named here too, in the imports marked `noqa: F401`
+# (tests/test_remote_code_audit.py checks that nothing is missing).
+from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import IGNORE_INDEX, LogitsNotKept, chunked_linear_cross_entropy, keeps_logits_with_loss
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 from .recompute import RecomputedActivations, recompute_enabled
+from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
 from .routing_replay import routed_experts_stream
-
-# transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
-# lines (not what those import): kernels.py needs the triton_*.py kernel files (and moe.py expert_lora.py, named
-# above), so they are named here too (tests/test_remote_code_audit.py checks that nothing is missing).
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401

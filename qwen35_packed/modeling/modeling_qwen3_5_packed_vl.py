@@ -39,7 +39,8 @@ from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import FP32_PARAMETERS
-from .kernels import select_kernels  # noqa: F401
+from .kernel_selection import select_kernels  # noqa: F401
+from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .modeling_qwen3_5_packed import (
     _CACHE_KWARG,
@@ -59,6 +60,7 @@ from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape
 from .recompute import recompute_enabled  # noqa: F401
+from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
 from .routing_replay import routed_experts_stream  # noqa: F401
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401

@@ -26,7 +26,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .expert_lora import ExpertWeight, low_rank_plan
-from .kernels import KernelChoice, gather_sum, swiglu, weighted_swiglu
+from .kernel_selection import KernelChoice
+from .kernels import gather_sum, swiglu, weighted_swiglu
 from .recompute import remember
 from .routing_replay import replayed_top_k
 

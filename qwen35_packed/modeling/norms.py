@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, gated_rms_norm, zero_centred_rms_norm
+from .kernel_selection import KernelChoice
+from .kernels import gated_rms_norm, zero_centred_rms_norm
 from .recompute import remember
 
 

@@ -1,6 +1,6 @@
 """Triton kernels for the elementwise chains, each forward and backward one launch inside an autograd Function.
 
-The same formulas as the eager chains of kernels.py (`elementwise_kernel="triton"`), in fp32 and rounded once to
+The same formulas as the eager chains of reference_kernels.py (`elementwise_kernel="triton"`), in fp32 and rounded once to
 the input dtype, like their `torch.compile`d forms. What differs from the compiled forms is the host: a compiled
 call goes through dynamo's frame evaluation and AOTAutograd's runtime wrappers, forward and backward, which on a
 host-bound step (small batches, many layers) costs more than the kernels; here a call is one `Function.apply` and

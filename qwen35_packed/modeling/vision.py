@@ -21,7 +21,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .kernels import select_kernels, varlen_bidirectional_attention
+from .kernel_selection import select_kernels
+from .kernels import varlen_bidirectional_attention
 from .mrope_positions import check_grid_thw
 from .rope import rotate_half
 
