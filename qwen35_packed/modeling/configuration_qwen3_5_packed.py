@@ -62,7 +62,7 @@ KERNEL_FIELDS = {
     "gdn_kernel": ("auto", "flash_qla", "fla", "torch"),
     "conv_kernel": ("auto", "fla", "triton", "compiled", "torch"),
     "attention_kernel": ("auto", "flash_attn", "torch_varlen", "sdpa"),
-    # how a document of at least kernels.LONG_DOCUMENT_TOKENS runs its attention: with the others through the varlen
+    # how a document of at least kernel_selection.LONG_DOCUMENT_TOKENS runs its attention: with the others through the varlen
     # kernel, or alone through SDPA
     "long_document_attention": ("auto", "varlen", "sdpa"),
     "elementwise_kernel": ("auto", "triton", "eager"),
