@@ -82,6 +82,14 @@ def _docs(n=24):
     return [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
 
 
+def _packed_batch(lengths, seed):
+    """Random documents of `lengths` (vocab 1024) on the GPU, packed into one row, and their cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    return docs, torch.cat(docs).unsqueeze(0), cu
+
+
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_packed_equals_per_document(dtype):
@@ -144,11 +152,7 @@ def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
     gradients as close to per-document ones as FLA's, and the two backends' logits and gradients within bf16
     rounding of each other."""
     model = _model(torch.bfloat16, return_logits_with_loss=True).train()  # the logits of training forwards
-    gen = torch.Generator().manual_seed(5)
-    lengths = [12_000, 1, 300, 3, 2_048, 77]
-    docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
-    ids = torch.cat(docs).unsqueeze(0)
-    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    docs, ids, cu = _packed_batch([12_000, 1, 300, 3, 2_048, 77], seed=5)
     runs = {}
     for gdn in ("flash_qla", "fla"):
         model.config.gdn_kernel = gdn
@@ -216,11 +220,8 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
     rounding of the varlen kernel's. Also times the attention of the long document both ways (the speed that decides
     whether `auto` turns it on)."""
     model = _model(torch.bfloat16, return_logits_with_loss=True).train()
-    gen = torch.Generator().manual_seed(7)
-    lengths = [5, kernel_selection.LONG_DOCUMENT_TOKENS + 1000, 300, 2, kernel_selection.LONG_DOCUMENT_TOKENS, 64]
-    docs = [torch.randint(0, 1024, (n,), generator=gen).cuda() for n in lengths]
-    ids = torch.cat(docs).unsqueeze(0)
-    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    long = kernel_selection.LONG_DOCUMENT_TOKENS
+    docs, ids, cu = _packed_batch([5, long + 1000, 300, 2, long, 64], seed=7)
     runs = {}
     for mode in ("sdpa", "varlen"):
         model.config.long_document_attention = mode
@@ -242,6 +243,8 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
         ((runs["sdpa"]["grads"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
         for n, g in runs["varlen"]["grads"].items()
     )
+    import triton.testing
+
     n, heads, kv_heads = 4 * kernel_selection.LONG_DOCUMENT_TOKENS, 16, 2
     q = torch.randn(n, heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(n, kv_heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -249,7 +252,7 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
     times = {}
     for mode in ("sdpa", "varlen"):
         choice = kernel_selection.KernelChoice("fla", "torch_varlen", long_documents=mode)
-        times[mode] = _cuda_ms(
+        times[mode] = triton.testing.do_bench(
             lambda: kernels.varlen_causal_attention(q, k, v, packed, 256**-0.5, choice).sum().backward()
         )
     RESULTS["long_documents_sdpa"] = {
@@ -269,18 +272,6 @@ def _packed_stream(lengths):
 
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     return PackedSequence(cu.cuda(), max(lengths), None, None, (1, int(cu[-1])), host_cu_seqlens=cu.long())
-
-
-def _cuda_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
