@@ -129,7 +129,7 @@ results["saved_bytes"] = {
 # A whole tiny model, packed, with every chain through the kernels: logits and gradients against eager, both
 # measured against the eager model in fp64 (the GDN decay parameters' gradients are sums with cancellation, where
 # fp32 summation order alone moves them by ~1e-4).
-modeling_qwen3_5_packed.select_kernels = lambda config, device, dtype: CHOICE
+modeling_qwen3_5_packed.bound_kernels = lambda config, device, dtype: CHOICE
 cu = torch.tensor([0, 7, 30, 45], dtype=torch.int32)
 for kind, model_class, config_class, moe in (
     ("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, "loop"),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernel_selection import KernelChoice
 from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
+from .packed_batch import PackedBatch
 from .recompute import remember
 from .reference_kernels import sdpa_one_document
 from .rope import apply_rotary
@@ -36,8 +36,9 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, packed, cos, sin, choice: KernelChoice, cache=None) -> torch.Tensor:
-        n = hidden_states.shape[0]
+    def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """hidden_states [N, hidden] (the packed stream of `batch`)."""
+        n, choice = hidden_states.shape[0], batch.kernels
         # head counts from the projections' outputs, not the config: under a tensor-parallel plan each rank holds
         # a slice of the heads
         q = self.q_proj(hidden_states)
@@ -48,12 +49,13 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q.reshape(n, -1, self.head_dim), choice)
         k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), choice)
         v = self.v_proj(hidden_states).view(n, -1, self.head_dim)
+        cos, sin = batch.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if cache is None:
-            out = varlen_causal_attention(q, k, v, packed, self.scaling, choice)
+        if batch.cache is None:
+            out = varlen_causal_attention(q, k, v, batch.packed, self.scaling, choice)
         else:
-            out = self._attend_with_cache(q, k, v, packed, cache)
+            out = self._attend_with_cache(q, k, v, batch.packed, batch.cache)
         out = out.reshape(n, -1)
         if gate is not None:
             out = remember(sigmoid_gate(out, gate, choice), sigmoid_gate, out, gate, choice)

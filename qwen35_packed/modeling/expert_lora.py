@@ -37,7 +37,7 @@ grouped_mm needs 16-byte aligned strides, so the rank is zero-padded to a multip
 padded rows and columns contribute exact zeros).
 
 `moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above on CPU, PEFT's forward on CUDA until the
-products' bf16 GPU test has run (kernels.select_kernels); "low_rank" raises where "auto" would
+products' bf16 GPU test has run (kernel_selection.select_kernels); "low_rank" raises where "auto" would
 fall back for a reason it states; "peft" always runs PEFT's forward (the comparison).
 """
 

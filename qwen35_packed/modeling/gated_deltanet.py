@@ -17,6 +17,7 @@ from torch import nn
 from .kernel_selection import KernelChoice
 from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
+from .packed_batch import PackedBatch
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
 
@@ -73,9 +74,9 @@ class GatedDeltaNet(nn.Module):
     def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor, choice: KernelChoice | None = None):
         return gdn_gates(a, b, self.A_log, self.dt_bias, choice)
 
-    def forward(self, hidden_states: torch.Tensor, packed, choice: KernelChoice, cache=None) -> torch.Tensor:
-        """hidden_states [N, hidden] (packed); cache: the Qwen3_5PackedCache, or None."""
-        n = hidden_states.shape[0]
+    def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """hidden_states [N, hidden] (the packed stream of `batch`); reads and advances `batch.cache` if any."""
+        n, packed, choice, cache = hidden_states.shape[0], batch.packed, batch.kernels, batch.cache
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states)
         g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)

@@ -278,6 +278,33 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     return choice
 
 
+# What select_kernels reads of a config: a model's kernels are bound once per (device, dtype) and these values.
+_KERNEL_CONFIG_FIELDS = (
+    "gdn_kernel",
+    "conv_kernel",
+    "attention_kernel",
+    "long_document_attention",
+    "elementwise_kernel",
+    "moe_kernel",
+    "moe_combine_kernel",
+    "moe_lora_kernel",
+    "is_moe",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+_BOUND: dict[tuple, KernelChoice] = {}
+
+
+def bound_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """select_kernels, run once per (device, dtype) and kernel settings of the config: every later forward reads
+    the bound choice (a setting changed later, e.g. by set_attn_implementation, binds anew)."""
+    key = (device.type, device.index, dtype, *(getattr(config, name, None) for name in _KERNEL_CONFIG_FIELDS))
+    choice = _BOUND.get(key)
+    if choice is None:
+        choice = _BOUND[key] = select_kernels(config, device, dtype)
+    return choice
+
+
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 

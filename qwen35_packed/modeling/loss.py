@@ -228,7 +228,7 @@ def chunked_linear_cross_entropy(
     Trainer's gradient accumulation), else by the number of targets. Returns (loss, logits in the hidden dtype,
     detached, or None when `keep_logits` is False). The logits are [N, V]; with `logits_index` (long [N]) they are
     [logits_rows, V] instead, token i in row logits_index[i] and zeros elsewhere (a caller's padded layout,
-    filled without a second copy). `choice` (see kernels.select_kernels) decides whether the per-chunk
+    filled without a second copy). `choice` (see kernel_selection.select_kernels) decides whether the per-chunk
     cross-entropy runs compiled (elementwise "triton") or eagerly ("eager", or None).
     """
     targets = targets.to(hidden.device)

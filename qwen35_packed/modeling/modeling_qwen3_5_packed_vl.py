@@ -22,7 +22,7 @@ Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import transformers
@@ -33,32 +33,24 @@ from transformers import GenerationMixin, PreTrainedModel
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
 # `noqa: F401`), so that a folder loads with a fresh cache (tests/test_remote_code_audit.py checks the list).
 from .attention import GatedAttention  # noqa: F401
-from .cache import Qwen3_5PackedCache, as_packed_cache
+from .cache import Qwen3_5PackedCache  # noqa: F401
+from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import FP32_PARAMETERS
-from .kernel_selection import select_kernels  # noqa: F401
+from .kernel_selection import bound_kernels  # noqa: F401
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
-from .modeling_qwen3_5_packed import (
-    _CACHE_KWARG,
-    Qwen3_5MoePackedTextModel,
-    Qwen3_5PackedForCausalLM,
-    Qwen3_5PackedTextModel,
-    _check_kwargs,
-    _output_class,
-    _wants_dict,
-    _wants_hidden_states,
-    _wants_router_logits,
-    router_logits_in_caller_layout,
-)
+from .modeling_qwen3_5_packed import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
 from .moe import SparseMoeBlock  # noqa: F401
 from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check
-from .packing import PackedSequence, build_packed_sequence, input_shape
+from .outputs import CACHE_FIELD, DecoderRun, output_class
+from .packed_batch import VL_CAUSAL_LM_PARAMETERS, VL_MODEL_PARAMETERS, PackedBatch, public_forward, returns_dict
+from .packing import PackedSequence  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
@@ -70,30 +62,22 @@ from .triton_support import INTERPRETED  # noqa: F401
 from .utils import TRANSFORMERS_MAJOR
 from .vision import Qwen3_5PackedVisionModel
 
-Qwen3_5PackedVLModelOutput = _output_class(
+Qwen3_5PackedVLModelOutput = output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
     "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always None (the varlen "
     "kernels never form the attention matrix).",
-    ["last_hidden_state", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    ["last_hidden_state", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    __name__,
 )
-Qwen3_5PackedVLCausalLMOutput = _output_class(
+Qwen3_5PackedVLCausalLMOutput = output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
     "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always "
     "None (the varlen kernels never form the attention matrix).",
-    ["loss", "aux_loss", "logits", _CACHE_KWARG, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    ["loss", "aux_loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    __name__,
 )
-
-
-@dataclass
-class PackedMultimodalResult:
-    hidden: torch.Tensor  # [N, H] final hidden states of the real tokens
-    packed: PackedSequence  # the caller's batch as a packed stream
-    positions: torch.Tensor  # long [3, N] rope positions
-    all_hidden: list | None
-    router_logits: list | None
-    cache: Qwen3_5PackedCache | None = None
 
 
 class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
@@ -139,7 +123,6 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.visual = Qwen3_5PackedVisionModel(config.vision_config)
-        self.visual.attention_kernel_config = config.text_config
         text_model = Qwen3_5MoePackedTextModel if config.text_config.is_moe else Qwen3_5PackedTextModel
         self.language_model = text_model(config.text_config)
         if config.vision_config.out_hidden_size != config.text_config.hidden_size:
@@ -167,8 +150,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
         if getattr(self.config, "freeze_vision", False):
             with torch.no_grad():
-                return self.visual(pixel_values, grid_thw)
-        return self.visual(pixel_values, grid_thw)
+                return self.visual(pixel_values, grid_thw, self.config.text_config)
+        return self.visual(pixel_values, grid_thw, self.config.text_config)
 
     def placeholder_ids(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """long [...] for embeddings [..., H]: the image / video token id where an embedding equals that token's
@@ -187,49 +170,20 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         pixels = torch.zeros(merge * merge, self.visual.patch_embed.patch_dim, device=device)
         return self.encode_vision(pixels, grid)
 
-    def run_packed(
-        self,
-        input_ids=None,
-        *,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        pixel_values=None,
-        pixel_values_videos=None,
-        image_grid_thw=None,
-        video_grid_thw=None,
-        mm_token_type_ids=None,
-        output_hidden_states: bool = False,
-        output_router_logits: bool = False,
-        cu_seqlens=None,
-        cu_seq_lens_q=None,
-        cu_seq_lens_k=None,
-        max_length_q=None,
-        max_length_k=None,
-        seq_idx=None,
-        cache=None,
-        use_cache: bool = False,
-        routed_experts=None,
-    ) -> PackedMultimodalResult:
-        shape = input_shape(input_ids, inputs_embeds)
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        cache = as_packed_cache(cache)
-        if cache is not None and cache.has_state:
-            return self._cached_step(
-                input_ids,
-                attention_mask,
-                inputs_embeds,
-                cache,
-                output_hidden_states,
-                output_router_logits,
-                pixel_values,
-                pixel_values_videos,
-                routed_experts,
-                cu_seqlens,
-                cu_seq_lens_q,
-                cu_seq_lens_k,
-                seq_idx,
-            )
+    def run(self, arguments: dict) -> DecoderRun:
+        """A forward's decoder part: the front door (the text model's, with use_cache off unless asked for), then
+        a generation step's new text tokens, or the prefill's embeddings with the vision features and 3D rope."""
+        text = self.language_model
+        batch = text.open_batch({**arguments, "use_cache": bool(arguments["use_cache"])})
+        pixel_values, pixel_values_videos = arguments["pixel_values"], arguments["pixel_values_videos"]
+        if batch.continues_cache:
+            if pixel_values is not None or pixel_values_videos is not None:
+                raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
+            positions = batch.packed.position_ids.unsqueeze(0).expand(3, -1)  # text: one position on every axis
+            batch = dataclasses.replace(batch, rope_positions=positions)
+            return text.run_layers(text.embed(batch, arguments), batch)
+
+        image_grid_thw, video_grid_thw = arguments["image_grid_thw"], arguments["video_grid_thw"]
         for pixels, grid, what in (
             (pixel_values, image_grid_thw, "image"),
             (pixel_values_videos, video_grid_thw, "video"),
@@ -239,33 +193,23 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (f"{what}_grid_thw", pixel_name)
                 raise ValueError(f"{given} was given without {missing}; {what}s need both")
         has_vision = pixel_values is not None or pixel_values_videos is not None
+        input_ids, inputs_embeds = arguments["input_ids"], arguments["inputs_embeds"]
         # Without input_ids the placeholder tokens are found by their embedding, as the built-in does; the 3D
         # positions are then computed from them exactly as from input_ids.
         layout_ids = input_ids if input_ids is not None or not has_vision else self.placeholder_ids(inputs_embeds)
-
-        packed = build_packed_sequence(
-            shape,
-            device,
-            attention_mask,
-            position_ids,
-            cu_seqlens,
-            cu_seq_lens_q,
-            cu_seq_lens_k,
-            max_length_q,
-            max_length_k,
-            seq_idx,
-        )
-        given_3d = position_ids is not None and torch.as_tensor(position_ids).ndim == 3
+        packed = batch.packed
+        embeds = text.embed(batch, arguments)
         if layout_ids is not None:
-            ids = packed.pack(layout_ids.unsqueeze(-1)).squeeze(-1)
+            ids = batch.pack_ids(layout_ids)
             types = None
-            if mm_token_type_ids is not None:
-                mm = torch.as_tensor(mm_token_type_ids, device=device)
-                if tuple(mm.shape) != shape:
+            if arguments["mm_token_type_ids"] is not None:
+                mm = torch.as_tensor(arguments["mm_token_type_ids"], device=ids.device)
+                if tuple(mm.shape) != packed.batch_shape:
                     raise ValueError(
-                        f"mm_token_type_ids must have the shape of input_ids {shape}, got {tuple(mm.shape)}"
+                        f"mm_token_type_ids must have the shape of input_ids {packed.batch_shape}, got "
+                        f"{tuple(mm.shape)}"
                     )
-                types = packed.pack(mm.unsqueeze(-1)).squeeze(-1)
+                types = batch.pack_ids(mm)
             # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
             kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
             # Also the check that image/video token runs match the grids one to one, in order.
@@ -279,11 +223,10 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 spatial_merge_size=self.visual.spatial_merge_size,
                 mm_token_type_ids=kind,
             )
-            embeds = self.language_model.embed_tokens(ids) if input_ids is not None else packed.pack(inputs_embeds)
         else:
             positions = packed.position_ids.unsqueeze(0).expand(3, -1) if packed.position_ids.dim() == 1 else None
-            embeds = packed.pack(inputs_embeds)
-        if given_3d:
+        position_ids = arguments["position_ids"]
+        if position_ids is not None and torch.as_tensor(position_ids).ndim == 3:  # the caller's 3D positions
             positions = packed.position_ids
 
         for pixels, grid, modality in (
@@ -301,122 +244,26 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             dummy = self.dummy_vision_output(embeds.device)
             embeds = embeds + (dummy.sum() * 0.0).to(embeds.dtype)
 
-        cache = None
-        if use_cache:
-            if packed.num_docs != shape[0]:
-                raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
-            cache = Qwen3_5PackedCache(self.config.text_config.layer_types, shape[0])
         # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
         # at most once), with the 3D rope positions.
-        hidden, all_hidden, router_logits = self.language_model.run_layers(
-            embeds,
-            packed,
-            rope_positions=positions,
-            cache=cache,
-            columns=shape[1],
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
-            routed_experts=routed_experts,
-        )
-        if cache is not None:
+        run = text.run_layers(embeds, dataclasses.replace(batch, rope_positions=positions))
+        if batch.cache is not None:
             # Text after the prompt continues at its largest position + 1.
             last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
                 0, packed.doc_index(), positions.amax(dim=0), reduce="amax"
             )
-            cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
-        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
+            batch.cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
+        return run
 
-    def _cached_step(
-        self,
-        input_ids,
-        attention_mask,
-        inputs_embeds,
-        cache,
-        output_hidden_states,
-        output_router_logits,
-        pixel_values,
-        pixel_values_videos,
-        routed_experts,
-        *packing,
-    ) -> PackedMultimodalResult:
-        """A generation step after the prefill: new text tokens only, one document per row."""
-        if pixel_values is not None or pixel_values_videos is not None:
-            raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
-        if any(value is not None for value in packing):
-            raise ValueError(
-                "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
-            )
-        hidden, packed, cache, all_hidden, router_logits = self.language_model.run_packed(
-            input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
-            routed_experts=routed_experts,
-        )
-        positions = packed.position_ids.unsqueeze(0).expand(3, -1)  # text: the same position on every axis
-        return PackedMultimodalResult(hidden, packed, positions, all_hidden, router_logits, cache)
-
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        pixel_values=None,
-        pixel_values_videos=None,
-        image_grid_thw=None,
-        video_grid_thw=None,
-        mm_token_type_ids=None,
-        output_hidden_states=None,
-        output_router_logits=None,
-        cu_seqlens=None,
-        cu_seq_lens_q=None,
-        cu_seq_lens_k=None,
-        max_length_q=None,
-        max_length_k=None,
-        seq_idx=None,
-        use_cache=None,
-        return_dict=None,
-        past_key_values=None,
-        cache=None,
-        routed_experts=None,
-        **kwargs,
-    ):
-        _check_kwargs(kwargs, self.config)
-        result = self.run_packed(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            mm_token_type_ids=mm_token_type_ids,
-            output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
-            output_router_logits=_wants_router_logits(self.config.text_config, output_router_logits),
-            cu_seqlens=cu_seqlens,
-            cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k,
-            max_length_q=max_length_q,
-            max_length_k=max_length_k,
-            seq_idx=seq_idx,
-            cache=cache if cache is not None else past_key_values,
-            use_cache=bool(use_cache),
-            routed_experts=routed_experts,
-        )
-        packed = result.packed
+    @public_forward(VL_MODEL_PARAMETERS)
+    def forward(self, arguments: dict):
+        run = self.run(arguments)
         output = Qwen3_5PackedVLModelOutput(
-            last_hidden_state=packed.unpack(result.hidden),
-            hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
-            router_logits=router_logits_in_caller_layout(result.router_logits, packed),
-            rope_position_ids=_unpack_positions(packed, result.positions),
-            **{_CACHE_KWARG: result.cache},
+            last_hidden_state=run.batch.packed.unpack(run.hidden),
+            rope_position_ids=_unpack_positions(run.batch),
+            **run.caller_outputs(),
         )
-        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
+        return output if returns_dict(self.config, arguments) else output.to_tuple()
 
 
 class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
@@ -455,22 +302,20 @@ def repeat_vision_per_row(
     return pixels.index_select(0, pixel_index), grid.index_select(0, grid_index)
 
 
-def _unpack_positions(packed: PackedSequence, positions: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed.unpack(p) for p in positions])
+def _unpack_positions(batch: PackedBatch) -> torch.Tensor:
+    """The 3D rope positions used, [3, batch, seq] in the caller's layout (zeros at pad positions)."""
+    return torch.stack([batch.packed.unpack(p) for p in batch.rope_positions])
 
 
 # GenerationMixin: generate() with this model's own cache (the prefill encodes the images, later steps add text);
 # TRL's GRPOTrainer also reads the `generation_config` transformers gives only to models that can generate.
-class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
+class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
         {"lm_head.weight": "model.language_model.embed_tokens.weight"}
         if TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
-    # The same lm_head, fp32 (chunked) cross-entropy and MoE aux loss on the packed stream as the text model.
-    packed_loss = Qwen3_5PackedForCausalLM.packed_loss
-    lm_head_outputs = Qwen3_5PackedForCausalLM.lm_head_outputs
 
     def __init__(self, config):
         super().__init__(config)
@@ -504,86 +349,18 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
     def get_decoder(self):
         return self.model.language_model
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        pixel_values=None,
-        pixel_values_videos=None,
-        image_grid_thw=None,
-        video_grid_thw=None,
-        mm_token_type_ids=None,
-        output_hidden_states=None,
-        output_router_logits=None,
-        logits_to_keep: int | torch.Tensor = 0,
-        cu_seqlens=None,
-        cu_seq_lens_q=None,
-        cu_seq_lens_k=None,
-        max_length_q=None,
-        max_length_k=None,
-        seq_idx=None,
-        use_cache=None,
-        return_dict=None,
-        past_key_values=None,
-        cache=None,
-        routed_experts=None,
-        **kwargs,
-    ):
-        _check_kwargs(kwargs, self.config)
-        want_router = _wants_router_logits(self.config.text_config, output_router_logits)
-        result = self.model.run_packed(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            mm_token_type_ids=mm_token_type_ids,
-            output_hidden_states=_wants_hidden_states(self.config.text_config, output_hidden_states),
-            output_router_logits=want_router,
-            cu_seqlens=cu_seqlens,
-            cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k,
-            max_length_q=max_length_q,
-            max_length_k=max_length_k,
-            seq_idx=seq_idx,
-            cache=cache if cache is not None else past_key_values,
-            use_cache=bool(use_cache),
-            routed_experts=routed_experts,
-        )
-        packed, hidden = result.packed, result.hidden
-
-        # shift_labels comes through **kwargs as in the text classes (_LOSS_KWARGS): as a parameter it would join the
-        # Trainer's label_names, and evaluation would find no labels in batches without it.
-        loss, aux_loss, logits = self.lm_head_outputs(
-            hidden,
-            packed,
-            labels,
-            logits_to_keep,
-            kwargs.get("num_items_in_batch"),
-            result.router_logits,
-            want_router,
-            kwargs.get("shift_labels"),
-        )
-
+    @public_forward(VL_CAUSAL_LM_PARAMETERS)
+    def forward(self, arguments: dict):
+        run = self.model.run(arguments)
+        loss, aux_loss, logits = self.lm_head_outputs(run, arguments)
         output = Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            hidden_states=tuple(packed.unpack(h) for h in result.all_hidden) if result.all_hidden else None,
-            router_logits=router_logits_in_caller_layout(result.router_logits, packed),
-            rope_position_ids=_unpack_positions(packed, result.positions),
-            **{_CACHE_KWARG: result.cache},
+            rope_position_ids=_unpack_positions(run.batch),
+            **run.caller_outputs(),
         )
-        return output if _wants_dict(self.config, return_dict) else output.to_tuple()
-
-    generate = Qwen3_5PackedForCausalLM.generate  # refuses packed rows: generation continues one document per row
-    _reorder_cache = Qwen3_5PackedForCausalLM._reorder_cache
+        return output if returns_dict(self.config, arguments) else output.to_tuple()
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         # generate() repeats batch-first tensors per beam / returned sequence (row i becomes rows i*k .. i*k+k-1);
@@ -628,10 +405,10 @@ class Qwen3_5PackedForConditionalGeneration(Qwen3_5PackedVLPreTrainedModel, Gene
         **kwargs,
     ):
         """The text model's inputs; images, videos and their token types go into the prefill only."""
-        inputs = Qwen3_5PackedForCausalLM.prepare_inputs_for_generation(
-            self, input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs
         )
-        if _CACHE_KWARG not in inputs:
+        if CACHE_FIELD not in inputs:
             inputs.update(
                 pixel_values=pixel_values,
                 pixel_values_videos=pixel_values_videos,

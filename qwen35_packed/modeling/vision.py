@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .kernel_selection import select_kernels
+from .kernel_selection import bound_kernels
 from .kernels import varlen_bidirectional_attention
 from .mrope_positions import check_grid_thw
 from .rope import rotate_half
@@ -133,8 +133,6 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3_5PackedVisionBlock"]
     _supports_sdpa = True
-    # The composite's text-config kernel choice decides the attention kernel; set by the composite model.
-    attention_kernel_config = None
 
     def __init__(self, config):
         super().__init__(config)
@@ -215,7 +213,10 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
                 f"{expected}"
             )
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kernel_config=None) -> torch.Tensor:
+        """Patch features [patches, out_hidden] of all images of `grid_thw`; attention through the kernel that
+        `kernel_config` (the composite's text configuration) binds for the tower's device and dtype, SDPA without
+        one."""
         grid_thw = torch.as_tensor(grid_thw).long()
         self.check_inputs(pixel_values, grid_thw)
         grid_cpu = grid_thw.cpu()
@@ -224,8 +225,7 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         cos, sin = self.rotary(grid_cpu)
         cu = vision_cu_seqlens(grid_cpu).to(x.device)
         max_seqlen = int((grid_cpu[:, 1] * grid_cpu[:, 2]).max())
-        kernel_config = self.attention_kernel_config
-        kernel = "sdpa" if kernel_config is None else select_kernels(kernel_config, x.device, x.dtype).attention
+        kernel = "sdpa" if kernel_config is None else bound_kernels(kernel_config, x.device, x.dtype).attention
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if checkpointing:

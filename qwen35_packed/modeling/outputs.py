@@ -1,0 +1,61 @@
+"""The forwards' outputs in the caller's layout: the ModelOutput classes' factory, the cache field's name, and what
+the decoder hands a forward's head (`DecoderRun`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from transformers import GenerationMixin
+from transformers.utils import ModelOutput
+
+from .packed_batch import PackedBatch
+from .packing import PackedSequence
+
+# The name under which the installed `generate()` passes the cache around ("cache" from transformers 5.2x on).
+CACHE_FIELD = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+def output_class(name: str, doc: str, field_names: list[str], module: str):
+    """A ModelOutput dataclass whose cache field carries the name the installed transformers uses (newer
+    releases alias `past_key_values` to `cache` and warn on the old name)."""
+    cls = dataclasses.make_dataclass(
+        name, [(f, Any, dataclasses.field(default=None)) for f in field_names], bases=(ModelOutput,)
+    )
+    cls.__doc__, cls.__module__ = doc, module  # the modeling file that names it, for pickling
+    return cls
+
+
+def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
+    """Per-layer router logits as [batch * seq, num_experts] with zeros at pad positions, the layout of the
+    built-in model: transformers' `load_balancing_loss_func(router_logits, ..., attention_mask)` (which TRL's GRPO
+    calls) then weighs exactly the real tokens. Inside the model they stay packed (real tokens only)."""
+    if not router_logits:
+        return None
+    return tuple(packed.unpack(layer).flatten(0, 1) for layer in router_logits)
+
+
+@dataclasses.dataclass
+class DecoderRun:
+    """What the decoder gives a forward's head: the final hidden states of the packed stream and the batch they
+    were computed for (its kernels and rope bound, its cache advanced)."""
+
+    hidden: torch.Tensor  # [N, H] after the final norm
+    batch: PackedBatch
+    all_hidden: list | None  # [N, H] per layer input, then the final one, when requested
+    router_logits: list | None  # [N, E] per MoE layer, when requested
+
+    def caller_outputs(self) -> dict:
+        """The output fields every forward returns in the caller's layout: hidden states, router logits, cache."""
+        packed = self.batch.packed
+        return {
+            "hidden_states": tuple(packed.unpack(h) for h in self.all_hidden) if self.all_hidden is not None else None,
+            "router_logits": router_logits_in_caller_layout(self.router_logits, packed),
+            CACHE_FIELD: self.batch.cache,
+        }

@@ -1,0 +1,196 @@
+"""The front door of every forward: the public arguments, in any form of the packing contract, resolved once into a
+`PackedBatch` that every layer reads.
+
+The public forward signatures are declared here once (`public_forward`), parameter by parameter as transformers'
+built-in classes declare them, because transformers, TRL, PEFT and Accelerate read them by inspection (the
+Trainer's dataset columns, `logits_to_keep` support, generate()'s argument check). A forward body receives the
+bound arguments as one mapping and hands it to `open_packed_batch`, which holds the packing, the cache rules and
+their errors, the loss targets and the kernel choice: no internal function takes the packing keywords one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import torch
+
+from .cache import Qwen3_5PackedCache, as_packed_cache
+from .kernel_selection import KernelChoice
+from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
+
+# The keyword arguments of the packing contract (packing.py), in the order the public signatures list them.
+PACKING_ARGUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Those that place document boundaries inside a row (generate() refuses them: it continues one document per row).
+BOUNDARY_ARGUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+# Keyword arguments trainers and generate() pass that carry nothing for this model.
+IGNORED_ARGUMENTS = frozenset({"cache_position", "output_attentions"})
+# transformers' loss keyword arguments, taken through **kwargs as the built-in takes them: a parameter whose name
+# contains "label" would join the Trainer's `label_names` (from the signature), and its evaluation would then find
+# no labels in batches without that key (no eval_loss, no compute_metrics).
+LOSS_ARGUMENTS = frozenset({"num_items_in_batch", "shift_labels"})
+
+# The first five are positional in the built-in classes, with the cache fourth ("cache" in transformers >= 5.2x,
+# "past_key_values" before; both are accepted by name).
+_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds")
+_VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids")
+_OUTPUTS = ("output_hidden_states", "output_router_logits")
+_TEXT_TAIL = (*PACKING_ARGUMENTS, "cache", "return_dict", "routed_experts")
+_VL_TAIL = (*PACKING_ARGUMENTS, "use_cache", "return_dict", "cache", "routed_experts")
+
+# The public parameter lists, in the built-in classes' order where they share names.
+TEXT_MODEL_PARAMETERS = (*_INPUTS, "use_cache", *_OUTPUTS, *_TEXT_TAIL)
+CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, "logits_to_keep", *_TEXT_TAIL)
+SEQUENCE_CLASSIFICATION_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, *_TEXT_TAIL)
+VL_MODEL_PARAMETERS = (*_INPUTS, *_VISION_INPUTS, *_OUTPUTS, *_VL_TAIL)
+VL_CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", *_VISION_INPUTS, *_OUTPUTS, "logits_to_keep", *_VL_TAIL)
+
+_DEFAULTS = {"logits_to_keep": 0}
+_ANNOTATIONS = {"logits_to_keep": "int | torch.Tensor"}
+
+
+def public_forward(parameters: tuple[str, ...]):
+    """Give `forward(self, arguments)` the public signature `parameters` (then **kwargs): positional and keyword
+    calls bind as they would to the written-out signature, extra keyword arguments are checked
+    (`check_extra_arguments`), and the body receives every parameter (defaults filled) and the extras in one
+    dict."""
+    signature = inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    default=_DEFAULTS.get(name),
+                    annotation=_ANNOTATIONS.get(name, inspect.Parameter.empty),
+                )
+                for name in parameters
+            ),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
+    )
+
+    def decorate(body):
+        @functools.wraps(body)
+        def forward(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            del arguments["self"]
+            extra = arguments.pop("kwargs")
+            check_extra_arguments(extra, self.config)
+            arguments.update(extra)
+            return body(self, arguments)
+
+        forward.__signature__ = signature
+        return forward
+
+    return decorate
+
+
+def check_extra_arguments(extra: dict, config) -> None:
+    """Refuse keyword arguments beyond a forward's parameters that it does not know, and `output_attentions` (the
+    varlen kernels never form the attention matrix)."""
+    unknown = sorted(set(extra) - IGNORED_ARGUMENTS - LOSS_ARGUMENTS)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
+    requested = extra.get("output_attentions")
+    if requested or (requested is None and getattr(config, "output_attentions", False)):
+        raise ValueError(
+            "output_attentions is not supported (nor config.output_attentions=True): the varlen "
+            "attention kernels never form the attention matrix"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """One forward's inputs as the layers read them: the packed stream of real tokens, the cache it reads and
+    advances, the kernels bound for its device and dtype, rope positions, loss targets and the output switches."""
+
+    packed: PackedSequence
+    cache: Qwen3_5PackedCache | None
+    continues_cache: bool  # a generation step after the prefill (the cache held state on entry)
+    columns: int  # the caller's sequence length: a cache advances by it
+    rope_positions: torch.Tensor  # long [N], or [3, N] for multimodal rope
+    targets: torch.Tensor | None  # long [N] next-token targets on the stream; None without labels
+    routed_experts: torch.Tensor | None  # experts to replay, in the caller's layout (routing_replay.py)
+    output_hidden_states: bool
+    output_router_logits: bool
+    # Bound where the layers run, for the embedded stream's device and dtype: the kernels (kernel_selection
+    # .bound_kernels) and (cos, sin) at rope_positions.
+    kernels: KernelChoice | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pack_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] -> [N]: a per-token tensor of the caller's layout on the stream."""
+        return self.packed.pack(ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _switch(config, name: str, requested, default: bool = False) -> bool:
+    return bool(getattr(config, name, default) if requested is None else requested)
+
+
+def returns_dict(config, arguments: dict) -> bool:
+    """return_dict=False (or the config's return_dict) gives a plain tuple of the output's set fields."""
+    return _switch(config, "return_dict", arguments.get("return_dict"), default=True)
+
+
+def wants_router_logits(config, requested) -> bool:
+    """Router logits are returned (and the aux loss computed) for MoE models when asked, by argument or config."""
+    return bool(getattr(config, "is_moe", False)) and _switch(config, "output_router_logits", requested)
+
+
+def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch:
+    """Resolve a forward's `arguments` (the dict `public_forward` gives) into its PackedBatch.
+
+    `config` is the text configuration.
+    A filled cache continues every row by its new tokens (one document per row, no packing arguments, only real
+    new tokens); otherwise the boundaries come from the packing contract and a cache is made when `use_cache` asks
+    for one: None means the config's `use_cache` in eval mode for one document per row."""
+    input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    shape = input_shape(input_ids, inputs_embeds)
+    device = (input_ids if input_ids is not None else inputs_embeds).device
+    attention_mask, position_ids = arguments.get("attention_mask"), arguments.get("position_ids")
+    cache = arguments.get("cache")
+    cache = as_packed_cache(cache if cache is not None else arguments.get("past_key_values"))
+    use_cache = arguments.get("use_cache")
+    continues_cache = cache is not None and cache.has_state
+    if continues_cache:
+        if any(arguments.get(name) is not None for name in BOUNDARY_ARGUMENTS):
+            raise ValueError(
+                "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
+            )
+        if attention_mask is not None and not bool(attention_mask[:, -shape[1] :].bool().all()):
+            raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
+        packed = cache.decode_sequence(shape[0], shape[1], device)
+        if position_ids is not None and torch.as_tensor(position_ids).dim() == 2:
+            if not torch.equal(position_ids.reshape(-1).to(packed.position_ids), packed.position_ids):
+                raise ValueError("position_ids contradict the cache: generation positions continue per row")
+    else:
+        packed = build_packed_sequence(
+            shape, device, attention_mask, position_ids, *(arguments.get(name) for name in PACKING_ARGUMENTS)
+        )
+        # A cache holds one document per row: of the cache given, else of the batch.
+        one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
+        if use_cache is None:
+            use_cache = bool(config.use_cache) and not training and one_doc_per_row
+        if use_cache and not one_doc_per_row:
+            raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
+        cache = (
+            (cache if cache is not None else Qwen3_5PackedCache(config.layer_types, shape[0])) if use_cache else None
+        )
+
+    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+    targets = loss_targets(packed, labels, shift_labels) if labels is not None or shift_labels is not None else None
+    return PackedBatch(
+        packed=packed,
+        cache=cache,
+        continues_cache=continues_cache,
+        columns=shape[1],
+        rope_positions=packed.position_ids,
+        targets=targets,
+        routed_experts=arguments.get("routed_experts"),
+        output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
+        output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
+    )
