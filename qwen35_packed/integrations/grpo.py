@@ -89,7 +89,7 @@ def add_unpadded_lm_head(
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-    from ..modeling.moe import load_balancing_loss
+    from ..modeling.moe import add_load_balancing_loss
 
     trl_forward = model.forward
     text_config = model.config.get_text_config()
@@ -139,13 +139,9 @@ def add_unpadded_lm_head(
         aux_loss = None
         if kwargs.get("output_router_logits") and backbone.router_logits:
             # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
-            aux_loss = load_balancing_loss(
-                tuple(backbone.router_logits),
-                text_config.num_experts,
-                text_config.num_experts_per_tok,
-                kwargs.get("attention_mask"),
+            loss, aux_loss = add_load_balancing_loss(
+                loss, backbone.router_logits, text_config, kwargs.get("attention_mask")
             )
-            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
         return FusedCausalLMOutput(
             loss=loss,
             log_probs=log_probs,

@@ -45,7 +45,7 @@ from .kernel_selection import select_kernels
 # (tests/test_remote_code_audit.py checks that nothing is missing).
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import IGNORE_INDEX, LogitsNotKept, chunked_linear_cross_entropy, keeps_logits_with_loss
-from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, load_balancing_loss
+from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter, add_load_balancing_loss
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .numerics import enable_numerics_check
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
@@ -640,19 +640,15 @@ class Qwen3_5PackedForCausalLM(Qwen3_5PackedPreTrainedModel, GenerationMixin):
 
         aux_loss = None
         if want_router and router_logits:
-            aux_loss = load_balancing_loss(
-                tuple(router_logits), text_config.num_experts, text_config.num_experts_per_tok
-            )
-            coef = text_config.router_aux_loss_coef
-            if loss is not None and coef > 0:
+            if loss is not None and text_config.router_aux_loss_coef > 0:
                 log_once(
                     logger,
                     "aux",
                     "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
                     "(set it to 0 or do not request router logits to train without it, e.g. for RL)",
-                    coef,
+                    text_config.router_aux_loss_coef,
                 )
-                loss = loss + coef * aux_loss.to(loss.device)
+            loss, aux_loss = add_load_balancing_loss(loss, router_logits, text_config)
         return loss, aux_loss, logits
 
     def packed_loss(
