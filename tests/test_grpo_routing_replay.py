@@ -14,7 +14,7 @@ trl = pytest.importorskip("trl")
 
 from test_trl_grpo import _long_tail_batch, _trainer, folders  # noqa: E402, F401
 
-from qwen35_packed.integrations.grpo import PackedGRPOTrainer, RoutingFeed  # noqa: E402
+from qwen35_packed.integrations.grpo import PackedGRPOTrainer, RoutedModel, RoutingFeed  # noqa: E402
 from qwen35_packed.integrations.vllm_routing import padded_routed_experts  # noqa: E402
 
 
@@ -88,13 +88,22 @@ def test_padded_layout_of_engine_routing(folders):  # noqa: F811
         padded_routed_experts([np.zeros((4, 3, k))], [2], [3], 3, 4, config)
 
 
-def test_routing_feed_hands_out_consecutive_rows_only():
+def test_routing_feed_hands_out_consecutive_rows_only_to_the_routed_model():
     ids = torch.arange(12).view(4, 3)
     routed = torch.arange(4).view(4, 1, 1, 1).expand(4, 3, 1, 1)
     feed = RoutingFeed(routed, ids)
     assert torch.equal(feed.take(ids[:2]), routed[:2]) and torch.equal(feed.take(ids[2:]), routed[2:])
     with pytest.raises(RuntimeError, match="other rows than the next ones"):
         RoutingFeed(routed, ids).take(ids[1:3])
+    calls = []  # a RoutedModel's calls reach the model with their rows' routing as the routed_experts keyword
+    model = RoutedModel(lambda **kwargs: calls.append(kwargs), RoutingFeed(routed, ids))
+    model(input_ids=ids[:1], fused_lm_head=True)
+    model(input_ids=ids[1:])
+    assert [sorted(c) for c in calls] == [
+        ["fused_lm_head", "input_ids", "routed_experts"],
+        ["input_ids", "routed_experts"],
+    ]
+    assert torch.equal(calls[0]["routed_experts"], routed[:1]) and torch.equal(calls[1]["routed_experts"], routed[1:])
 
 
 def _replay_trainer(folders, kind, tmp_path, **config):  # noqa: F811
