@@ -60,11 +60,9 @@ def main(model_dir, data_dir, out_dir, report_path):
             width = output["completion_ids"].shape[1]
             routed = output["routed_experts"]
             with torch.no_grad():
-                self._batch_routing = routed  # the rows' own routing, as in a training step
-                try:
-                    replayed = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
-                finally:
-                    self._batch_routing = None
+                # the rows' own routing, as in a training step
+                routed_model = grpo.RoutedModel(self.model, grpo.RoutingFeed(routed, ids))
+                replayed = self._get_per_token_logps_and_entropies(routed_model, ids, mask, width)[0]
                 self.routing_replay = False
                 try:
                     plain = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]

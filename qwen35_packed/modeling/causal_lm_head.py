@@ -12,7 +12,7 @@ from transformers import GenerationMixin
 
 from .cache import Qwen3_5PackedCache, as_packed_cache
 from .loss import IGNORE_INDEX, LogitsNotKept, chunked_linear_cross_entropy, keeps_logits_with_loss
-from .moe import load_balancing_loss
+from .moe import add_load_balancing_loss
 from .outputs import CACHE_FIELD, DecoderRun
 from .packed_batch import BOUNDARY_ARGUMENTS, PackedBatch
 from .packing import build_packed_sequence
@@ -103,19 +103,15 @@ class PackedCausalLMHead:
 
         aux_loss = None
         if batch.output_router_logits and run.router_logits:
-            aux_loss = load_balancing_loss(
-                tuple(run.router_logits), text_config.num_experts, text_config.num_experts_per_tok
-            )
-            coef = text_config.router_aux_loss_coef
-            if loss is not None and coef > 0:
+            if loss is not None and text_config.router_aux_loss_coef > 0:
                 log_once(
                     logger,
                     "aux",
                     "MoE load-balancing loss added to the loss with router_aux_loss_coef=%s "
                     "(set it to 0 or do not request router logits to train without it, e.g. for RL)",
-                    coef,
+                    text_config.router_aux_loss_coef,
                 )
-                loss = loss + coef * aux_loss.to(loss.device)
+            loss, aux_loss = add_load_balancing_loss(loss, run.router_logits, text_config)
         return loss, aux_loss, logits
 
     def packed_loss(self, hidden: torch.Tensor, batch: PackedBatch, num_items_in_batch=None, keep_logits: bool = True):

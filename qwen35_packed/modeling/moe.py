@@ -304,3 +304,16 @@ def load_balancing_loss(
     selected = probs.topk(top_k, dim=-1).indices
     assignment_share = torch.bincount(selected.reshape(-1), minlength=num_experts).float() / logits.shape[0]
     return num_experts * (assignment_share * probs.mean(dim=0)).sum()
+
+
+def add_load_balancing_loss(loss, router_logits, text_config, attention_mask: torch.Tensor | None = None):
+    """A forward's MoE aux term -> (loss, aux_loss): aux_loss is `load_balancing_loss` of its router logits with the
+    config's expert counts (`attention_mask` as there); `loss` (None without labels) gets
+    `router_aux_loss_coef * aux_loss` added when that coefficient is > 0."""
+    aux_loss = load_balancing_loss(
+        tuple(router_logits), text_config.num_experts, text_config.num_experts_per_tok, attention_mask
+    )
+    coef = text_config.router_aux_loss_coef
+    if loss is not None and coef > 0:
+        loss = loss + coef * aux_loss.to(loss.device)
+    return loss, aux_loss
