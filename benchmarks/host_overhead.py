@@ -90,13 +90,13 @@ def model_step_ms(choice, device, reps=20):
     model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).to(device).train()
     ids = torch.randint(0, kwargs["vocab_size"], (1, 64), device=device)
     cu = torch.tensor([0, 32, 64], dtype=torch.int32, device=device)
-    chosen = modeling_qwen3_5_packed.select_kernels
+    chosen = modeling_qwen3_5_packed.bound_kernels
     # The modes side by side on one device, whatever auto would pick there.
-    modeling_qwen3_5_packed.select_kernels = lambda config, dev, dtype: choice
+    modeling_qwen3_5_packed.bound_kernels = lambda config, dev, dtype: choice
     try:
         return per_call_us(lambda: model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward(), device, reps) / 1e3
     finally:
-        modeling_qwen3_5_packed.select_kernels = chosen
+        modeling_qwen3_5_packed.bound_kernels = chosen
 
 
 def main():
