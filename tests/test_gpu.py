@@ -687,9 +687,9 @@ def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
         grads = {n: p.grad.float().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
         runs[path] = (out.logits.float().detach(), grads)
     model.config.moe_lora_kernel = "auto"
-    logits_gap = ((runs["auto"][0] - runs["peft"][0]).norm() / runs["peft"][0].norm()).item()
+    logits_gap = ((runs["low_rank"][0] - runs["peft"][0]).norm() / runs["peft"][0].norm()).item()
     grad_gap = max(
-        ((runs["auto"][1][n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in runs["peft"][1].items()
+        ((runs["low_rank"][1][n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in runs["peft"][1].items()
     )
     RESULTS[f"expert_lora_low_rank_vs_peft_bf16_r{rank}"] = {"logits_relative": logits_gap, "worst_lora_grad": grad_gap}
     print(RESULTS[f"expert_lora_low_rank_vs_peft_bf16_r{rank}"])
