@@ -16,7 +16,7 @@ from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "config.rope", "config.mrope_section", "config.layer_types", "config.weights", "config.mtp",
     "config.tie_word_embeddings", "config.router_aux_loss_coef", "loading.transformers", "loading.remote_code",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def unmoved_parameters(model, initial) -> list[str]:

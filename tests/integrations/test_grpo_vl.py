@@ -174,7 +174,15 @@ def test_grpo_vl_vllm_colocate_two_steps(vllm_python, tmp_path):
     completions holding vision placeholders, and the push check of tests/grpo_vl_worker.py."""
     folder = build_tiny_vl_folder(tmp_path / "dense", "dense", lm_head_std=0.5)
     report = tmp_path / "report.json"
-    _run([vllm_python, str(ROOT / "tests" / "grpo_vl_worker.py"), str(folder), str(tmp_path / "run"), str(report)])
+    _run(
+        [
+            vllm_python,
+            str(ROOT / "tests" / "integrations" / "grpo_vl_worker.py"),
+            str(folder),
+            str(tmp_path / "run"),
+            str(report),
+        ]
+    )
     r = json.loads(report.read_text())
     assert r["model_class"] == "Qwen3_5PackedForConditionalGeneration"
     differences = [step["sampling/sampling_logp_difference/max"] for step in r["steps"]]

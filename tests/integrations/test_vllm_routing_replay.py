@@ -9,7 +9,7 @@ import pytest
 from test_vllm import _run, vllm_python  # noqa: F401
 from tiny_folders import build_tiny_folder, write_prompt_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 REFUSAL = """
 import sys, trl, datasets
@@ -46,7 +46,7 @@ def test_grpo_two_steps_with_routing_replay(vllm_python, moe_folder, tmp_path): 
     log = _run(
         [
             vllm_python,
-            str(ROOT / "tests" / "grpo_replay_worker.py"),
+            str(ROOT / "tests" / "integrations" / "grpo_replay_worker.py"),
             str(folder),
             str(data),
             str(tmp_path / "out"),
