@@ -43,7 +43,7 @@ import transformers
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
 
 ROOT = Path(__file__).resolve().parent
-# Official Qwen/Qwen3.5-* config.json files, byte for byte (tests/test_configuration.py checks them).
+# Official Qwen/Qwen3.5-* config.json files, byte for byte (tests/modeling/test_configuration.py checks them).
 CONFIGS = ROOT.parent / "examples" / "configs"
 ROPE = {
     "rope_type": "default",

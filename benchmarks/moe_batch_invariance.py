@@ -1,7 +1,7 @@
 """Which part of the MoE block gives a token a different bf16 result when its document runs alone than when it runs
 packed with others (batch-size dependence of a kernel), on the GPU.
 
-tests/test_gpu.py checks packed == per-document for the MoE model; a kernel whose rounding depends on how many
+tests/gpu/test_gpu.py checks packed == per-document for the MoE model; a kernel whose rounding depends on how many
 rows it multiplies at once changes hidden states by an ulp, and the router then sends near-tie tokens to other
 experts. This script runs each part of one MoE block on the whole packed stream and on each document's rows alone
 and counts the rows that are not bitwise equal:
@@ -26,7 +26,7 @@ them in the order the packed forward ran them with the rows that are not bitwise
 difference is where a token's result starts to depend on the other documents. It runs the model as it is and
 again with plain GEMMs.
 
---shapes small: hidden 512, 32 experts, top-4 and ten documents of 1 to 1,030 tokens (tests/test_gpu.py's small
+--shapes small: hidden 512, 32 experts, top-4 and ten documents of 1 to 1,030 tokens (tests/gpu/test_gpu.py's small
 config). --shapes 35b-a3b: Qwen3.5-35B-A3B's layer shapes (hidden 2048, 256 experts, top-8, moe_intermediate and
 shared expert 512; vocab 65,536 in the model) and the RL batch of bench_train_step.py (16 documents, 26,354
 tokens). --extra-docs 1,7,64 appends documents of those lengths. The model's packed outputs are kept on the host

@@ -6,7 +6,7 @@ DATA.jsonl holds one {"text": ...} (or {"messages": [...]}) per line, as SFTTrai
   padded        one document per row, right-padded (attention_mask);
   padding_free  the batch's documents concatenated into one row (position_ids, cu_seq_lens_q/k, seq_idx);
   packing       documents packed best-fit into rows of --max_length tokens, then padding-free.
-All three give the same loss for the same documents (tests/test_trl_sft.py). `--lora` trains a LoRA adapter.
+All three give the same loss for the same documents (tests/integrations/test_trl_sft.py). `--lora` trains a LoRA adapter.
 `--build_tiny dense|moe` first writes a tiny model folder and dataset to --model / --dataset (a CPU smoke run:
 add --use_cpu).
 """

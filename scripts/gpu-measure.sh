@@ -6,12 +6,12 @@
 #
 #   GPU_SITE=<site folder> bash scripts/gpu-measure.sh STAGE
 #
-#   moe          tests/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
+#   moe          tests/gpu/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
 #                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
 #                RL batch (it also times the experts alone)                                          ~6 min
 #   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~2 min
 #   moe-kernels  bench_moe.py, RL batch: ours with the Triton / the eager top-k combine              ~3 min
-#   conv         tests/test_gpu.py -k "conv or elementwise", bench_conv.py (tile configurations)    ~3 min
+#   conv         tests/gpu/test_gpu.py -k "conv or elementwise", bench_conv.py (tile configurations)    ~3 min
 #   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton        ~1 min
 #   dense-0p8b   bench_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound), ours with fused and
 #                eager elementwise chains, and the built-in                                          ~4 min
@@ -20,11 +20,11 @@
 #   dense-9b     bench_train_step.py, Qwen3.5-9B (first 16 layers), both batches                     ~2 min
 #   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~1 min
 #   trace-1p4b   trace_train_step.py, hybrid 1.4B, RL batch (kernel-bound: where the kernels go)     ~3 min
-#   gpu-tests    the whole tests/test_gpu.py                                                         ~8 min
-#   real-shapes  tests/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise)    ~4 min
+#   gpu-tests    the whole tests/gpu/test_gpu.py                                                         ~8 min
+#   real-shapes  tests/gpu/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise)    ~4 min
 #   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
 #   moe-locate   moe_batch_invariance.py --shapes 35b-a3b, block and model level (+ short documents) ~3 min
-#   expert-lora  tests/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
+#   expert-lora  tests/gpu/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
 #                bench_moe.py's LoRA rows with the low-rank products and with PEFT's path            ~6 min
 #   workload-35b-ours     bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch (expert
 #                LoRA as low-rank products / PEFT's path, LoRA without experts), one document of 32k
@@ -34,7 +34,7 @@
 #   workload-4b-ours      bench_workload.py, Qwen3.5-4B full fine-tune, ours: one document of 32k
 #                (profiled) / 128k / 256k tokens                                                     ~7 min
 #   workload-4b-builtin   the same, the built-in: 32k / 128k                                          ~3 min
-#   long-attention  tests/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
+#   long-attention  tests/gpu/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
 #                against the varlen kernel, attention timed both ways), then workload-4b-ours's 32k and 128k rows
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
 #
@@ -69,7 +69,7 @@ step() {
 case "$stage" in
   moe)
     step gpu-tests-moe env QWEN35_GPU_RESULTS="$OUT/gpu-tests-moe.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k moe
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k moe
     step moe-locate python3 benchmarks/moe_batch_invariance.py --model --out "$OUT/moe-locate.json"
     step moe-lora python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
       --runs builtin_lora,ours_lora --out "$OUT/moe-lora.json"
@@ -85,7 +85,7 @@ case "$stage" in
     ;;
   conv)
     step gpu-tests-conv env QWEN35_GPU_RESULTS="$OUT/gpu-tests-conv.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "conv or elementwise"
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "conv or elementwise"
     step conv python3 benchmarks/bench_conv.py --out "$OUT/conv.json" --best "$OUT/conv-best.json"
     ;;
   host)
@@ -111,7 +111,7 @@ case "$stage" in
     ;;
   real-shapes)
     step real-shapes env QWEN35_GPU_RESULTS="$OUT/real-shapes.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_real_shapes.py
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py
     ;;
   full-depth)
     step full-depth python3 benchmarks/full_depth_exactness.py --out "$OUT/full-depth.json"
@@ -123,7 +123,7 @@ case "$stage" in
     ;;
   expert-lora)
     step gpu-tests-expert-lora env QWEN35_GPU_RESULTS="$OUT/gpu-tests-expert-lora.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k expert_lora
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k expert_lora
     step moe-expert-lora python3 benchmarks/bench_moe.py --vocabs 65536 \
       --batches rl_longtail_x16 --runs builtin_lora,ours_lora_low_rank,ours_lora_peft_fold --skip-experts \
       --out "$OUT/moe-expert-lora.json"
@@ -147,13 +147,13 @@ case "$stage" in
     ;;
   long-attention)
     step gpu-tests-long-attention env QWEN35_GPU_RESULTS="$OUT/gpu-tests-long-attention.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k long_documents
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k long_documents
     step workload-4b-ours-long-attention python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
       --rows doc_32768:full,doc_131072:full --profile doc_32768:full --config long_document_attention=sdpa \
       --out "$OUT/workload-4b-ours-long-attention.json"
     ;;
   gpu-tests)
-    step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+    step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py
     ;;
   *)
     echo "unknown stage '$stage' (see the header of $0)" >&2

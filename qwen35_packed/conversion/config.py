@@ -44,7 +44,7 @@ OFFICIAL_COMPOSITE_ARCHITECTURES = {
     True: "Qwen3_5MoeForConditionalGeneration",
 }
 OFFICIAL_COMPOSITE_MODEL_TYPES = {False: "qwen3_5", True: "qwen3_5_moe"}
-# This project's composite (vision-language) layout: architectures and remote code (tests/test_vl_remote_code.py).
+# This project's composite (vision-language) layout: architectures and remote code (tests/conversion/test_vl_remote_code.py).
 VL_CONFIG_MODULE = "configuration_qwen3_5_packed_vl"
 VL_MODELING_MODULE = "modeling_qwen3_5_packed_vl"
 VL_ARCHITECTURES = {False: "Qwen3_5PackedForConditionalGeneration", True: "Qwen3_5MoePackedForConditionalGeneration"}

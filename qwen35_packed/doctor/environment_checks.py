@@ -159,7 +159,7 @@ def _triton(folder: ModelFolder, device: torch.device, report: DoctorReport) -> 
                 "kernels.triton",
                 WARN,
                 detail + " in this range; tilelang is present",
-                "check the gradients here (`pytest -m gpu tests/test_gpu.py`) or " + fix,
+                "check the gradients here (`pytest -m gpu tests/gpu/test_gpu.py`) or " + fix,
             )
     else:
         report.add("kernels.triton", PASS, f"triton {version or 'not installed'}, outside the known-bad Hopper range")

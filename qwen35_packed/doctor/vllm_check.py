@@ -39,7 +39,7 @@ PROBE_DOC_LENGTHS = (3, 17, 40, 9, 70, 33)
 # differently is orders above them.
 MEAN_KL_WARN, MEAN_KL_FAIL = 1e-3, 1e-2
 # ours against the leaking control (the built-in fed the packed row), on mean KL: the same calibration as
-# tests/test_vllm.py
+# tests/integrations/test_vllm.py
 LEAK_FRACTION = 0.5
 # ours against the built-in unpacked: fp32 summation noise aside, no worse
 BUILTIN_SLACK = 1.1

@@ -1,6 +1,6 @@
 """The remote-code bundle: every `.py` file of this folder except this `__init__.py` is copied flat into a model
 folder by `convert`, so they import only torch, transformers, optional kernels, harmless standard-library modules and
-each other (`tests/test_remote_code_audit.py`). The rest of the package imports the bundle from here."""
+each other (`tests/conversion/test_remote_code_audit.py`). The rest of the package imports the bundle from here."""
 
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig

@@ -39,7 +39,7 @@ from .kernel_selection import bound_kernels
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): the files the layers need (kernels.py, reference_kernels.py, the triton_*.py
 # kernel files, moe.py's expert_lora.py) are named here too, in the imports marked `noqa: F401`
-# (tests/test_remote_code_audit.py checks that nothing is missing).
+# (tests/conversion/test_remote_code_audit.py checks that nothing is missing).
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter

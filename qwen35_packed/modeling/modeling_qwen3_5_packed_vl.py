@@ -31,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
-# `noqa: F401`), so that a folder loads with a fresh cache (tests/test_remote_code_audit.py checks the list).
+# `noqa: F401`), so that a folder loads with a fresh cache (tests/conversion/test_remote_code_audit.py checks the list).
 from .attention import GatedAttention  # noqa: F401
 from .cache import Qwen3_5PackedCache  # noqa: F401
 from .causal_lm_head import PackedCausalLMHead

@@ -11,7 +11,7 @@ Producers call `remember(output, fn, *inputs)`. When autograd saves exactly that
 was produced, the hook stores the recipe (fn and inputs) instead; the first backward node that needs it reruns fn,
 and every other node that saved the same tensor shares that result. The rerun uses the grad mode and the
 requires_grad flags of the forward, so a compiled chain runs the same compiled graph: gradients are bitwise those
-of keeping the tensor (tests/test_recompute.py). A recipe whose inputs were modified in place after the forward
+of keeping the tensor (tests/modeling/test_recompute.py). A recipe whose inputs were modified in place after the forward
 raises, as autograd does for saved tensors. Everything else autograd saves is kept as it is, detached from its
 graph (see `_pack`), so a forward that never reaches its backward frees its activations.
 

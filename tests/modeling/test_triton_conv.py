@@ -164,7 +164,7 @@ def test_half_precision_forward_is_the_rounded_fp32_result(interpreted, dtype):
     # Accumulated in fp32 and rounded once: within half an ulp of the fp32 reference (plus fp32 summation-order
     # noise, far below that); gradients in the input dtype, close to the fp32 reference's. Triton 3.6's interpreter
     # converts fp32 to bf16 by truncation (under an ulp; fp16 it rounds to nearest), where compiled kernels round to
-    # nearest even: the bound here is one ulp for bf16; tests/test_gpu.py checks half an ulp on the GPU.
+    # nearest even: the bound here is one ulp for bf16; tests/gpu/test_gpu.py checks half an ulp on the GPU.
     result = interpreted[dtype]
     assert result["out_in_half_ulps"] <= {"bf16": 2.02, "fp16": 1.01}[dtype], result
     name = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]

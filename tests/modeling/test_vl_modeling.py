@@ -30,7 +30,7 @@ from vl_tiny import (
 )
 
 REFERENCE_DIR = Path(
-    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5")
+    os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference" / "qwen3.5")
 )
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from qwen35_packed.conversion.remote_code import remote_code_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # triton: the GPU kernel language of modeling/triton_conv.py; flash_qla: the GDN backend FlashQLA (both imported
 # optionally, like fla and flash_attn).
 OPTIONAL_KERNELS = {"fla", "flash_attn", "flash_qla", "triton"}

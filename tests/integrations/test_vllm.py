@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tiny_folders import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed
 # the packed row, documents mixed): ours must stay below this fraction of its mean KL. (Max |delta log-prob| does not
 # separate them on MoE: bf16 router flips in vLLM dominate it; measured 0.27-0.43 ours vs 0.58 leaking.)
@@ -164,7 +164,7 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
     learning rate that moves the weights, each generating with vLLM after a weight sync: MoE + LoRA on GDN and
     experts (adapters merged, pushed, unmerged), dense in full. Then the final weights pushed once more through the
     trainer's sync, and vLLM's log-probs of the completions it samples compared with the trained and the initial model's
-    (tests/grpo_vllm_worker.py)."""
+    (tests/integrations/grpo_vllm_worker.py)."""
     import transformers
 
     from qwen35_packed.integrations.lora import trl_cli_args
@@ -177,7 +177,7 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
     _run(
         [
             vllm_python,
-            str(ROOT / "tests" / "grpo_vllm_worker.py"),
+            str(ROOT / "tests" / "integrations" / "grpo_vllm_worker.py"),
             str(report),
             "--model_name_or_path",
             str(folder),

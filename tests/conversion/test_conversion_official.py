@@ -44,7 +44,7 @@ from qwen35_packed.conversion.rope_readers import disagreements, rope_views
 from qwen35_packed.conversion.schema import expected_mtp_tensors, expected_text_tensors, expected_vision_tensors
 from qwen35_packed.conversion.verify import folder_digests, verify_folders
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5"
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "qwen3.5"
 PROCESSOR = {"preprocessor_config.json": '{"patch_size": 16}\n', "video_preprocessor_config.json": '{"fps": 2}\n'}
 QUIET = {"progress": False, "log": lambda line: None}
 

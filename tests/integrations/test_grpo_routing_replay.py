@@ -1,7 +1,7 @@
 """PackedGRPOTrainer's MoE routing replay without vLLM: the log-prob step replays the routing kept from the engine
 (placed in GRPO's padded layout, handed to TRL's chunked forwards row by row), GRPO steps on a stand-in engine whose
 routing reaches every trainer forward through the batch, the refusals, and the layout helper. The run with vLLM is
-tests/test_vllm_routing_replay.py."""
+tests/integrations/test_vllm_routing_replay.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "config.rope", "config.mrope_section", "config.layer_types", "config.weights", "config.mtp",
     "config.tie_word_embeddings", "config.router_aux_loss_coef", "loading.transformers", "loading.remote_code",
@@ -429,7 +429,7 @@ def _vllm_verdict(ours: tuple, builtin: tuple | None, leak: tuple | None) -> str
 
 
 def test_vllm_verdict_is_calibrated_against_the_leaking_control():
-    """Numbers of tests/test_vllm.py's dense run (mean KL, max |dlogp|): ours == the built-in unpacked 2.2e-4 / 0.10,
+    """Numbers of tests/integrations/test_vllm.py's dense run (mean KL, max |dlogp|): ours == the built-in unpacked 2.2e-4 / 0.10,
     the built-in fed the packed row 9.1e-4 / 0.52. A leak-sized error fails even below the fixed 1e-3 threshold."""
     builtin, leak = (2.2e-4, 0.10), (9.1e-4, 0.52)
     assert _vllm_verdict((2.2e-4, 0.10), builtin, leak) == "PASS"

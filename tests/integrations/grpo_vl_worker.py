@@ -1,10 +1,10 @@
-"""GRPO with a tiny packed vision-language model through PackedGRPOTrainer: the setup tests/test_grpo_vl.py uses
+"""GRPO with a tiny packed vision-language model through PackedGRPOTrainer: the setup tests/integrations/test_grpo_vl.py uses
 (a processor with a chat template that places one vision placeholder per image, conversational prompts with one
 image each, a toy reward), and, run as a script in the vLLM environment, two GRPO steps with vLLM in colocate mode,
 then the final weights pushed and vLLM's log-probs of image-prompt completions compared with the trained and the
 initial model's.
 
-    python tests/grpo_vl_worker.py MODEL_DIR OUT_DIR REPORT.json
+    python tests/integrations/grpo_vl_worker.py MODEL_DIR OUT_DIR REPORT.json
 
 The report: TRL's logged metrics per step, every completion the run sampled (token ids), and the push check
 (`push_report`)."""
@@ -110,7 +110,7 @@ def make_trainer(folder, output_dir, trust_remote_code: bool = True, **config):
 def push_report(trainer, folder, n_prompts: int = 4, max_tokens: int = 8, seed: int = 0) -> dict:
     """The final weights pushed through the trainer's sync, then completions of image prompts sampled by vLLM
     (with their log-probs) and scored by the trained model and by the model as loaded from the folder: the mean
-    |delta log-prob| between each pair (as tests/grpo_vllm_worker.py does for text models)."""
+    |delta log-prob| between each pair (as tests/integrations/grpo_vllm_worker.py does for text models)."""
     import transformers
     from grpo_vllm_worker import unmoved_parameters
     from vllm import SamplingParams

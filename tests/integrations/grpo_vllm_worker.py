@@ -1,7 +1,7 @@
 """GRPO with vLLM in colocate mode through examples/grpo.py, then what the run delivered, as a JSON report: run as a
-script in the vLLM environment (tests/test_vllm.py drives it), from the examples folder.
+script in the vLLM environment (tests/integrations/test_vllm.py drives it), from the examples folder.
 
-    python tests/grpo_vllm_worker.py REPORT.json GRPO_ARGS...
+    python tests/integrations/grpo_vllm_worker.py REPORT.json GRPO_ARGS...
 
 After `grpo.main(GRPO_ARGS)` has trained, the trainer's own weight sync pushes the final weights once more (TRL
 syncs before generating, so the engine still holds the weights of the step before the last), vLLM samples
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def unmoved_parameters(model, initial) -> list[str]:

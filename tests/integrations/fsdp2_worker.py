@@ -1,4 +1,4 @@
-"""Worker for tests/test_fsdp2.py, run under torchrun on CPU (gloo): one packed training step of a tiny model
+"""Worker for tests/integrations/test_fsdp2.py, run under torchrun on CPU (gloo): one packed training step of a tiny model
 with FSDP2 (bf16 compute, fp32 master weights and reduction; GDN decay units from shard_gdn_decay_fp32, then the
 decoder layers and the root, as Accelerate's FSDP2 config does), or the same step unsharded in bf16 (--single).
 --moe: the tiny MoE model; --meta: every rank builds the model on the meta device, shards it, materialises its
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import tiny_kwargs  # noqa: E402
 
 from qwen35_packed import (  # noqa: E402
