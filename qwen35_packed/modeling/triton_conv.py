@@ -20,8 +20,8 @@ BLOCK_T - (K-1) rows): it loads x at the K lags once, computes the pre-activatio
 dpre at the K row shifts its dx needs through `tl.gather` along the rows. The program keeps K fp32 per-row dw
 tiles that it reduces over rows at the end into its [BLOCK_C, K] dw partial. The partials ([row programs, C, K]
 fp32) are summed with torch: deterministic, no atomics. A segment whose gradient is None contributes zeros. No
-[N, C] temporaries. (An earlier backward recomputed the pre-activation and its sigmoid at each of the K shifts from
-2K-1 loads of x; it gave the same dx bit for bit and ran slower on the H200: results/benchmarks/2026-12-01-conv.json.)
+[N, C] temporaries. (Recomputing the pre-activation and its sigmoid at each of the K shifts instead, from 2K-1 loads
+of x, gives the same dx bit for bit and is slower: results/benchmarks/2026-12-01-conv.json.)
 
 Boundaries come from `position_in_doc` (offset of every token from its document start): tap j of token t is read
 only when position_in_doc[t] >= K-1-j, so no token reaches another document, and documents shorter than K work.
