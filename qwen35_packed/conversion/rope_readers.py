@@ -24,7 +24,6 @@ import copy
 from ..modeling.utils import same_value
 
 ROPE_FIELDS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
-READERS = ("transformers v5", "v4 getattr", "vLLM + transformers 5", "vLLM + transformers 4")
 V4_DEFAULTS = {"rope_theta": 10000.0, "partial_rotary_factor": 1.0, "mrope_section": None, "mrope_interleaved": False}
 MISSING = None
 
@@ -98,7 +97,7 @@ def disagreements(views: dict[str, dict]) -> list[str]:
 
 
 # Readers of transformers 4 style keys only; a value a config states once in `rope_parameters` (as transformers 5
-# saves every config) leaves them with their defaults. No loader of this model reads it their way today, and the
+# saves every config) leaves them with their defaults. No loader of this model reads it their way, and the
 # config `convert` writes states every value where they look: a disagreement of theirs alone is expected, not loud.
 LEGACY_READERS = ("v4 getattr", "vLLM + transformers 4")
 # Fields that change a text model's numbers (its positions are 1-D: the mrope sections and their order only matter
@@ -108,7 +107,7 @@ TEXT_FIELDS = ("rope_theta", "partial_rotary_factor")
 
 def number_changing_disagreements(text: dict, views: dict[str, dict], multimodal: bool) -> list[str]:
     """The disagreements that change numbers: fields the config states twice with different values, and fields on
-    which the readers that load this model today (all but LEGACY_READERS) disagree, the mrope fields only for a
+    which the readers that load this model (all but LEGACY_READERS) disagree, the mrope fields only for a
     `multimodal` model."""
     current = {reader: view for reader, view in views.items() if reader not in LEGACY_READERS}
     relevant = ROPE_FIELDS if multimodal else TEXT_FIELDS
@@ -184,7 +183,6 @@ def normalized_rope_keys(rope: dict) -> dict:
 
 
 __all__ = [
-    "READERS",
     "LEGACY_READERS",
     "contradicted_fields",
     "ROPE_FIELDS",

@@ -201,6 +201,11 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors, dim=0)
 
 
+def _in_scope(scope: str | None, key: str) -> bool:
+    """Whether `key` matches the regex `scope` (re.search); every key does when there is none."""
+    return scope is None or re.search(scope, key) is not None
+
+
 def per_expert_groups(keys: Iterable[str], scope: str | None = None) -> dict[str, dict[str, dict[int, str]]]:
     """`{experts prefix: {"gate_proj" | "up_proj" | "down_proj": {expert index: key}}}` of the per-expert MoE keys
     among `keys` (those matching the regex `scope`, re.search, when given): the layout `FuseExperts` fuses, and what
@@ -208,14 +213,30 @@ def per_expert_groups(keys: Iterable[str], scope: str | None = None) -> dict[str
     groups: dict[str, dict[str, dict[int, str]]] = {}
     for key in keys:
         m = _PER_EXPERT.match(key)
-        if m and (scope is None or re.search(scope, key) is not None):
+        if m and _in_scope(scope, key):
             projs = groups.setdefault(m["prefix"], {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
             projs[m["proj"]][int(m["idx"])] = key
     return groups
 
 
 @dataclass(frozen=True)
-class FuseExperts(Rule):
+class _ScopedExpertRule(Rule):
+    """What `FuseExperts` and `SplitExperts` share: `scope` (a regex, re.search) limits the rule to matching keys;
+    `describe` names the rule, its `MAPPING` and the scope."""
+
+    MAPPING = ""
+    scope: str | None = None
+
+    def _in_scope(self, key: str) -> bool:
+        return _in_scope(self.scope, key)
+
+    def describe(self) -> str:
+        where = f" in {self.scope!r}" if self.scope else ""
+        return f"{type(self).__name__}({self.MAPPING}{where})"
+
+
+@dataclass(frozen=True)
+class FuseExperts(_ScopedExpertRule):
     """Per-expert MoE weights -> the fused 3-D parameters of transformers' MoE experts module.
 
     `<p>.experts.{e}.gate_proj.weight [I, H]` and `.up_proj.weight [I, H]` -> `<p>.experts.gate_up_proj [E, 2I, H]`
@@ -230,10 +251,7 @@ class FuseExperts(Rule):
     experts per expert, and `--to official` keeps them so.
     """
 
-    scope: str | None = None
-
-    def _in_scope(self, key: str) -> bool:
-        return self.scope is None or re.search(self.scope, key) is not None
+    MAPPING = "experts.{e}.{gate,up,down}_proj.weight -> experts.{gate_up_proj,down_proj}"
 
     def apply(self, tensors, report):
         groups = {
@@ -297,10 +315,6 @@ class FuseExperts(Rule):
     def inverse(self) -> Rule:
         return SplitExperts(self.scope)
 
-    def describe(self) -> str:
-        where = f" in {self.scope!r}" if self.scope else ""
-        return f"FuseExperts(experts.{{e}}.{{gate,up,down}}_proj.weight -> experts.{{gate_up_proj,down_proj}}{where})"
-
     def label(self) -> str:
         return "per-expert expert tensors fused"
 
@@ -318,16 +332,15 @@ def fused_view(tensors: dict[str, LazyTensor], fused_keys) -> dict[str, LazyTens
 
 
 @dataclass(frozen=True)
-class SplitExperts(Rule):
+class SplitExperts(_ScopedExpertRule):
     """Inverse of `FuseExperts`: fused `<p>.experts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` -> per expert."""
 
-    scope: str | None = None
+    MAPPING = "experts.{gate_up_proj,down_proj} -> experts.{e}.{gate,up,down}_proj.weight"
 
     def apply(self, tensors, report):
         out: dict[str, LazyTensor] = {}
         for key, value in tensors.items():
-            in_scope = self.scope is None or re.search(self.scope, key) is not None
-            m = _FUSED_EXPERT.match(key) if in_scope else None
+            m = _FUSED_EXPERT.match(key) if self._in_scope(key) else None
             if not m:
                 _put(out, key, value, self)
                 continue
@@ -355,10 +368,6 @@ class SplitExperts(Rule):
 
     def inverse(self) -> Rule:
         return FuseExperts(self.scope)
-
-    def describe(self) -> str:
-        where = f" in {self.scope!r}" if self.scope else ""
-        return f"SplitExperts(experts.{{gate_up_proj,down_proj}} -> experts.{{e}}.{{gate,up,down}}_proj.weight{where})"
 
     def label(self) -> str:
         return "fused expert tensors split per expert"

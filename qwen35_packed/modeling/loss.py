@@ -19,6 +19,9 @@ one GEMM (cuBLAS, fp32 output): no bf16 [vocab x hidden] product per chunk, no c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -145,42 +148,40 @@ def _project_chunk(h, weight, kept, logits_index, start: int, end: int):
     return logits
 
 
+class _PassOptions(NamedTuple):
+    """The settings of one `_ChunkedLinearCrossEntropy` pass; its tensors are the Function's own arguments."""
+
+    chunk_tokens: int
+    chunk_loss: Callable  # chunk_cross_entropy, eager or compiled
+    keep_logits: bool
+    logits_rows: int | None  # rows of the kept logits when they go through logits_index
+    grad_hidden: bool  # whether to compute the gradient of hidden
+    grad_weight: bool  # and of the weight
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        targets,
-        denominator,
-        logits_index,
-        logits_rows,
-        chunk_tokens,
-        chunk_loss,
-        keep_logits,
-        grad_hidden_wanted,
-        grad_weight_wanted,
-    ):
-        needs_grad = grad_hidden_wanted or grad_weight_wanted
+    def forward(ctx, hidden, weight, targets, denominator, logits_index, options: _PassOptions):
+        needs_grad = options.grad_hidden or options.grad_weight
         num_tokens = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None  # every row is written below
+        grad_hidden = torch.empty_like(hidden) if options.grad_hidden else None  # every row is written below
         grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if (grad_weight_wanted) else None
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if options.grad_weight else None
         )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         autocast = torch.is_autocast_enabled(hidden.device.type)  # an out= matmul would bypass it
         kept = None
-        if keep_logits:
+        if options.keep_logits:
             dtype = _logits_dtype(hidden)
             if logits_index is None:
                 kept = hidden.new_empty((num_tokens, weight.shape[0]), dtype=dtype)
             else:  # rows not in logits_index (the caller's pad positions) stay zero
-                kept = hidden.new_zeros((logits_rows, weight.shape[0]), dtype=dtype)
-        for start in range(0, num_tokens, chunk_tokens):
-            end = min(start + chunk_tokens, num_tokens)
+                kept = hidden.new_zeros((options.logits_rows, weight.shape[0]), dtype=dtype)
+        for start in range(0, num_tokens, options.chunk_tokens):
+            end = min(start + options.chunk_tokens, num_tokens)
             h = hidden[start:end]
             logits = _project_chunk(h, weight, kept, logits_index, start, end)
-            loss, grad_logits = chunk_loss(logits, targets[start:end], needs_grad)
+            loss, grad_logits = options.chunk_loss(logits, targets[start:end], needs_grad)
             total += loss
             if needs_grad:
                 grad_logits = grad_logits.to(hidden.dtype)
@@ -203,12 +204,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logits):
         if grad_loss is None:
-            return (None,) * 11
+            return (None,) * 6
         grad_hidden, grad_weight, denominator = ctx.saved_tensors
         scale = grad_loss / denominator
         gh = (grad_hidden * scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
         gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -239,16 +240,12 @@ def chunked_linear_cross_entropy(
     if logits_index is not None and logits_rows is None:
         raise ValueError("logits_index needs logits_rows, the number of rows of the returned logits")
     grad_on = torch.is_grad_enabled()
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden,
-        weight,
-        targets,
-        denominator,
-        logits_index,
-        logits_rows,
-        chunk_tokens,
-        elementwise(chunk_cross_entropy, choice),
-        keep_logits,
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
+    options = _PassOptions(
+        chunk_tokens=chunk_tokens,
+        chunk_loss=elementwise(chunk_cross_entropy, choice),
+        keep_logits=keep_logits,
+        logits_rows=logits_rows,
+        grad_hidden=grad_on and hidden.requires_grad,
+        grad_weight=grad_on and weight.requires_grad,
     )
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, denominator, logits_index, options)

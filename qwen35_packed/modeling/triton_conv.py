@@ -20,8 +20,8 @@ BLOCK_T - (K-1) rows): it loads x at the K lags once, computes the pre-activatio
 dpre at the K row shifts its dx needs through `tl.gather` along the rows. The program keeps K fp32 per-row dw
 tiles that it reduces over rows at the end into its [BLOCK_C, K] dw partial. The partials ([row programs, C, K]
 fp32) are summed with torch: deterministic, no atomics. A segment whose gradient is None contributes zeros. No
-[N, C] temporaries. (An earlier backward recomputed the pre-activation and its sigmoid at each of the K shifts from
-2K-1 loads of x; it gave the same dx bit for bit and ran slower on the H200: results/benchmarks/2026-12-01-conv.json.)
+[N, C] temporaries. (Recomputing the pre-activation and its sigmoid at each of the K shifts instead, from 2K-1 loads
+of x, gives the same dx bit for bit and is slower: results/benchmarks/2026-12-01-conv.json.)
 
 Boundaries come from `position_in_doc` (offset of every token from its document start): tap j of token t is read
 only when position_in_doc[t] >= K-1-j, so no token reaches another document, and documents shorter than K work.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_support import INTERPRETED, TRITON_VERSION, launch_device, tl, triton
+from .triton_support import INTERPRETED, KERNEL_DTYPES, TRITON_VERSION, check_matrix, launch, tl, triton
 
 # The kernels keep tuples of tiles (Triton's tuple support). Verified with triton 3.6.0 (CPU interpreter, ptxas for
 # sm_90, the H200); older releases are not offered.
@@ -59,7 +59,6 @@ class ConvBlocks:
 
 
 DEFAULT_BLOCKS = ConvBlocks()
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 if TRITON_CONV_AVAILABLE:
@@ -184,15 +183,13 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         n_rows, n_channels = x.shape
         kernel = weight.shape[1]
         outs = tuple(x.new_empty(n_rows, size) for size in split_sizes)
-        if n_rows > 0:
-            with launch_device(x):
-                for out, (offset, size) in zip(outs, _segments(split_sizes)):
-                    grid = (triton.cdiv(n_rows, blocks.forward_rows), triton.cdiv(size, blocks.forward_channels))
-                    _conv_silu_forward_kernel[grid](
-                        x, weight, position_in_doc, out, n_rows, n_channels, offset, size,
-                        KERNEL=kernel, BLOCK_T=blocks.forward_rows, BLOCK_C=blocks.forward_channels,
-                        num_warps=blocks.forward_warps,
-                    )  # fmt: skip
+        for out, (offset, size) in zip(outs, _segments(split_sizes)):
+            grid = (triton.cdiv(n_rows, blocks.forward_rows), triton.cdiv(size, blocks.forward_channels))
+            launch(
+                _conv_silu_forward_kernel, grid, x, weight, position_in_doc, out, n_rows, n_channels, offset, size,
+                KERNEL=kernel, BLOCK_T=blocks.forward_rows, BLOCK_C=blocks.forward_channels,
+                num_warps=blocks.forward_warps,
+            )  # fmt: skip
         ctx.save_for_backward(x, weight, position_in_doc)
         ctx.split_sizes, ctx.blocks = split_sizes, blocks
         return outs
@@ -210,20 +207,18 @@ class _CausalConv1dSiluSplit(torch.autograd.Function):
         row_programs = triton.cdiv(n_rows, chunk_rows * chunks)
         dx = torch.empty_like(x)
         dw_partial = torch.empty(row_programs, n_channels, kernel, dtype=torch.float32, device=x.device)
-        with launch_device(x):
-            for grad, (offset, size) in zip(grads, _segments(ctx.split_sizes)):
-                if grad is None:  # this output does not reach the loss
-                    dx[:, offset : offset + size].zero_()
-                    dw_partial[:, offset : offset + size].zero_()
-                    continue
-                if n_rows == 0:
-                    continue
-                grid = (row_programs, triton.cdiv(size, blocks.backward_channels))
-                _conv_silu_backward_kernel[grid](
-                    x, weight, position_in_doc, grad.contiguous(), dx, dw_partial, n_rows, n_channels, offset, size,
-                    KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=tile_rows,
-                    BLOCK_C=blocks.backward_channels, CHUNKS=chunks, num_warps=blocks.backward_warps,
-                )  # fmt: skip
+        for grad, (offset, size) in zip(grads, _segments(ctx.split_sizes)):
+            if grad is None:  # this output does not reach the loss
+                dx[:, offset : offset + size].zero_()
+                dw_partial[:, offset : offset + size].zero_()
+                continue
+            grid = (row_programs, triton.cdiv(size, blocks.backward_channels))
+            launch(
+                _conv_silu_backward_kernel, grid,
+                x, weight, position_in_doc, grad.contiguous(), dx, dw_partial, n_rows, n_channels, offset, size,
+                KERNEL=kernel, KERNEL_POW2=triton.next_power_of_2(kernel), BLOCK_T=tile_rows,
+                BLOCK_C=blocks.backward_channels, CHUNKS=chunks, num_warps=blocks.backward_warps,
+            )  # fmt: skip
         dweight = dw_partial.sum(0).to(weight.dtype)
         return dx, dweight, None, None, None
 
@@ -246,12 +241,9 @@ def causal_conv1d_silu_split(
             "causal_conv1d_silu_split needs Triton >= 3.6 (installed: "
             f"{'none' if TRITON_VERSION is None else '.'.join(map(str, TRITON_VERSION))})"
         )
-    if x.dim() != 2 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be [N, C] in bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous (strides {x.stride()} for shape {tuple(x.shape)})")
+    check_matrix("x", x, "[N, C]")
     n_rows, n_channels = x.shape
-    if weight.dim() != 2 or weight.shape[0] != n_channels or weight.shape[1] < 1 or weight.dtype not in _DTYPES:
+    if weight.dim() != 2 or weight.shape[0] != n_channels or weight.shape[1] < 1 or weight.dtype not in KERNEL_DTYPES:
         raise ValueError(f"weight must be [C={n_channels}, K] in bf16, fp16 or fp32, got {tuple(weight.shape)} "
                          f"{weight.dtype}")  # fmt: skip
     if position_in_doc.shape != (n_rows,) or position_in_doc.dtype not in (torch.int32, torch.int64):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import INTERPRETED, launch_device, tl, triton
+from .triton_support import INTERPRETED, launch, tl, triton
 
 TRITON_ELEMENTWISE_AVAILABLE = triton is not None
 
@@ -215,11 +215,8 @@ class _RmsNorm(torch.autograd.Function):
         block_m, block_h, warps = _row_tiles(width)
         y = torch.empty_like(x)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if n_rows:
-            with launch_device(x):
-                _rms_norm_fwd[(triton.cdiv(n_rows, block_m),)](
-                    x, weight, y, rstd, n_rows, width, eps, block_m, block_h, num_warps=warps
-                )
+        grid = (triton.cdiv(n_rows, block_m),)
+        launch(_rms_norm_fwd, grid, x, weight, y, rstd, n_rows, width, eps, block_m, block_h, num_warps=warps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -228,25 +225,11 @@ class _RmsNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         n_rows, width = x.shape
         block_m, block_h, warps = _row_tiles(width)
-        programs = max(1, triton.cdiv(n_rows, block_m * _ROW_BLOCKS))
+        programs = triton.cdiv(n_rows, block_m * _ROW_BLOCKS)
         dx = torch.empty_like(x)
         partial = torch.zeros(programs, width, dtype=torch.float32, device=x.device)
-        if n_rows:
-            with launch_device(x):
-                _rms_norm_bwd[(programs,)](
-                    x,
-                    weight,
-                    rstd,
-                    dy.contiguous(),
-                    dx,
-                    partial,
-                    n_rows,
-                    width,
-                    block_m,
-                    block_h,
-                    _ROW_BLOCKS,
-                    num_warps=warps,
-                )
+        launch(_rms_norm_bwd, (programs,), x, weight, rstd, dy.contiguous(), dx, partial, n_rows, width, block_m,
+               block_h, _ROW_BLOCKS, num_warps=warps)  # fmt: skip
         dweight = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dweight, None
 
@@ -259,9 +242,7 @@ class _TwoInputElementwise(torch.autograd.Function):
     def forward(ctx, p, q, op):
         y = torch.empty_like(p)
         n = p.numel()
-        if n:
-            with launch_device(p):
-                _pair_fwd[(triton.cdiv(n, _BLOCK),)](p, q, y, n, op, _BLOCK)
+        launch(_pair_fwd, (triton.cdiv(n, _BLOCK),), p, q, y, n, op, _BLOCK)
         ctx.save_for_backward(p, q)
         ctx.op = op
         return y
@@ -271,9 +252,7 @@ class _TwoInputElementwise(torch.autograd.Function):
         p, q = ctx.saved_tensors
         dp, dq = torch.empty_like(p), torch.empty_like(q)
         n = p.numel()
-        if n:
-            with launch_device(p):
-                _pair_bwd[(triton.cdiv(n, _BLOCK),)](p, q, dy.contiguous(), dp, dq, n, ctx.op, _BLOCK)
+        launch(_pair_bwd, (triton.cdiv(n, _BLOCK),), p, q, dy.contiguous(), dp, dq, n, ctx.op, _BLOCK)
         return dp, dq, None
 
 
@@ -283,11 +262,8 @@ class _WeightedSwiglu(torch.autograd.Function):
         n_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         block_m, block_i, warps = _row_tiles(inter)
         y = gate_up.new_empty(n_rows, inter)
-        if n_rows:
-            with launch_device(gate_up):
-                _weighted_swiglu_fwd[(triton.cdiv(n_rows, block_m),)](
-                    gate_up, weight, y, n_rows, inter, block_m, block_i, num_warps=warps
-                )
+        grid = (triton.cdiv(n_rows, block_m),)
+        launch(_weighted_swiglu_fwd, grid, gate_up, weight, y, n_rows, inter, block_m, block_i, num_warps=warps)
         ctx.save_for_backward(gate_up, weight)
         return y
 
@@ -298,20 +274,8 @@ class _WeightedSwiglu(torch.autograd.Function):
         block_m, block_i, warps = _row_tiles(inter)
         dgate_up = torch.empty_like(gate_up)
         dweight = torch.empty(n_rows, dtype=torch.float32, device=gate_up.device)
-        if n_rows:
-            with launch_device(gate_up):
-                _weighted_swiglu_bwd[(triton.cdiv(n_rows, block_m),)](
-                    gate_up,
-                    weight,
-                    dy.contiguous(),
-                    dgate_up,
-                    dweight,
-                    n_rows,
-                    inter,
-                    block_m,
-                    block_i,
-                    num_warps=warps,
-                )
+        launch(_weighted_swiglu_bwd, (triton.cdiv(n_rows, block_m),), gate_up, weight, dy.contiguous(), dgate_up,
+               dweight, n_rows, inter, block_m, block_i, num_warps=warps)  # fmt: skip
         return dgate_up, dweight.to(weight.dtype)
 
 
@@ -322,11 +286,8 @@ class _GdnGates(torch.autograd.Function):
         block_m, block_v, warps = _row_tiles(heads)
         g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
         beta = torch.empty_like(b)
-        if n_rows:
-            with launch_device(a):
-                _gdn_gates_fwd[(triton.cdiv(n_rows, block_m),)](
-                    a, b, a_log, dt_bias, g, beta, n_rows, heads, block_m, block_v, num_warps=warps
-                )
+        launch(_gdn_gates_fwd, (triton.cdiv(n_rows, block_m),), a, b, a_log, dt_bias, g, beta, n_rows, heads,
+               block_m, block_v, num_warps=warps)  # fmt: skip
         ctx.save_for_backward(a, b, a_log, dt_bias)
         return g, beta
 
@@ -335,29 +296,12 @@ class _GdnGates(torch.autograd.Function):
         a, b, a_log, dt_bias = ctx.saved_tensors
         n_rows, heads = a.shape
         block_m, block_v, warps = _row_tiles(heads)
-        programs = max(1, triton.cdiv(n_rows, block_m * _ROW_BLOCKS))
+        programs = triton.cdiv(n_rows, block_m * _ROW_BLOCKS)
         dg, dbeta = dg.contiguous(), dbeta.contiguous()  # zeros for an output without a gradient (materialised)
         da, db = torch.empty_like(a), torch.empty_like(b)
         partial = torch.zeros(programs, 2, heads, dtype=torch.float32, device=a.device)
-        if n_rows:
-            with launch_device(a):
-                _gdn_gates_bwd[(programs,)](
-                    a,
-                    b,
-                    a_log,
-                    dt_bias,
-                    dg,
-                    dbeta,
-                    da,
-                    db,
-                    partial,
-                    n_rows,
-                    heads,
-                    block_m,
-                    block_v,
-                    _ROW_BLOCKS,
-                    num_warps=warps,
-                )
+        launch(_gdn_gates_bwd, (programs,), a, b, a_log, dt_bias, dg, dbeta, da, db, partial, n_rows, heads, block_m,
+               block_v, _ROW_BLOCKS, num_warps=warps)  # fmt: skip
         sums = partial.sum(0)
         return da, db, sums[0].to(a_log.dtype), sums[1].to(dt_bias.dtype)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_support import INTERPRETED, launch_device, tl, triton
+from .triton_support import INTERPRETED, check_matrix, launch, tl, triton
 
 TRITON_GATHER_SUM_AVAILABLE = triton is not None
 
@@ -34,7 +34,6 @@ class GatherSumBlocks:
 
 
 DEFAULT_BLOCKS = GatherSumBlocks()
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 if TRITON_GATHER_SUM_AVAILABLE:
@@ -63,10 +62,7 @@ def gather_sum_rows(
     would cost a host sync; the MoE permutation is valid by construction). Returns [G, H] in src's dtype."""
     if not TRITON_GATHER_SUM_AVAILABLE:
         raise RuntimeError("gather_sum_rows needs Triton")
-    if src.dim() != 2 or src.dtype not in _DTYPES:
-        raise ValueError(f"src must be [M, H] in bf16, fp16 or fp32, got {tuple(src.shape)} {src.dtype}")
-    if not src.is_contiguous():
-        raise ValueError(f"src must be contiguous (strides {src.stride()} for shape {tuple(src.shape)})")
+    check_matrix("src", src, "[M, H]")
     if group < 1 or index.dim() != 1 or index.numel() % group or index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index must be an integer tensor [G * group] with group={group} >= 1, got "
                          f"{tuple(index.shape)} {index.dtype}")  # fmt: skip
@@ -76,11 +72,9 @@ def gather_sum_rows(
         raise ValueError(f"gather_sum_rows runs on CUDA tensors, got {src.device}")
     n_groups, width = index.numel() // group, src.shape[1]
     out = src.new_empty(n_groups, width)
-    if n_groups and width:
-        grid = (triton.cdiv(n_groups, blocks.groups), triton.cdiv(width, blocks.columns))
-        with launch_device(src):
-            _gather_sum_kernel[grid](
-                src, index.contiguous(), out, n_groups, width,
-                GROUP=group, BLOCK_G=blocks.groups, BLOCK_H=blocks.columns, num_warps=blocks.warps,
-            )  # fmt: skip
+    grid = (triton.cdiv(n_groups, blocks.groups), triton.cdiv(width, blocks.columns))
+    launch(
+        _gather_sum_kernel, grid, src, index.contiguous(), out, n_groups, width,
+        GROUP=group, BLOCK_G=blocks.groups, BLOCK_H=blocks.columns, num_warps=blocks.warps,
+    )  # fmt: skip
     return out

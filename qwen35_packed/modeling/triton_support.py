@@ -1,5 +1,5 @@
-"""What the Triton kernel files share: Triton's optional import, whether kernels run in its CPU interpreter, and the
-device a launch goes to.
+"""What the Triton kernel files share: Triton's optional import, whether kernels run in its CPU interpreter, the
+checks of a kernel's 2-D input, and the launch.
 
 `triton` and `tl` are None without Triton. Kernels decorated while TRITON_INTERPRET=1 is set run on CPU tensors in
 Triton's interpreter (the tests' way of running them without a GPU): `INTERPRETED` says whether that is the case in
@@ -29,6 +29,24 @@ except ImportError:
     INTERPRETED = False
 
 
-def launch_device(t: torch.Tensor):
-    """Context for a launch on t's device: Triton launches on the current CUDA device, and t may live on another."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+# The floating dtypes the kernels read and write.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_matrix(name: str, t: torch.Tensor, dims: str) -> None:
+    """Raise ValueError unless `t` (called `name`, of dims `dims`, e.g. "[N, C]") is 2-D, contiguous and in one of
+    KERNEL_DTYPES."""
+    if t.dim() != 2 or t.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name} must be {dims} in bf16, fp16 or fp32, got {tuple(t.shape)} {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """`kernel[grid](*args, **meta)` on the device of the first argument (a tensor): Triton launches on the current
+    CUDA device, and the tensors may live on another. Nothing is launched for a grid with an empty axis (no rows)."""
+    if not all(grid):
+        return
+    first = args[0]
+    with torch.cuda.device(first.device) if first.is_cuda else contextlib.nullcontext():
+        kernel[grid](*args, **meta)
