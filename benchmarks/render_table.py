@@ -189,6 +189,8 @@ def render_workload() -> str:
     for key in sorted(newest):
         data = json.loads(newest[key].read_text())
         model = data["model"].split(" ")[0]
+        settings = data.get("config_fields_set") or {}
+        impl = data["impl"] + "".join(f" ({name}={value})" for name, value in settings.items())
         for row_name, row in data["rows"].items():
             if "error" in row:
                 rate = row["error"] + (" (see the row's note)" if "note" in row else "")
@@ -197,7 +199,7 @@ def render_workload() -> str:
             else:
                 rate = f"{row['real_tok_per_s']:,}"
             lines.append(
-                f"| {model} | {data['impl']} | {row_name} | {row['tokens']:,} | {rate} | {row['peak_GiB']} | "
+                f"| {model} | {impl} | {row_name} | {row['tokens']:,} | {rate} | {row['peak_GiB']} | "
                 f"{newest[key].name} |"
             )
     return "\n".join(lines)

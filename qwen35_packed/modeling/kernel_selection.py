@@ -160,9 +160,12 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
     elif attention == "torch_varlen" and not (on_cuda and half and TORCH_VARLEN_AVAILABLE):
         raise RuntimeError(f"attention_kernel='torch_varlen' was forced but varlen_attn is not usable here ({dtype})")
 
-    # The SDPA path for long documents is opt-in until its GPU run (packed == per-document, speed) has been made.
+    # Long documents alone through SDPA (cuDNN's flash attention on Hopper) wherever a varlen kernel runs the rest:
+    # packed == per-document holds bitwise for it on the GPU (tests/gpu/test_gpu.py) and it is the faster kernel
+    # for one long document at head_dim 256 (results/gpu/, results/benchmarks/ workload files).
     long_documents = getattr(config, "long_document_attention", "auto")
-    long_documents = "varlen" if long_documents == "auto" else long_documents
+    if long_documents == "auto":
+        long_documents = "sdpa" if attention in ("flash_attn", "torch_varlen") else "varlen"
 
     elementwise = getattr(config, "elementwise_kernel", "auto")
     if elementwise == "auto":

@@ -154,10 +154,13 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
         assert torch.equal(alone[0], split[0][: lengths[0]])
 
 
-def test_long_document_attention_is_opt_in_and_validated():
+def test_long_document_attention_follows_the_attention_kernel_and_is_validated():
+    """auto: long documents alone through SDPA where a varlen kernel runs the rest (CUDA, half precision: the GPU
+    tests), the varlen path where SDPA already runs every document alone (here)."""
     from qwen35_packed.configuration.configuration_qwen3_5_packed import Qwen3_5PackedConfig
 
     cpu = torch.device("cpu")
+    assert kernel_selection.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).attention == "sdpa"
     assert kernel_selection.select_kernels(Qwen3_5PackedConfig(), cpu, torch.float32).long_documents == "varlen"
     forced = Qwen3_5PackedConfig(long_document_attention="sdpa")
     assert kernel_selection.select_kernels(forced, cpu, torch.float32).long_documents == "sdpa"
