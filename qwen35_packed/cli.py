@@ -11,6 +11,9 @@ import argparse
 import signal
 import sys
 
+# The convert command's options that conversion.plan_conversion takes, under their argparse destinations.
+_PLANNING_OPTIONS = ("to", "text_only", "mtp_from", "vision_from", "router_aux_loss_coef", "max_shard_size")
+
 
 def _run_convert(args: argparse.Namespace) -> int:
     from .conversion import ConversionError, convert
@@ -19,19 +22,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         return _run_verify(args)
     if args.json is not None or args.report_to is not None:
         raise ConversionError("--json and --report-to belong to --verify")
-    convert(
-        args.src,
-        args.out,
-        to=args.to,
-        text_only=args.text_only,
-        mtp_from=args.mtp_from,
-        vision_from=args.vision_from,
-        router_aux_loss_coef=args.router_aux_loss_coef,
-        dry_run=args.dry_run,
-        max_shard_size=args.max_shard_size,
-        progress=not args.no_progress,
-        verbose=args.verbose,
-    )
+    planning = {name: getattr(args, name) for name in _PLANNING_OPTIONS}
+    convert(args.src, args.out, dry_run=args.dry_run, progress=not args.no_progress, verbose=args.verbose, **planning)
     return 0
 
 

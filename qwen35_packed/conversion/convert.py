@@ -23,7 +23,6 @@ from pathlib import Path
 
 from .plan import (
     COPIED_FILES,
-    DEFAULT_MAX_SHARD_SIZE,
     DIRECTIONS,
     PROCESSOR_FILES,
     ConversionPlan,
@@ -43,18 +42,15 @@ def convert(
     src,
     out,
     *,
-    to: str = "packed",
-    text_only: bool = False,
-    mtp_from=None,
-    vision_from=None,
-    router_aux_loss_coef: float | None = None,
     dry_run: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     log: Callable[[str], None] = print,
     verbose: bool = False,
+    **options,
 ) -> ConversionPlan:
-    """Convert SRC into OUT in the direction `to` ('packed' or 'official'); see the module doc.
+    """Convert SRC into OUT; `options` are `plan_conversion`'s (`to`: 'packed' or 'official', `text_only`,
+    `mtp_from`, `vision_from`, `router_aux_loss_coef`, `max_shard_size`), taken from there so that the two never
+    disagree; see the module doc.
 
     With `dry_run` the plan is printed and nothing is written; `verbose` adds every mapping rule's line and the
     remote-code file names to the printed plan. Raises ConversionError with a readable message. An
@@ -62,16 +58,7 @@ def convert(
     """
     existed = Path(out).exists()  # then planning refuses it; an interrupt before that must not call it ours
     try:
-        plan = plan_conversion(
-            src,
-            out,
-            to=to,
-            text_only=text_only,
-            mtp_from=mtp_from,
-            vision_from=vision_from,
-            router_aux_loss_coef=router_aux_loss_coef,
-            max_shard_size=max_shard_size,
-        )
+        plan = plan_conversion(src, out, **options)
         for i, line in enumerate(plan.lines):
             if verbose or i not in plan.verbose_only:
                 log(line)

@@ -159,8 +159,6 @@ class PackedCausalLMHead:
         inputs_embeds=None,
         cache=None,
         use_cache=True,
-        next_sequence_length=None,
-        is_first_iteration=None,
         **kwargs,
     ):
         cache = as_packed_cache(cache if cache is not None else past_key_values)
@@ -177,9 +175,10 @@ class PackedCausalLMHead:
         else:
             inputs["input_ids"] = input_ids
         # Everything else goes on to forward as given (generate's and the caller's model kwargs), as the built-in's
-        # does: forward refuses what it cannot honour. Position ids come from the cache and the attention mask.
-        kwargs.pop("position_ids", None)
-        kwargs.pop("cache_position", None)
+        # does: forward refuses what it cannot honour. Position ids come from the cache and the attention mask;
+        # generate()'s own bookkeeping is not forward's input.
+        for name in ("position_ids", "cache_position", "next_sequence_length", "is_first_iteration"):
+            kwargs.pop(name, None)
         inputs.update(kwargs)
         return inputs
 

@@ -497,6 +497,7 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
+        moe_lora_kernel: str = "auto",
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,

@@ -236,16 +236,7 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         # (tests/gpu/test_gpu.py::test_expert_lora_low_rank_path_matches_peft_bf16) has not run yet, so on CUDA they
         # are opt-in (moe_lora_kernel="low_rank") until it has.
         expert_lora = "peft"
-    choice = KernelChoice(
-        gdn=gdn,
-        attention=attention,
-        long_documents=long_documents,
-        elementwise=elementwise,
-        conv=conv,
-        moe=moe,
-        combine=combine,
-        expert_lora=expert_lora,
-    )
+    choice = KernelChoice(gdn, attention, long_documents, elementwise, conv, moe, combine, expert_lora)
     key = (device.type, dtype, choice)
     if first_time(key):
         slow = (

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 
 import torch
-import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -26,14 +25,13 @@ from .attention import GatedAttention
 from .cache import Qwen3_5PackedCache
 from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import (
-    IGNORED_MISSING_EXPERT_KEYS,
     IGNORED_UNEXPECTED_EXPERT_KEYS,
     TEXT_KEY_MAPPING,
     from_official_layout,
 )
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
-from .gated_deltanet import FP32_PARAMETERS, GatedDeltaNet
+from .gated_deltanet import GatedDeltaNet
 from .kernel_selection import bound_kernels
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
@@ -42,9 +40,9 @@ from .kernel_selection import bound_kernels
 # (tests/conversion/test_remote_code_audit.py checks that nothing is missing).
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
+from .model_conventions import PackedModelConventions, init_dense_weights, weight_init
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
-from .numerics import enable_numerics_check
 from .outputs import CACHE_FIELD, DecoderRun, output_class
 from .packed_batch import (
     CAUSAL_LM_PARAMETERS,
@@ -127,17 +125,10 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         return residual + mlp_out, router_logits
 
 
-class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
+class Qwen3_5PackedPreTrainedModel(PackedModelConventions, PreTrainedModel):
     config_class = Qwen3_5PackedConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3_5PackedDecoderLayer"]
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\.", *IGNORED_UNEXPECTED_EXPERT_KEYS]
-    _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
-    _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
-    _supports_sdpa = True
-    _is_stateful = True
-    enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -147,15 +138,10 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
         )
 
     def _init_weights(self, module):
-        init = getattr(transformers, "initialization", None) or nn.init
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Conv1d)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, ZeroCenteredRMSNorm):
+        init, std = weight_init(), self.config.initializer_range
+        if init_dense_weights(module, std):
+            return
+        if isinstance(module, ZeroCenteredRMSNorm):
             init.zeros_(module.weight)
         elif isinstance(module, GatedRMSNorm):
             init.ones_(module.weight)
@@ -195,11 +181,6 @@ class Qwen3_5PackedPreTrainedModel(PreTrainedModel):
             kernel,
         )
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() must not build a transformers DynamicCache: this model creates its own cache.
-        return False
-
 
 class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def __init__(self, config):
@@ -209,12 +190,6 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(config)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def open_batch(self, arguments: dict) -> PackedBatch:
         """The front door (packed_batch.open_packed_batch) with this model's configuration and mode."""
@@ -307,12 +282,6 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, Qwen3_5PackedPreTrainedModel,
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
     def get_output_embeddings(self):
         return self.lm_head
 
@@ -379,12 +348,6 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
         self.model = Qwen3_5PackedTextModel(config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
 
     @public_forward(SEQUENCE_CLASSIFICATION_PARAMETERS)
     def forward(self, arguments: dict):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
@@ -35,21 +34,28 @@ from transformers import GenerationMixin, PreTrainedModel
 from .attention import GatedAttention  # noqa: F401
 from .cache import Qwen3_5PackedCache  # noqa: F401
 from .causal_lm_head import PackedCausalLMHead
-from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
+from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .expert_lora import ExpertWeight  # noqa: F401
-from .gated_deltanet import FP32_PARAMETERS
 from .kernel_selection import bound_kernels  # noqa: F401
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
+from .model_conventions import PackedModelConventions, init_dense_weights
 from .modeling_qwen3_5_packed import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
 from .moe import SparseMoeBlock  # noqa: F401
 from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
-from .numerics import enable_numerics_check
+from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
-from .packed_batch import VL_CAUSAL_LM_PARAMETERS, VL_MODEL_PARAMETERS, PackedBatch, public_forward, returns_dict
+from .packed_batch import (
+    VISION_ARGUMENTS,
+    VL_CAUSAL_LM_PARAMETERS,
+    VL_MODEL_PARAMETERS,
+    PackedBatch,
+    public_forward,
+    returns_dict,
+)
 from .packing import PackedSequence  # noqa: F401
 from .recompute import recompute_enabled  # noqa: F401
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
@@ -80,22 +86,10 @@ Qwen3_5PackedVLCausalLMOutput = output_class(
 )
 
 
-class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
+class Qwen3_5PackedVLPreTrainedModel(PackedModelConventions, PreTrainedModel):
     config_class = Qwen3_5PackedVLConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3_5PackedDecoderLayer", "Qwen3_5PackedVisionBlock"]
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", *IGNORED_UNEXPECTED_EXPERT_KEYS]
-    _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
-    _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
-    _supports_sdpa = True
-    _is_stateful = True
-    enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() must not build a transformers DynamicCache: the text decoder creates its own cache.
-        return False
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -110,11 +104,7 @@ class Qwen3_5PackedVLPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         # The vision tower and the text decoder are PreTrainedModels that initialise their own modules;
         # what is left here is lm_head.
-        if isinstance(module, nn.Linear):
-            init = getattr(transformers, "initialization", None) or nn.init
-            init.normal_(module.weight, mean=0.0, std=self.config.text_config.initializer_range)
-            if module.bias is not None:
-                init.zeros_(module.bias)
+        init_dense_weights(module, self.config.text_config.initializer_range)
 
 
 class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
@@ -389,33 +379,13 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
         )
         return input_ids, {**model_kwargs, **vision}
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids,
-        past_key_values=None,
-        attention_mask=None,
-        inputs_embeds=None,
-        cache=None,
-        use_cache=True,
-        pixel_values=None,
-        pixel_values_videos=None,
-        image_grid_thw=None,
-        video_grid_thw=None,
-        mm_token_type_ids=None,
-        **kwargs,
-    ):
-        """The text model's inputs; images, videos and their token types go into the prefill only."""
-        inputs = super().prepare_inputs_for_generation(
-            input_ids, past_key_values, attention_mask, inputs_embeds, cache, use_cache, **kwargs
-        )
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
+        """The text model's inputs; images, videos and their token types go into the prefill only. `inputs_embeds`
+        is named: generate() reads this signature to decide whether a model can start from embeddings."""
+        vision = {name: kwargs.pop(name, None) for name in VISION_ARGUMENTS}
+        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
         if CACHE_FIELD not in inputs:
-            inputs.update(
-                pixel_values=pixel_values,
-                pixel_values_videos=pixel_values_videos,
-                image_grid_thw=image_grid_thw,
-                video_grid_thw=video_grid_thw,
-                mm_token_type_ids=mm_token_type_ids,
-            )
+            inputs.update(vision)
         return inputs
 
 

@@ -34,7 +34,8 @@ LOSS_ARGUMENTS = frozenset({"num_items_in_batch", "shift_labels"})
 # The first five are positional in the built-in classes, with the cache fourth ("cache" in transformers >= 5.2x,
 # "past_key_values" before; both are accepted by name).
 _INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds")
-_VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids")
+# The vision-language inputs (generate() passes them to the prefill only).
+VISION_ARGUMENTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids")
 _OUTPUTS = ("output_hidden_states", "output_router_logits")
 _TEXT_TAIL = (*PACKING_ARGUMENTS, "cache", "return_dict", "routed_experts")
 _VL_TAIL = (*PACKING_ARGUMENTS, "use_cache", "return_dict", "cache", "routed_experts")
@@ -43,8 +44,8 @@ _VL_TAIL = (*PACKING_ARGUMENTS, "use_cache", "return_dict", "cache", "routed_exp
 TEXT_MODEL_PARAMETERS = (*_INPUTS, "use_cache", *_OUTPUTS, *_TEXT_TAIL)
 CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, "logits_to_keep", *_TEXT_TAIL)
 SEQUENCE_CLASSIFICATION_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, *_TEXT_TAIL)
-VL_MODEL_PARAMETERS = (*_INPUTS, *_VISION_INPUTS, *_OUTPUTS, *_VL_TAIL)
-VL_CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", *_VISION_INPUTS, *_OUTPUTS, "logits_to_keep", *_VL_TAIL)
+VL_MODEL_PARAMETERS = (*_INPUTS, *VISION_ARGUMENTS, *_OUTPUTS, *_VL_TAIL)
+VL_CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", *VISION_ARGUMENTS, *_OUTPUTS, "logits_to_keep", *_VL_TAIL)
 
 _DEFAULTS = {"logits_to_keep": 0}
 _ANNOTATIONS = {"logits_to_keep": "int | torch.Tensor"}

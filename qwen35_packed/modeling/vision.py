@@ -23,6 +23,7 @@ from transformers.activations import ACT2FN
 
 from .kernel_selection import bound_kernels
 from .kernels import varlen_bidirectional_attention
+from .model_conventions import init_dense_weights, weight_init
 from .mrope_positions import check_grid_thw
 from .rope import rotate_half
 
@@ -153,15 +154,10 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module):
-        init = getattr(transformers, "initialization", None) or nn.init
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Conv3d)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
+        init = weight_init()
+        if init_dense_weights(module, self.config.initializer_range):
+            return
+        if isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
 

@@ -1,0 +1,45 @@
+"""What every packed PreTrainedModel class declares to transformers alike (text, vision-language, the vision tower's
+weight initialisation): the loading rules, the fp32 GDN parameters, the cache this model makes itself, and the
+initialisation transformers' own classes give linear, conv and embedding weights."""
+
+from __future__ import annotations
+
+import transformers
+from torch import nn
+
+from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS
+from .gated_deltanet import FP32_PARAMETERS
+from .numerics import enable_numerics_check
+
+
+class PackedModelConventions:
+    """Mixed in before PreTrainedModel by the text and vision-language base classes."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
+    _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
+    _supports_sdpa = True
+    _is_stateful = True
+    enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() must not build a transformers DynamicCache: the text decoder creates its own cache.
+        return False
+
+
+def weight_init():
+    """transformers' initialisation functions (they skip tensors loaded from a checkpoint), or torch's before 5.x."""
+    return getattr(transformers, "initialization", None) or nn.init
+
+
+def init_dense_weights(module: nn.Module, std: float) -> bool:
+    """Linear, conv and embedding weights from N(0, std), their biases zero; False for any other module."""
+    if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv3d, nn.Embedding)):
+        return False
+    init = weight_init()
+    init.normal_(module.weight, mean=0.0, std=std)
+    if getattr(module, "bias", None) is not None:
+        init.zeros_(module.bias)
+    return True
