@@ -24,8 +24,8 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.generation import vllm_generation
 
-from . import grpo
-from .grpo import (
+from . import grpo_support
+from .grpo_support import (
     RoutedModel,
     RoutingFeed,
     add_unpadded_lm_head,
@@ -83,12 +83,12 @@ class EngineKeepingRouting:
 
 @contextlib.contextmanager
 def _engine_keeping_routing():
-    """While TRL starts its colocate vLLM: started through `grpo.start_replay_engine`, wrapped in
+    """While TRL starts its colocate vLLM: started through `grpo_support.start_replay_engine`, wrapped in
     `EngineKeepingRouting`. TRL builds the engine itself (`VLLMGeneration` calls its module's `LLM` with arguments
     of its own), so the only way to ask vLLM for routed experts is to stand in for that name during the call."""
     llm_class = vllm_generation.LLM
     vllm_generation.LLM = lambda *args, **kwargs: EngineKeepingRouting(
-        grpo.start_replay_engine(llm_class, *args, **kwargs)
+        grpo_support.start_replay_engine(llm_class, *args, **kwargs)
     )
     try:
         yield

