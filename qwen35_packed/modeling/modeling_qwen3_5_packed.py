@@ -43,6 +43,7 @@ from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights, weight_init
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
 from .packed_batch import (
     CAUSAL_LM_PARAMETERS,
