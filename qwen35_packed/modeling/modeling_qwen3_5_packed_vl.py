@@ -38,6 +38,7 @@ from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layou
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .expert_lora import ExpertWeight  # noqa: F401
+from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .kernel_selection import bound_kernels  # noqa: F401
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
