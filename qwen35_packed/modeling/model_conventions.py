@@ -20,6 +20,11 @@ class PackedModelConventions:
     _keys_to_ignore_on_load_missing = list(IGNORED_MISSING_EXPERT_KEYS)
     _keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
     _supports_sdpa = True
+    # Never under context parallelism, whatever the layer types: the GDN state and conv would restart at every shard
+    # boundary and packed documents would be cut. transformers' `supports_context_parallel` reads this (it already
+    # says False for configs with linear_attention layers), and Accelerate's `prepare` refuses the model when
+    # cp_size > 1; the forward refuses too (packed_batch.refuse_context_parallel), for any other way in.
+    _supports_context_parallel = False
     _is_stateful = True
     enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 

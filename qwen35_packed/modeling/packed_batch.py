@@ -6,6 +6,7 @@ built-in classes declare them, because transformers, TRL, PEFT and Accelerate re
 Trainer's dataset columns, `logits_to_keep` support, generate()'s argument check). A forward body receives the
 bound arguments as one mapping and hands it to `open_packed_batch`, which holds the packing, the cache rules and
 their errors, the loss targets and the kernel choice: no internal function takes the packing keywords one by one.
+It also refuses to run under torch's context parallelism (a shard of the sequence: `refuse_context_parallel`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 
 import torch
 
@@ -142,13 +144,60 @@ def wants_router_logits(config, requested) -> bool:
     return bool(getattr(config, "is_moe", False)) and _switch(config, "output_router_logits", requested)
 
 
+# torch's context parallelism, which Accelerate's `ParallelismConfig(cp_size > 1)` and the transformers Trainer use
+# (`Accelerator.maybe_context_parallel` enters `torch.distributed.tensor.experimental.context_parallel` around each
+# step); older torch kept it in `..._attention`, now a stub that re-exports it.
+_CONTEXT_PARALLEL_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._attention",
+)
+
+CONTEXT_PARALLEL_ERROR = (
+    "context parallelism is active (torch.distributed.tensor.experimental.context_parallel, which Accelerate's "
+    "ParallelismConfig(cp_size > 1) and the transformers Trainer enter around every step): this rank holds only a "
+    "shard of each row's sequence. The packed Qwen3.5 model does not support context parallelism yet: its Gated "
+    "DeltaNet layers carry a recurrent state and a causal convolution along the sequence, which would restart from "
+    "zero at every shard boundary, and packed document boundaries would be cut, so training would run silently "
+    "wrong. Train without context parallelism (cp_size=1, no context_parallel(...) block) and fit long documents "
+    "another way: shorter documents or fewer tokens per step, gradient checkpointing, FSDP2 sharding "
+    "(dp_shard_size), LoRA (docs/training.md)."
+)
+
+
+def context_parallel_active() -> bool:
+    """Whether torch's context parallelism is on in this process, by the state it sets while it is: inside a
+    `context_parallel(...)` block (the path Accelerate and the Trainer take) `F.scaled_dot_product_attention` is a
+    ring-attention wrapper that torch records in `_replaced_functions`; with the module-wrapper API
+    (`_enable_context_parallel_dispatcher`) DTensor's op dispatcher routes SDPA to the CP handler. A few attribute
+    reads and a dict lookup, no device work or host sync."""
+    for name in _CONTEXT_PARALLEL_MODULES:
+        cp = sys.modules.get(name)
+        if cp is None or not hasattr(cp, "_replaced_functions"):
+            continue  # not imported (no context parallelism), or the compatibility stub that re-exports it
+        if torch.nn.functional.scaled_dot_product_attention in cp._replaced_functions:
+            return True
+        handlers = getattr(getattr(getattr(cp, "DTensor", None), "_op_dispatcher", None), "_custom_op_handlers", None)
+        if handlers is None or handlers is getattr(cp, "existing_custom_ops", None):
+            return False
+        return any(handlers.get(op) is handler for op, handler in getattr(cp, "custom_ops", {}).items())
+    return False
+
+
+def refuse_context_parallel() -> None:
+    """Raise instead of running on a sequence shard (`CONTEXT_PARALLEL_ERROR`)."""
+    if context_parallel_active():
+        raise NotImplementedError(CONTEXT_PARALLEL_ERROR)
+
+
 def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch:
     """Resolve a forward's `arguments` (the dict `public_forward` gives) into its PackedBatch.
 
     `config` is the text configuration.
     A filled cache continues every row by its new tokens (one document per row, no packing arguments, only real
     new tokens); otherwise the boundaries come from the packing contract and a cache is made when `use_cache` asks
-    for one: None means the config's `use_cache` in eval mode for one document per row."""
+    for one: None means the config's `use_cache` in eval mode for one document per row. Under torch's context
+    parallelism (Accelerate's cp_size > 1) it raises: the inputs are a shard of the sequence."""
+    refuse_context_parallel()
     input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
     shape = input_shape(input_ids, inputs_embeds)
     device = (input_ids if input_ids is not None else inputs_embeds).device
