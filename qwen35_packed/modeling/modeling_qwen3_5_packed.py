@@ -199,7 +199,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def embed(self, batch: PackedBatch, arguments: dict) -> torch.Tensor:
         """The packed stream's embeddings [N, H]: of its token ids, or the caller's inputs_embeds packed."""
         if arguments.get("inputs_embeds") is None:
-            return self.embed_tokens(batch.pack_ids(arguments["input_ids"]))
+            return self.embed_tokens(batch.packed.pack(arguments["input_ids"]))
         return batch.packed.pack(arguments["inputs_embeds"])
 
     def run_layers(self, hidden: torch.Tensor, batch: PackedBatch) -> DecoderRun:
@@ -324,7 +324,7 @@ def document_score_index(packed: PackedSequence, input_ids, pad_token_id) -> tor
     starts = packed.cu_seqlens[:-1].long()
     if pad_token_id is None or input_ids is None:
         return packed.cu_seqlens[1:].long() - 1
-    ids = packed.pack(input_ids.unsqueeze(-1)).squeeze(-1)
+    ids = packed.pack(input_ids)
     stream = torch.arange(ids.numel(), device=ids.device)
     candidates = torch.where(ids != pad_token_id, stream, starts[packed.doc_index()])
     return starts.scatter_reduce(0, packed.doc_index(), candidates, "amax", include_self=True)

@@ -189,9 +189,10 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         # positions are then computed from them exactly as from input_ids.
         layout_ids = input_ids if input_ids is not None or not has_vision else self.placeholder_ids(inputs_embeds)
         packed = batch.packed
-        embeds = text.embed(batch, arguments)
-        if layout_ids is not None:
-            ids = batch.pack_ids(layout_ids)
+        ids = packed.pack(layout_ids) if layout_ids is not None else None
+        # the token ids packed once: for the embeddings and for the layout
+        embeds = text.embed_tokens(ids) if input_ids is not None else packed.pack(inputs_embeds)
+        if ids is not None:
             types = None
             if arguments["mm_token_type_ids"] is not None:
                 mm = torch.as_tensor(arguments["mm_token_type_ids"], device=ids.device)
@@ -200,7 +201,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                         f"mm_token_type_ids must have the shape of input_ids {packed.batch_shape}, got "
                         f"{tuple(mm.shape)}"
                     )
-                types = batch.pack_ids(mm)
+                types = packed.pack(mm)
             # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
             kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
             # Also the check that image/video token runs match the grids one to one, in order.

@@ -125,10 +125,6 @@ class PackedBatch:
     kernels: KernelChoice | None = None
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def pack_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """[batch, seq] -> [N]: a per-token tensor of the caller's layout on the stream."""
-        return self.packed.pack(ids.unsqueeze(-1)).squeeze(-1)
-
 
 def _switch(config, name: str, requested, default: bool = False) -> bool:
     return bool(getattr(config, name, default) if requested is None else requested)

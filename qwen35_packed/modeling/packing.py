@@ -307,7 +307,7 @@ def build_packed_sequence(
     packed = PackedSequence(cu, int((host[1:] - host[:-1]).max()), None, token_index, (batch, seq_len), host)
     derived = packed.position_in_doc()
     if position_ids is not None:
-        given = packed.pack(position_ids.unsqueeze(-1)).squeeze(-1)
+        given = packed.pack(position_ids)
         if not torch.equal(given.to(derived.dtype), derived):
             bad = int(torch.nonzero(given.to(derived.dtype) != derived)[0])
             raise ValueError(
@@ -318,7 +318,7 @@ def build_packed_sequence(
     if mrope_positions is None:
         packed.position_ids = derived
     else:
-        packed.position_ids = torch.stack([packed.pack(p.unsqueeze(-1)).squeeze(-1) for p in mrope_positions])
+        packed.position_ids = torch.stack([packed.pack(p) for p in mrope_positions])
     if seq_idx_changes is not None and position_ids is not None:
         _check_seq_idx_matches(packed, seq_idx_changes, "position_ids")
     return packed
@@ -343,7 +343,7 @@ def _check_seq_idx_matches(packed: PackedSequence, changes: torch.Tensor, source
     doc_starts = torch.zeros(packed.num_tokens, dtype=torch.bool, device=changes.device)
     doc_starts[packed.cu_seqlens[:-1].long()] = True
     # The first real token of a row starts a document whatever seq_idx says there (padding may precede it).
-    seq_starts = packed.pack(changes.unsqueeze(-1)).squeeze(-1) | _row_first_tokens(packed)
+    seq_starts = packed.pack(changes) | _row_first_tokens(packed)
     if not torch.equal(seq_starts, doc_starts):
         bad = int(torch.nonzero(seq_starts != doc_starts)[0])
         what = "starts a new document" if bool(seq_starts[bad]) else "does not start a new document"
@@ -371,7 +371,7 @@ def shift_labels_within_documents(labels: torch.Tensor, packed: PackedSequence, 
     The last token of every document gets `ignore_index`, so no document predicts the next one's first token,
     whatever the caller put at document starts.
     """
-    flat = packed.pack(labels.unsqueeze(-1)).squeeze(-1)
+    flat = packed.pack(labels)
     targets = torch.full_like(flat, ignore_index)
     targets[:-1] = flat[1:]
     ends = packed.cu_seqlens[1:].long() - 1
@@ -395,7 +395,7 @@ def loss_targets(packed: PackedSequence, labels=None, shift_labels=None, ignore_
             )
     if shift_labels is None:
         return shift_labels_within_documents(labels, packed, ignore_index)
-    targets = packed.pack(shift_labels.unsqueeze(-1)).squeeze(-1)
+    targets = packed.pack(shift_labels)
     ends = packed.cu_seqlens[1:-1].long() - 1  # every document end but the stream's last
     inside_row = ~_row_first_tokens(packed)[ends + 1]
     crossing = targets[ends[inside_row]] != ignore_index
