@@ -660,38 +660,53 @@ def test_moe_grouped_experts_sync_free_and_deterministic():
     assert choice.moe == "grouped_mm" and identical
 
 
-@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 @pytest.mark.parametrize("rank", [4, 16], ids=["r4_padded", "r16"])
-def test_expert_lora_low_rank_path_matches_peft_bf16(rank):
-    """PEFT LoRA on the fused experts in bf16 on the GPU: the low-rank products on the expert rows
-    (moe_lora_kernel="low_rank", grouped_mm with the rank padded to a multiple of 8) against PEFT's own adapted-weight path, the same model and
-    adapter (nonzero A and B), forward and every LoRA gradient. Two bf16 roundings of the same function: PEFT's
-    path rounds the adapted weight W + s B A to bf16, the low-rank path rounds x A and (x A) B instead."""
+def test_expert_lora_low_rank_path_is_as_close_to_fp32_as_peft_bf16(rank):
+    """PEFT LoRA on the fused experts of one MoE block in bf16 with a fixed routing: the low-rank products on the
+    expert rows (moe_lora_kernel="low_rank", grouped_mm, the rank padded to a multiple of 8) and PEFT's own
+    adapted-weight path, both against PEFT's path in fp32 on the same inputs (output, input gradient and every LoRA
+    factor's gradient). The two bf16 paths round different products (PEFT rounds W + s B A, the low-rank path x A
+    and (x A) B); the low-rank one may round differently, never worse. A fixed routing (routing replay of one
+    top-k choice), because at the model level bf16 roundings route near-tie tokens to other experts, which swamps
+    any kernel difference (the model-level comparison this test replaces failed on that alone)."""
     peft = pytest.importorskip("peft")
     from qwen35_packed.integrations.lora import lora_config
 
-    model = _model(torch.bfloat16, moe=True, return_logits_with_loss=True).train()  # the logits are compared
+    model = _model(torch.bfloat16, moe=True).train()
     wrapped = peft.get_peft_model(model, lora_config(model, r=rank, targets=["experts"]))
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.1)
-    docs, ids, cu = _moe_batch(8)
-    runs = {}
+    block = next(m for m in model.modules() if type(m).__name__ == "SparseMoeBlock")
+    config = model.config
+    choice = kernel_selection.select_kernels(config, torch.device("cuda"), torch.bfloat16)
+    n = 6000
+    x = torch.randn(n, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        routing = block.gate(x)[2]
+    cotangent = torch.randn(x.shape, device="cuda", generator=gen)
+    lora_names = [name for name, p in block.named_parameters() if "lora_" in name]
+    assert len(lora_names) == 4, lora_names  # A and B on gate_up_proj and down_proj
+
+    def run(dtype, moe, expert_lora):
+        block.to(dtype)
+        block.zero_grad(set_to_none=True)
+        xi = x.to(dtype).detach().clone().requires_grad_()
+        out, _ = block(xi, dataclasses.replace(choice, moe=moe, expert_lora=expert_lora), routed_experts=routing)
+        out.backward(cotangent.to(dtype))
+        grads = dict(block.named_parameters())
+        result = {"out": out.float(), "x": xi.grad.float()} | {name: grads[name].grad.float() for name in lora_names}
+        block.to(torch.bfloat16)
+        return result
+
+    reference = run(torch.float32, "loop", "peft")
+    errors = {}
     for path in ("low_rank", "peft"):
-        model.config.moe_lora_kernel = path
-        wrapped.zero_grad(set_to_none=True)
-        out = wrapped(ids, labels=ids, cu_seqlens=cu, use_cache=False)
-        out.loss.backward()
-        grads = {n: p.grad.float().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
-        runs[path] = (out.logits.float().detach(), grads)
-    model.config.moe_lora_kernel = "auto"
-    logits_gap = ((runs["low_rank"][0] - runs["peft"][0]).norm() / runs["peft"][0].norm()).item()
-    grad_gap = max(
-        ((runs["low_rank"][1][n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in runs["peft"][1].items()
-    )
-    RESULTS[f"expert_lora_low_rank_vs_peft_bf16_r{rank}"] = {"logits_relative": logits_gap, "worst_lora_grad": grad_gap}
-    print(RESULTS[f"expert_lora_low_rank_vs_peft_bf16_r{rank}"])
-    # First measured here; bounds at the scale of two bf16 roundings of the same products.
-    assert logits_gap <= 2e-2 and grad_gap <= 1e-1
+        got = run(torch.bfloat16, "grouped_mm", path)
+        errors[path] = {name: ((got[name] - r).norm() / r.norm()).item() for name, r in reference.items()}
+    RESULTS[f"expert_lora_low_rank_vs_peft_bf16_relative_to_fp32_r{rank}"] = errors
+    print(errors)
+    for name in reference:
+        assert errors["low_rank"][name] <= 1.5 * errors["peft"][name] + 1e-4, (name, errors)
