@@ -36,9 +36,9 @@ Cost per adapted tensor and layer, M = tokens x top-k expert rows, base frozen:
 grouped_mm needs 16-byte aligned strides, so the rank is zero-padded to a multiple of RANK_ALIGNMENT there (the
 padded rows and columns contribute exact zeros).
 
-`moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above on CPU, PEFT's forward on CUDA until the
-products' bf16 GPU test has run (kernel_selection.select_kernels); "low_rank" raises where "auto" would
-fall back for a reason it states; "peft" always runs PEFT's forward (the comparison).
+`moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above on every device (in bf16 on the GPU the
+products are as close to PEFT's fp32 path as PEFT's own bf16 path: tests/gpu/test_gpu.py); "low_rank" raises where
+"auto" would fall back for a reason it states; "peft" always runs PEFT's forward (the comparison).
 """
 
 from __future__ import annotations

@@ -231,11 +231,6 @@ def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelCh
         )
 
     expert_lora = getattr(config, "moe_lora_kernel", "auto") if is_moe else "auto"
-    if expert_lora == "auto" and on_cuda:
-        # The low-rank expert products are checked against PEFT's path in fp32 on CPU; their bf16 CUDA run
-        # (tests/gpu/test_gpu.py::test_expert_lora_low_rank_path_matches_peft_bf16) has not run yet, so on CUDA they
-        # are opt-in (moe_lora_kernel="low_rank") until it has.
-        expert_lora = "peft"
     choice = KernelChoice(gdn, attention, long_documents, elementwise, conv, moe, combine, expert_lora)
     key = (device.type, dtype, choice)
     if first_time(key):
