@@ -72,16 +72,16 @@ from .vision import Qwen3_5PackedVisionModel
 Qwen3_5PackedVLModelOutput = output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
-    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always None (the varlen "
-    "kernels never form the attention matrix).",
+    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["last_hidden_state", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
     __name__,
 )
 Qwen3_5PackedVLCausalLMOutput = output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
-    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always "
-    "None (the varlen kernels never form the attention matrix).",
+    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["loss", "aux_loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
     __name__,
 )
