@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention_probabilities import cached_attention_probabilities, stream_attention_probabilities
 from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .packed_batch import PackedBatch
@@ -56,6 +57,15 @@ class GatedAttention(nn.Module):
             out = varlen_causal_attention(q, k, v, batch.packed, self.scaling, choice)
         else:
             out = self._attend_with_cache(q, k, v, batch.packed, batch.cache)
+        if batch.attentions is not None:  # the slow reference path, only when asked; `out` is the kernel's
+            if batch.continues_cache:
+                columns = batch.cache.get_seq_length() + batch.columns
+                key_rows = batch.cache.layers[self.layer_idx].key_rows
+                batch.attentions.append(
+                    cached_attention_probabilities(q, key_rows, batch.packed, columns, self.scaling)
+                )
+            else:
+                batch.attentions.append(stream_attention_probabilities(q, k, batch.packed, self.scaling))
         out = out.reshape(n, -1)
         if gate is not None:
             out = remember(sigmoid_gate(out, gate, choice), sigmoid_gate, out, gate, choice)

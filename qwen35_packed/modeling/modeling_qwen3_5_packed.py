@@ -74,15 +74,15 @@ ATTENTION_KERNEL_OF_IMPLEMENTATION = {"sdpa": "sdpa", "eager": "sdpa", "flash_at
 
 Qwen3_5PackedModelOutput = output_class(
     "Qwen3_5PackedModelOutput",
-    "Decoder output in the caller's layout (pad positions are zeros), router_logits included; `attentions` is always "
-    "None (the varlen kernels never form the attention matrix).",
+    "Decoder output in the caller's layout (pad positions are zeros), router_logits included; `attentions`: the "
+    "attention probabilities (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["last_hidden_state", CACHE_FIELD, "hidden_states", "attentions", "router_logits"],
     __name__,
 )
 Qwen3_5PackedCausalLMOutput = output_class(
     "Qwen3_5PackedCausalLMOutput",
-    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested; `attentions` is "
-    "always None (the varlen kernels never form the attention matrix).",
+    "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested; `attentions`: "
+    "the attention probabilities (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["loss", "aux_loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits"],
     __name__,
 )
@@ -309,7 +309,7 @@ Qwen3_5PackedSequenceClassifierOutput = output_class(
     "Qwen3_5PackedSequenceClassifierOutput",
     "Sequence-classification output: `logits` [documents, num_labels], one row per document in stream order (for a "
     "padded batch with one document per row: one per row, like the built-in's [batch, num_labels]).",
-    ["loss", "logits", CACHE_FIELD, "hidden_states", "router_logits"],
+    ["loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits"],
     __name__,
 )
 

@@ -23,6 +23,7 @@ Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py f
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights
 from .modeling_qwen3_5_packed import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
 from .moe import SparseMoeBlock  # noqa: F401
-from .mrope_positions import IMAGE, VIDEO, modality_of_tokens, packed_mrope_positions
+from .mrope_positions import IMAGE, TEXT, VIDEO, modality_of_tokens, packed_mrope_positions
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
@@ -66,22 +67,24 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401
-from .utils import TRANSFORMERS_MAJOR
+from .utils import TRANSFORMERS_MAJOR, log_once
 from .vision import Qwen3_5PackedVisionModel
+
+logger = logging.getLogger(__name__)
 
 Qwen3_5PackedVLModelOutput = output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
-    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always None (the varlen "
-    "kernels never form the attention matrix).",
+    "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["last_hidden_state", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
     __name__,
 )
 Qwen3_5PackedVLCausalLMOutput = output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
-    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions` is always "
-    "None (the varlen kernels never form the attention matrix).",
+    "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
     ["loss", "aux_loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
     __name__,
 )
@@ -204,6 +207,16 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 types = packed.pack(mm)
             # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
             kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
+            if image_grid_thw is None and video_grid_thw is None and bool((kind != TEXT).any()):
+                # No images or videos given: the built-in embeds placeholder tokens as the text tokens they are and
+                # positions them as text; so do we, and say so once.
+                log_once(
+                    logger,
+                    "placeholders-as-text",
+                    "image / video placeholder tokens without pixel inputs (no image_grid_thw / video_grid_thw) are "
+                    "embedded and positioned as text tokens, as transformers' Qwen3.5 does",
+                )
+                kind = torch.zeros_like(kind)
             # Also the check that image/video token runs match the grids one to one, in order.
             positions = packed_mrope_positions(
                 ids,

@@ -52,10 +52,12 @@ class DecoderRun:
     router_logits: list | None  # [N, E] per MoE layer, when requested
 
     def caller_outputs(self) -> dict:
-        """The output fields every forward returns in the caller's layout: hidden states, router logits, cache."""
-        packed = self.batch.packed
+        """The output fields every forward returns in the caller's layout: hidden states, attention probabilities
+        (one per full-attention layer, as the built-in records them), router logits, cache."""
+        packed, attentions = self.batch.packed, self.batch.attentions
         return {
             "hidden_states": tuple(packed.unpack(h) for h in self.all_hidden) if self.all_hidden is not None else None,
+            "attentions": tuple(attentions) if attentions is not None else None,
             "router_logits": router_logits_in_caller_layout(self.router_logits, packed),
             CACHE_FIELD: self.batch.cache,
         }

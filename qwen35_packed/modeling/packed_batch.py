@@ -26,7 +26,8 @@ from .packing import PackedSequence, build_packed_sequence, input_shape, loss_ta
 PACKING_ARGUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # Those that place document boundaries inside a row (generate() refuses them: it continues one document per row).
 BOUNDARY_ARGUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-# Keyword arguments trainers and generate() pass that carry nothing for this model.
+# Keyword arguments trainers and generate() pass that carry nothing for this model, and output_attentions (taken
+# through **kwargs as the built-in takes it; attention_probabilities.py).
 IGNORED_ARGUMENTS = frozenset({"cache_position", "output_attentions"})
 # transformers' loss keyword arguments, taken through **kwargs as the built-in takes them: a parameter whose name
 # contains "label" would join the Trainer's `label_names` (from the signature), and its evaluation would then find
@@ -84,6 +85,8 @@ def public_forward(parameters: tuple[str, ...]):
             extra = arguments.pop("kwargs")
             check_extra_arguments(extra, self.config)
             arguments.update(extra)
+            # resolved here, with the forward's own config: a vision-language config's switch is on the composite
+            arguments["output_attentions"] = _switch(self.config, "output_attentions", extra.get("output_attentions"))
             return body(self, arguments)
 
         forward.__signature__ = signature
@@ -93,17 +96,10 @@ def public_forward(parameters: tuple[str, ...]):
 
 
 def check_extra_arguments(extra: dict, config) -> None:
-    """Refuse keyword arguments beyond a forward's parameters that it does not know, and `output_attentions` (the
-    varlen kernels never form the attention matrix)."""
+    """Refuse keyword arguments beyond a forward's parameters that it does not know."""
     unknown = sorted(set(extra) - IGNORED_ARGUMENTS - LOSS_ARGUMENTS)
     if unknown:
         raise TypeError(f"unexpected keyword arguments for a packed Qwen3.5 forward: {unknown}")
-    requested = extra.get("output_attentions")
-    if requested or (requested is None and getattr(config, "output_attentions", False)):
-        raise ValueError(
-            "output_attentions is not supported (nor config.output_attentions=True): the varlen "
-            "attention kernels never form the attention matrix"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +120,8 @@ class PackedBatch:
     # .bound_kernels) and (cos, sin) at rope_positions.
     kernels: KernelChoice | None = None
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # output_attentions: the full-attention layers append their probabilities (attention_probabilities.py)
+    attentions: list | None = None
 
 
 def _switch(config, name: str, requested, default: bool = False) -> bool:
@@ -239,4 +237,5 @@ def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch
         routed_experts=arguments.get("routed_experts"),
         output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
         output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
+        attentions=[] if _switch(config, "output_attentions", arguments.get("output_attentions")) else None,
     )

@@ -114,20 +114,11 @@ def test_forcing_an_unavailable_kernel_raises():
         model(torch.randint(0, 128, (1, 8)))
 
 
-def test_unknown_kwargs_and_attention_outputs_are_refused():
+def test_unknown_kwargs_are_refused():
     model = packed_model("dense")
     ids = torch.randint(0, 128, (1, 8))
     with pytest.raises(TypeError, match="token_type_ids"):
         model(ids, token_type_ids=torch.zeros_like(ids))
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(ids, output_attentions=True)
-    # the config's request is refused too, never silently dropped
-    from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
-
-    asking = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense"), output_attentions=True))
-    with pytest.raises(ValueError, match="output_attentions is not supported"):
-        asking(ids)
-    asking(ids, output_attentions=False)
 
 
 def test_logits_to_keep_and_hidden_states():

@@ -47,7 +47,7 @@ def test_public_signature_keeps_the_builtins_parameters(ours, builtin_name):
     assert [("cache" if n in cache_names else n) for n in mine[1:6]] == [
         ("cache" if n in cache_names else n) for n in theirs[:5]
     ]
-    # taken through **kwargs: output_attentions (refused), cache_position (ignored); mm_encoder_outputs (vision
+    # taken through **kwargs: output_attentions (attention_probabilities.py), cache_position (ignored); mm_encoder_outputs (vision
     # features computed by the caller) is not supported and raises as an unknown argument
     assert set(theirs) - set(mine) <= {"kwargs", "output_attentions", "cache_position", "mm_encoder_outputs"}
     for name in packed_batch.PACKING_ARGUMENTS:
@@ -69,8 +69,6 @@ def test_positional_and_keyword_calls_bind_like_the_written_signature():
         model(ids, mask, attention_mask=mask)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments for a packed Qwen3.5 forward: \['masks'\]"):
         model(ids, masks=mask)
-    with pytest.raises(ValueError, match="output_attentions is not supported"):
-        model(ids, output_attentions=True)
 
 
 def test_the_front_door_resolves_every_packing_form_to_one_stream():

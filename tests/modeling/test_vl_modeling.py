@@ -352,10 +352,32 @@ def test_freeze_vision():
     assert all(p.requires_grad for p in frozen.model.visual.parameters()) and not frozen.config.freeze_vision
 
 
+def test_placeholder_tokens_without_pixels_are_text_tokens_as_in_the_builtin(kind, caplog, monkeypatch):
+    """No images given: the built-in embeds image / video placeholder tokens as text tokens with text positions;
+    ours gives the same logits (left padding included) and says so once."""
+    from qwen35_packed.modeling import utils
+
+    monkeypatch.setattr(utils, "_logged_once", set())  # the line is said once per process
+    ref, ours = builtin_vl_pair(kind)
+    ids = torch.tensor([[PAD, PAD, 5, IMAGE, IMAGE, 7, VIDEO, 9], [3, IMAGE, 4, 5, 6, 7, 8, 9]])
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        expected = ref(input_ids=ids[1:], use_cache=False).logits
+        with caplog.at_level("WARNING"):
+            got = ours(input_ids=ids, attention_mask=mask).logits
+        alone = ours(input_ids=ids[:1, 2:]).logits
+        text = ours.model.language_model  # the same tokens through the text decoder alone
+        as_text = ours.lm_head(text(input_ids=ids[1:]).last_hidden_state)
+    torch.testing.assert_close(got[1:], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1:], as_text, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0, 2:], alone[0], rtol=0, atol=1e-5)
+    assert "embedded and positioned as text tokens" in caplog.text
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("tokens_without_pixels", "no pixel values"),
         ("grid_without_tokens", "grids without tokens"),
         ("count_mismatch", "tokens, but its token run"),
         ("pixels_without_grid", "pixel_values was given without image_grid_thw"),
@@ -373,9 +395,7 @@ def test_bad_input(case, message):
     grids = [[1, 4, 4], [1, 2, 4]]
     ids = torch.tensor([1] + image_tokens(grids[0]) + [2, 3] + image_tokens(grids[1]) + [4]).unsqueeze(0)
     kwargs = dict(input_ids=ids, pixel_values=pixels_for(grids, gen), image_grid_thw=grid_tensor(grids))
-    if case == "tokens_without_pixels":
-        kwargs.update(pixel_values=None, image_grid_thw=None)
-    elif case == "grid_without_tokens":
+    if case == "grid_without_tokens":
         extra = grids + [[1, 2, 2]]
         kwargs.update(pixel_values=pixels_for(extra, gen), image_grid_thw=grid_tensor(extra))
     elif case == "count_mismatch":

@@ -1,0 +1,62 @@
+"""Attention probabilities for `output_attentions`: an explicit reference computation, the slow path.
+
+The varlen kernels never form the attention matrix. When a caller asks for the probabilities (argument or config),
+each full-attention layer recomputes them from the queries and keys its kernel used (after the q / k norms and
+rope) with the built-in's eager formula, a scaled matmul and a softmax in fp32, masked as this model attends: a
+token sees only the earlier tokens of its own document. The layer's output still comes from its kernel, so hidden
+states, logits and loss are the same with or without output_attentions. The cost is the eager one:
+[batch, heads, seq, keys] per layer, formed only when asked.
+
+The layout is the built-in's, [batch, heads, query columns, key columns] in the caller's columns: pad positions
+hold zeros (as queries and as keys), and in a cached step each row's keys are right-aligned in the columns consumed
+so far, where its tokens are (cache.py keeps rows that way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packing import PackedSequence
+
+
+def _softmax(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [B, Sq, H, D], k [B, Sk, Hkv, D], allowed bool [B, Sq, Sk] -> [B, H, Sq, Sk] in q's dtype; rows without an
+    allowed key (pad queries) are zeros."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # grouped-query attention: kv head i serves a group
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scaling
+    mask = allowed[:, None]
+    probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return probabilities.masked_fill(~mask, 0.0).nan_to_num(0.0).to(q.dtype)
+
+
+def stream_attention_probabilities(
+    q: torch.Tensor, k: torch.Tensor, packed: PackedSequence, scaling: float
+) -> torch.Tensor:
+    """A forward without earlier keys: q [N, H, D], k [N, Hkv, D] on the packed stream -> [B, H, S, S]."""
+    document = packed.unpack(packed.doc_index() + 1)  # [B, S], 0 at pad positions
+    columns = document.shape[1]
+    causal = torch.ones(columns, columns, dtype=torch.bool, device=q.device).tril()
+    allowed = (document[:, :, None] == document[:, None, :]) & (document[:, :, None] > 0) & causal
+    return _softmax(packed.unpack(q), packed.unpack(k), allowed, scaling)
+
+
+def cached_attention_probabilities(
+    q: torch.Tensor, key_rows: list[torch.Tensor], packed: PackedSequence, columns: int, scaling: float
+) -> torch.Tensor:
+    """A cached step: q [N, H, D] of the new tokens (all real, one row each), key_rows[b] [L_b, Hkv, D] the row's
+    keys so far, the new ones last; `columns` the key columns consumed, new ones included -> [B, H, S_new, columns]."""
+    queries = packed.unpack(q)
+    batch, new = queries.shape[:2]
+    keys = key_rows[0].new_zeros(batch, columns, *key_rows[0].shape[1:])
+    allowed = torch.zeros(batch, new, columns, dtype=torch.bool, device=q.device)
+    for row, row_keys in enumerate(key_rows):
+        length = row_keys.shape[0]
+        keys[row, columns - length :] = row_keys
+        # causal with the new queries as the last `new` of the row's keys
+        allowed[row, :, columns - length :] = torch.ones(new, length, dtype=torch.bool, device=q.device).tril(
+            length - new
+        )
+    return _softmax(queries, keys, allowed, scaling)
+
+
+__all__ = ["cached_attention_probabilities", "stream_attention_probabilities"]
