@@ -22,6 +22,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import GatedAttention
+from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache
 from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import (

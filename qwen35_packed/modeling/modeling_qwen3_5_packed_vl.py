@@ -33,6 +33,7 @@ from transformers import GenerationMixin, PreTrainedModel
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
 # `noqa: F401`), so that a folder loads with a fresh cache (tests/conversion/test_remote_code_audit.py checks the list).
 from .attention import GatedAttention  # noqa: F401
+from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache  # noqa: F401
 from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
