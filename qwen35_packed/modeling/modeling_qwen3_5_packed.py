@@ -228,14 +228,14 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         with recompute:
             for layer in self.layers:
                 if all_hidden is not None:
-                    all_hidden.append(hidden)
+                    hidden = _record_hidden(hidden, batch, all_hidden)
                 routed = next(replay) if replay is not None and isinstance(layer.mlp, SparseMoeBlock) else None
                 hidden, logits = layer(hidden, batch=batch, routed_experts=routed)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
         hidden = self.norm(hidden, batch.kernels)
         if all_hidden is not None:
-            all_hidden.append(hidden)
+            hidden = _record_hidden(hidden, batch, all_hidden)
         if batch.cache is not None:
             batch.cache.advance(batch.packed, batch.columns)
         return DecoderRun(hidden, batch, all_hidden, router_logits)
@@ -260,6 +260,15 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         run = self.run(arguments)
         output = Qwen3_5PackedModelOutput(last_hidden_state=run.batch.packed.unpack(run.hidden), **run.caller_outputs())
         return output if returns_dict(self.config, arguments) else output.to_tuple()
+
+
+def _record_hidden(hidden: torch.Tensor, batch: PackedBatch, all_hidden: list) -> torch.Tensor:
+    """Append the packed stream `hidden` [N, H] to `all_hidden` in the caller's layout [B, S, H] and return the
+    stream re-gathered from that tensor (the same values): the computation continues from the returned hidden
+    state, so a gradient reaches it (`retain_grad()` on `hidden_states[i]` works as in the built-in)."""
+    padded = batch.packed.unpack(hidden)
+    all_hidden.append(padded)
+    return batch.packed.pack(padded)
 
 
 class Qwen3_5MoePackedTextModel(Qwen3_5PackedTextModel):

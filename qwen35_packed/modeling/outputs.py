@@ -48,7 +48,7 @@ class DecoderRun:
 
     hidden: torch.Tensor  # [N, H] after the final norm
     batch: PackedBatch
-    all_hidden: list | None  # [N, H] per layer input, then the final one, when requested
+    all_hidden: list | None  # [B, S, H] per layer input, then the final one, when requested (in the graph)
     router_logits: list | None  # [N, E] per MoE layer, when requested
 
     def caller_outputs(self) -> dict:
@@ -56,7 +56,7 @@ class DecoderRun:
         (one per full-attention layer, as the built-in records them), router logits, cache."""
         packed, attentions = self.batch.packed, self.batch.attentions
         return {
-            "hidden_states": tuple(packed.unpack(h) for h in self.all_hidden) if self.all_hidden is not None else None,
+            "hidden_states": tuple(self.all_hidden) if self.all_hidden is not None else None,
             "attentions": tuple(attentions) if attentions is not None else None,
             "router_logits": router_logits_in_caller_layout(self.router_logits, packed),
             CACHE_FIELD: self.batch.cache,

@@ -85,8 +85,8 @@ def public_forward(parameters: tuple[str, ...]):
             extra = arguments.pop("kwargs")
             check_extra_arguments(extra, self.config)
             arguments.update(extra)
-            # resolved here, with the forward's own config: a vision-language config's switch is on the composite
-            arguments["output_attentions"] = _switch(self.config, "output_attentions", extra.get("output_attentions"))
+            # resolved here, with the forward's own config (wants_attentions)
+            arguments["output_attentions"] = wants_attentions(self.config, extra.get("output_attentions"))
             return body(self, arguments)
 
         forward.__signature__ = signature
@@ -126,6 +126,15 @@ class PackedBatch:
 
 def _switch(config, name: str, requested, default: bool = False) -> bool:
     return bool(getattr(config, name, default) if requested is None else requested)
+
+
+def wants_attentions(config, requested) -> bool:
+    """output_attentions by argument, else by config; a vision-language config's switch is on the composite or on
+    its text_config (the built-in's text model reads its own config, so setting text_config's is enough there)."""
+    if requested is not None:
+        return bool(requested)
+    text_config = getattr(config, "text_config", None)
+    return bool(getattr(config, "output_attentions", False) or getattr(text_config, "output_attentions", False))
 
 
 def returns_dict(config, arguments: dict) -> bool:

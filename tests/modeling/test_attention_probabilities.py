@@ -93,3 +93,43 @@ def test_attentions_keep_gradients():
     out.attentions[0].retain_grad()
     (out.loss + out.attentions[0].sum()).backward()
     assert out.attentions[0].grad is not None
+
+
+def test_returned_hidden_states_are_in_the_graph_with_unchanged_values():
+    """retain_grad() on a returned hidden state gets its gradient, as in the built-in (the stream continues from the
+    returned tensor), with padding (a gather, not a view) and without; the values and logits are unchanged."""
+    model = packed_model("dense").eval()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(8))
+    for mask in (None, torch.tensor([[0, 0, 0] + [1] * 7, [1] * 10])):
+        with torch.no_grad():
+            plain = model(ids, attention_mask=mask, use_cache=False)
+        out = model(ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=0)
+        assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+        for hidden in out.hidden_states:
+            hidden.retain_grad()
+        out.logits[:, -1].sum().backward()
+        for hidden in out.hidden_states:
+            assert hidden.grad is not None and hidden.grad[:, -1].abs().sum().item() > 0
+        if mask is not None:  # pad positions feed nothing
+            assert out.hidden_states[0].grad[0, :3].abs().max().item() == 0.0
+
+
+def test_vl_text_config_output_attentions_is_honoured():
+    """A vision-language model returns the text layers' probabilities when its text_config asks (as the built-in's
+    text model reads its own config) or the composite does; the argument wins."""
+    from vl_tiny import our_vl_model
+
+    model = our_vl_model("dense").eval()
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(9))
+    layers = _full_attention_layers(model.config.text_config)
+    for config in (model.config, model.config.text_config):
+        config._attn_implementation = "eager"  # transformers' config refuses output_attentions otherwise
+    with torch.no_grad():
+        assert model(input_ids=ids).attentions is None
+        model.config.text_config.output_attentions = True
+        assert len(model(input_ids=ids).attentions) == layers
+        assert model(input_ids=ids, output_attentions=False).attentions is None
+        model.config.text_config.output_attentions = False
+        model.config.output_attentions = True
+        assert len(model(input_ids=ids).attentions) == layers
