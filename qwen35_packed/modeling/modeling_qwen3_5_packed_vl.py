@@ -217,7 +217,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                     "image / video placeholder tokens without pixel inputs (no image_grid_thw / video_grid_thw) are "
                     "embedded and positioned as text tokens, as transformers' Qwen3.5 does",
                 )
-                kind = torch.zeros_like(kind)
+                kind = torch.full_like(kind, TEXT)
             # Also the check that image/video token runs match the grids one to one, in order.
             positions = packed_mrope_positions(
                 ids,

@@ -83,7 +83,7 @@ def public_forward(parameters: tuple[str, ...]):
             arguments = dict(bound.arguments)
             del arguments["self"]
             extra = arguments.pop("kwargs")
-            check_extra_arguments(extra, self.config)
+            check_extra_arguments(extra)
             arguments.update(extra)
             # resolved here, with the forward's own config (wants_attentions)
             arguments["output_attentions"] = wants_attentions(self.config, extra.get("output_attentions"))
@@ -95,7 +95,7 @@ def public_forward(parameters: tuple[str, ...]):
     return decorate
 
 
-def check_extra_arguments(extra: dict, config) -> None:
+def check_extra_arguments(extra: dict) -> None:
     """Refuse keyword arguments beyond a forward's parameters that it does not know."""
     unknown = sorted(set(extra) - IGNORED_ARGUMENTS - LOSS_ARGUMENTS)
     if unknown:
@@ -246,5 +246,5 @@ def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch
         routed_experts=arguments.get("routed_experts"),
         output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
         output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
-        attentions=[] if _switch(config, "output_attentions", arguments.get("output_attentions")) else None,
+        attentions=[] if arguments.get("output_attentions") else None,  # resolved by public_forward
     )
