@@ -2,7 +2,8 @@
 
 q_proj holds, per head, [q | gate] (2 x head_dim rows per head) when `attn_output_gate` is set (all official
 checkpoints); q and k get a zero-centred RMSNorm over head_dim, then partial MRoPE; the attention output is
-multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary.
+multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary; under context parallelism
+it crosses shard boundaries within a document (context_parallel.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import context_parallel
 from .attention_probabilities import cached_attention_probabilities, stream_attention_probabilities
 from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
@@ -53,7 +55,9 @@ class GatedAttention(nn.Module):
         cos, sin = batch.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if batch.cache is None:
+        if batch.shard is not None:
+            out = context_parallel.attention_across_shards(q, k, v, batch.packed, self.scaling, choice, batch.shard)
+        elif batch.cache is None:
             out = varlen_causal_attention(q, k, v, batch.packed, self.scaling, choice)
         else:
             out = self._attend_with_cache(q, k, v, batch.packed, batch.cache)

@@ -103,6 +103,11 @@ class PackedCausalLMHead:
 
         aux_loss = None
         if batch.output_router_logits and run.router_logits:
+            if batch.shard is not None and loss is not None and text_config.router_aux_loss_coef > 0:
+                raise ValueError(
+                    "the MoE load-balancing loss is not computed under context parallelism (it averages router "
+                    "statistics over the whole row): set router_aux_loss_coef=0 or do not request router logits"
+                )
             if loss is not None and text_config.router_aux_loss_coef > 0:
                 log_once(
                     logger,
@@ -124,6 +129,8 @@ class PackedCausalLMHead:
         A wrapped head (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
         """
         packed, targets = batch.packed, batch.targets
+        if batch.shard is not None:  # this rank's share of the row's loss (context_parallel.py)
+            num_items_in_batch = batch.shard.loss_denominator(targets.to(hidden.device), num_items_in_batch)
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
             rows, seq_len = packed.batch_shape
             loss, logits = chunked_linear_cross_entropy(

@@ -4,7 +4,9 @@ Projections (keys as in the official checkpoints): in_proj_qkv -> short causal d
 + SiLU -> split q, k, v; in_proj_b -> beta = sigmoid(b); in_proj_a -> g = -exp(A_log) * softplus(a + dt_bias)
 (fp32); gated delta rule with qk l2-norm; gated RMSNorm with in_proj_z; out_proj.
 
-Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence.
+Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence. Under
+context parallelism the shard's first document continues from the earlier ranks: the conv reads their last inputs
+and the recurrence starts from the state they reach (context_parallel.py).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
 sequence, so bf16 rounding of these two vectors would change every later state.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import context_parallel
 from .kernel_selection import KernelChoice
 from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
@@ -85,12 +88,16 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
         history = conv_state[..., 1:] if conv_state is not None else None
+        if batch.shard is not None:
+            history = context_parallel.conv_history(mixed, packed, batch.shard, self.conv_kernel_size)
         q, k, v = causal_conv1d_varlen(
             mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim], initial_state=history
         )
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+        if batch.shard is not None:
+            recurrent_state = context_parallel.incoming_state(q, k, v, g, beta, packed, choice, batch.shard)
 
         core, final_state = gated_delta_rule_varlen(
             q, k, v, g, beta, packed, choice, initial_state=recurrent_state, output_final_state=cache is not None

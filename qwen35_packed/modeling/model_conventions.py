@@ -28,6 +28,15 @@ class PackedModelConventions:
     _is_stateful = True
     enable_numerics_check = enable_numerics_check  # debug: name the first NaN / inf (modeling/numerics.py)
 
+    def set_context_parallel(self, group=None) -> None:
+        """Context parallelism over the process group `group` (None turns it off): every forward then takes this
+        rank's contiguous shard of one packed row and computes what the unsharded row gives there, the GDN state, the
+        conv inputs and attention carried across shard boundaries (context_parallel.py; `shard_packed_row` cuts a
+        row). Not torch's context parallelism, which this model refuses (`_supports_context_parallel`)."""
+        for module in self.modules():
+            if hasattr(module, "context_parallel_group"):
+                module.context_parallel_group = group
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # generate() must not build a transformers DynamicCache: the text decoder creates its own cache.

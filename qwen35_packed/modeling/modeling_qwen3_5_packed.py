@@ -31,6 +31,7 @@ from .checkpoint_keys import (
     from_official_layout,
 )
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
+from .context_parallel import shard_packed_row  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
 from .kernel_selection import bound_kernels
@@ -191,11 +192,16 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         self.layers = nn.ModuleList([Qwen3_5PackedDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(config)
+        # The process group of context parallelism, set by `set_context_parallel` (None: off).
+        self.context_parallel_group = None
         self.post_init()
 
     def open_batch(self, arguments: dict) -> PackedBatch:
-        """The front door (packed_batch.open_packed_batch) with this model's configuration and mode."""
-        return open_packed_batch(self.config, arguments, training=self.training)
+        """The front door (packed_batch.open_packed_batch) with this model's configuration, mode and context
+        parallelism."""
+        return open_packed_batch(
+            self.config, arguments, training=self.training, context_parallel_group=self.context_parallel_group
+        )
 
     def embed(self, batch: PackedBatch, arguments: dict) -> torch.Tensor:
         """The packed stream's embeddings [N, H]: of its token ids, or the caller's inputs_embeds packed."""

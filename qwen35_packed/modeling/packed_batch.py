@@ -18,7 +18,9 @@ import sys
 
 import torch
 
+from . import context_parallel
 from .cache import Qwen3_5PackedCache, as_packed_cache
+from .context_parallel import ShardLayout
 from .kernel_selection import KernelChoice
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
 
@@ -122,6 +124,8 @@ class PackedBatch:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     # output_attentions: the full-attention layers append their probabilities (attention_probabilities.py)
     attentions: list | None = None
+    # Under context parallelism (context_parallel.py): where this rank's shard sits in the row.
+    shard: ShardLayout | None = None
 
 
 def _switch(config, name: str, requested, default: bool = False) -> bool:
@@ -156,14 +160,14 @@ _CONTEXT_PARALLEL_MODULES = (
 )
 
 CONTEXT_PARALLEL_ERROR = (
-    "context parallelism is active (torch.distributed.tensor.experimental.context_parallel, which Accelerate's "
-    "ParallelismConfig(cp_size > 1) and the transformers Trainer enter around every step): this rank holds only a "
-    "shard of each row's sequence. The packed Qwen3.5 model does not support context parallelism yet: its Gated "
-    "DeltaNet layers carry a recurrent state and a causal convolution along the sequence, which would restart from "
-    "zero at every shard boundary, and packed document boundaries would be cut, so training would run silently "
-    "wrong. Train without context parallelism (cp_size=1, no context_parallel(...) block) and fit long documents "
-    "another way: shorter documents or fewer tokens per step, gradient checkpointing, FSDP2 sharding "
-    "(dp_shard_size), LoRA (docs/training.md)."
+    "torch's context parallelism is active (torch.distributed.tensor.experimental.context_parallel, which "
+    "Accelerate's ParallelismConfig(cp_size > 1) and the transformers Trainer enter around every step): this rank "
+    "holds only a shard of each row's sequence, which torch's context parallelism shards for attention only. The "
+    "packed Qwen3.5 model's Gated DeltaNet layers carry a recurrent state and a causal convolution along the "
+    "sequence, which would restart from zero at every shard boundary, and packed document boundaries would be cut, "
+    "so training would run silently wrong. Use the model's own context parallelism instead: leave Accelerate's "
+    "cp_size=1 (no context_parallel(...) block), call model.set_context_parallel(group) and give each rank its "
+    "shard of the packed row (qwen35_packed.modeling.context_parallel; docs/training.md, 'Context parallelism')."
 )
 
 
@@ -192,15 +196,19 @@ def refuse_context_parallel() -> None:
         raise NotImplementedError(CONTEXT_PARALLEL_ERROR)
 
 
-def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch:
+def open_packed_batch(config, arguments: dict, *, training: bool, context_parallel_group=None) -> PackedBatch:
     """Resolve a forward's `arguments` (the dict `public_forward` gives) into its PackedBatch.
 
     `config` is the text configuration.
     A filled cache continues every row by its new tokens (one document per row, no packing arguments, only real
     new tokens); otherwise the boundaries come from the packing contract and a cache is made when `use_cache` asks
-    for one: None means the config's `use_cache` in eval mode for one document per row. Under torch's context
-    parallelism (Accelerate's cp_size > 1) it raises: the inputs are a shard of the sequence."""
+    for one: None means the config's `use_cache` in eval mode for one document per row. With a
+    `context_parallel_group` (the model's `set_context_parallel`) the inputs are this rank's shard of one packed
+    row (context_parallel.open_shard). Under torch's context parallelism (Accelerate's cp_size > 1) it raises: the
+    inputs are a shard of the sequence the model was not told about."""
     refuse_context_parallel()
+    if context_parallel_group is not None:
+        return _open_shard_batch(config, arguments, context_parallel_group)
     input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
     shape = input_shape(input_ids, inputs_embeds)
     device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -247,4 +255,35 @@ def open_packed_batch(config, arguments: dict, *, training: bool) -> PackedBatch
         output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
         output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
         attentions=[] if arguments.get("output_attentions") else None,  # resolved by public_forward
+    )
+
+
+def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
+    """open_packed_batch for a rank's shard of a row under context parallelism (context_parallel.py)."""
+    cache = arguments.get("cache") if arguments.get("cache") is not None else arguments.get("past_key_values")
+    if cache is not None or arguments.get("use_cache"):
+        raise ValueError("context parallelism runs training and scoring forwards: no cache (use_cache=False)")
+    if arguments.get("output_attentions"):
+        raise ValueError("output_attentions is not available under context parallelism")
+    input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    shape = input_shape(input_ids, inputs_embeds)
+    device = (input_ids if input_ids is not None else inputs_embeds).device
+    packed, rope_positions, layout = context_parallel.open_shard(group, arguments, device)
+    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+    targets = None
+    if shift_labels is not None:  # already shifted over the row: used as given
+        targets = loss_targets(packed, None, shift_labels)
+    elif labels is not None:
+        targets = context_parallel.shard_targets(loss_targets(packed, labels), layout)
+    return PackedBatch(
+        packed=packed,
+        cache=None,
+        continues_cache=False,
+        columns=shape[1],
+        rope_positions=rope_positions,
+        targets=targets,
+        routed_experts=arguments.get("routed_experts"),
+        output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
+        output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
+        shard=layout,
     )

@@ -1,7 +1,8 @@
 """Context parallelism (Accelerate's `ParallelismConfig(cp_size=N)`, which the transformers Trainer and
 `Accelerator.maybe_context_parallel` apply through torch's `context_parallel`) hands each rank a shard of the
-sequence; the GDN recurrence and causal conv would restart from zero at every shard boundary. Not supported yet, so
-every way in must raise, never train silently wrong.
+sequence for attention only; the GDN recurrence and causal conv would restart from zero at every shard boundary. So
+every way into torch's context parallelism must raise, naming the model's own (`set_context_parallel`,
+context_parallel.py, tested in tests/modeling/test_context_parallel.py), never train silently wrong.
 
 The run (context_parallel_worker.py under torchrun, 2 CPU processes over gloo, one CP group of 2) is as close as
 CPU allows: `Accelerator(parallelism_config=ParallelismConfig(cp_size=2))` itself refuses to be built on CPU
@@ -26,7 +27,7 @@ from conftest import packed_model
 from qwen35_packed.modeling.packed_batch import context_parallel_active
 
 WORKER = Path(__file__).resolve().parent / "context_parallel_worker.py"
-REFUSAL = "NotImplementedError: context parallelism is active"
+REFUSAL = "NotImplementedError: torch's context parallelism is active"
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,7 @@ def test_forward_on_a_sequence_shard_raises_naming_the_fix(cp_run, path):
         assert report["shard_columns"] == 8  # torch really sharded the 16-column row across the 2 ranks
         assert report[path].startswith(REFUSAL), report[path]
         assert "Gated DeltaNet" in report[path] and "cp_size=1" in report[path]
+        assert "model.set_context_parallel(group)" in report[path]  # names the way that works
 
 
 def test_no_refusal_once_context_parallelism_is_off(cp_run):
