@@ -19,7 +19,10 @@ What crosses a shard boundary, and how (each exact up to the order of floating-p
   * rope positions are the global ones; the loss targets cross shards (a shard's last token predicts the next
     shard's first when both are one document) and every rank's loss is its share of the row's token-weighted
     loss (`ShardLayout.loss_denominator`).
-MoE routing, routing replay, norms and MLPs are token-local and run on the shard as they are.
+MoE routing, routing replay, norms and MLPs are token-local and run on the shard as they are. The
+vision-language models compute the row's layout (modalities, 3D rope positions) on the gathered token ids, and
+every rank encodes all the row's images, keeping the features of its shard's placeholders (`pixel_values` and the
+grids are the whole row's on every rank).
 
 The gathers are sums over the group of zero-filled buffers (`_GroupSum`): one collective (all_reduce) whose
 backward is the same collective, available on every backend (gloo has no reduce_scatter), so each rank's gradient
@@ -328,6 +331,26 @@ def attention_across_shards(q, k, v, packed: PackedSequence, scale: float, choic
     span = slice(layout.offset - layout.prefix, layout.offset + first)
     head = sdpa_one_document(q[:first], keys[span], values[span], scale, causal=True)
     return _in_graph(torch.cat([head.to(out.dtype), out[first:]]), keys, values)
+
+
+def gather_row_tokens(ids: torch.Tensor, types, packed: PackedSequence, layout: ShardLayout):
+    """The whole row's token ids [row tokens], token types (or None) and document boundaries (int32 cu_seqlens),
+    gathered from the shards: what the vision-language layout (modalities, 3D rope positions) is computed on."""
+    starts = torch.zeros_like(ids)
+    starts[packed.cu_seqlens[:-1].long()] = 1
+    if layout.prefix > 0:  # the shard's first document started on an earlier rank
+        starts[0] = 0
+    row_starts = torch.nonzero(layout.gather(starts).cpu()).flatten()
+    cu_seqlens = torch.cat([row_starts, row_starts.new_tensor([sum(layout.lengths)])]).to(torch.int32)
+    row_types = layout.gather(types) if types is not None else None
+    return layout.gather(ids), row_types, cu_seqlens.to(ids.device)
+
+
+def shard_slots(slots: torch.Tensor, features: torch.Tensor, layout: ShardLayout, tokens: int):
+    """The row's vision placeholder positions `slots` (in row order, one per feature row) -> the shard's:
+    (positions in the shard, their features)."""
+    inside = (slots >= layout.offset) & (slots < layout.offset + tokens)
+    return slots[inside] - layout.offset, features[inside]
 
 
 def shard_packed_row(row: dict, rank: int, world_size: int) -> dict:

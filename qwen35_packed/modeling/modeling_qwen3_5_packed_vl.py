@@ -39,7 +39,7 @@ from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
-from .context_parallel import shard_packed_row  # noqa: F401
+from . import context_parallel
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .kernel_selection import bound_kernels  # noqa: F401
@@ -193,7 +193,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         # Without input_ids the placeholder tokens are found by their embedding, as the built-in does; the 3D
         # positions are then computed from them exactly as from input_ids.
         layout_ids = input_ids if input_ids is not None or not has_vision else self.placeholder_ids(inputs_embeds)
-        packed = batch.packed
+        packed, shard = batch.packed, batch.shard
         ids = packed.pack(layout_ids) if layout_ids is not None else None
         # the token ids packed once: for the embeddings and for the layout
         embeds = text.embed_tokens(ids) if input_ids is not None else packed.pack(inputs_embeds)
@@ -207,6 +207,11 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                         f"{tuple(mm.shape)}"
                     )
                 types = packed.pack(mm)
+            row_cu_seqlens = packed.cu_seqlens
+            if shard is not None:
+                # Under context parallelism the layout (modalities, 3D positions, which image a placeholder shows)
+                # is the whole row's: computed on the gathered row, then this shard's part is taken.
+                ids, types, row_cu_seqlens = context_parallel.gather_row_tokens(ids, types, packed, shard)
             # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
             kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
             if image_grid_thw is None and video_grid_thw is None and bool((kind != TEXT).any()):
@@ -222,7 +227,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             # Also the check that image/video token runs match the grids one to one, in order.
             positions = packed_mrope_positions(
                 ids,
-                packed.cu_seqlens,
+                row_cu_seqlens,
                 image_grid_thw,
                 video_grid_thw,
                 image_token_id=self.config.image_token_id,
@@ -230,11 +235,14 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
                 spatial_merge_size=self.visual.spatial_merge_size,
                 mm_token_type_ids=kind,
             )
+            if shard is not None:
+                positions = positions[:, shard.offset : shard.offset + packed.num_tokens]
         else:
-            positions = packed.position_ids.unsqueeze(0).expand(3, -1) if packed.position_ids.dim() == 1 else None
+            text_positions = batch.rope_positions  # the row's positions under context parallelism too
+            positions = text_positions.unsqueeze(0).expand(3, -1) if text_positions.dim() == 1 else None
         position_ids = arguments["position_ids"]
         if position_ids is not None and torch.as_tensor(position_ids).ndim == 3:  # the caller's 3D positions
-            positions = packed.position_ids
+            positions = batch.rope_positions
 
         for pixels, grid, modality in (
             (pixel_values, image_grid_thw, IMAGE),
@@ -242,8 +250,12 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         ):
             if pixels is None:
                 continue
+            # Under context parallelism every rank encodes all the row's images and keeps the features of its
+            # shard's placeholders (the vision tower is small next to the decoder).
             features = self.encode_vision(pixels, torch.as_tensor(grid, device=pixels.device))
             slots = torch.nonzero(kind == modality).flatten()
+            if shard is not None:
+                slots, features = context_parallel.shard_slots(slots, features, shard, packed.num_tokens)
             if slots.numel() != features.shape[0]:  # guaranteed by the checks above; a last line of defence
                 raise ValueError(f"{slots.numel()} placeholder tokens but {features.shape[0]} vision features")
             embeds = embeds.index_copy(0, slots, features.to(device=embeds.device, dtype=embeds.dtype))

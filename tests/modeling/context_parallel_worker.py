@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import packed_model  # noqa: E402
+from vl_tiny import IMAGE, PATCH_DIM, grid_tensor, image_tokens, packed_vl_model  # noqa: E402
 
 from qwen35_packed.modeling import context_parallel  # noqa: E402
 
@@ -34,6 +35,8 @@ CASES = {
         "long_document_moe": ("moe", [3, 70, 7], [0, 41, 80], "shift_labels", "cu_seqlens"),
         # cut by shard_packed_row (even shards) from position_ids
         "shard_packed_row": ("dense", [7, 15, 10], None, "labels", "shard_packed_row"),
+        # vision-language: the boundary cuts an image's placeholder tokens (VL_DOCUMENTS)
+        "image_document_vl": ("vl", None, [0, 10, 31], "labels", "cu_seqlens"),
     },
     4: {
         # every boundary inside a document
@@ -44,13 +47,24 @@ CASES = {
         "short_shards_in_a_document": ("dense", [2, 28], [0, 10, 11, 13, 30], "shift_labels", "cu_seqlens"),
         # a one-token shard that is a whole document, between two straddled documents
         "one_token_shard_document": ("dense", [12, 1, 17], [0, 12, 13, 20, 30], "labels", "cu_seqlens"),
+        # both images of the row cut by boundaries; shard 1 holds image tokens only
+        "image_documents_vl": ("vl", None, [0, 10, 12, 22, 31], "shift_labels", "position_ids"),
     },
 }
-FAULTS = ("no_halo", "no_state_passing", "targets_not_crossing", "attention_local")
-# the cases every planted fault runs on
-FAULT_CASES = {
+# planted fault -> the cases it runs on, per world size
+TEXT_FAULT_CASES = {
     2: ["straddle_dense", "boundary_inside_halo", "long_document_moe"],
     4: ["straddle_every_boundary", "short_shards_in_a_document"],
+}
+FAULT_CASES = {
+    world: {
+        "no_halo": cases,
+        "no_state_passing": cases,
+        "targets_not_crossing": cases,
+        "attention_local": cases,
+        "image_features_from_the_first": [name for name, spec in CASES[world].items() if spec[0] == "vl"],
+    }
+    for world, cases in TEXT_FAULT_CASES.items()
 }
 
 
@@ -70,7 +84,12 @@ def planted(fault: str) -> dict:
     def attention_across_shards(q, k, v, packed, scale, choice, layout):  # a shard's queries see its keys only
         return cp.varlen_causal_attention(q, k, v, packed, scale, choice)
 
+    def shard_slots(slots, features, layout, tokens):  # the shard's placeholders take the row's first features
+        inside = (slots >= layout.offset) & (slots < layout.offset + tokens)
+        return slots[inside] - layout.offset, features[: int(inside.sum())]
+
     return {
+        "image_features_from_the_first": {"shard_slots": shard_slots},
         "no_halo": {"conv_history": conv_history},
         "no_state_passing": {"incoming_state": incoming_state},
         "targets_not_crossing": {"shard_targets": shard_targets},
@@ -78,27 +97,57 @@ def planted(fault: str) -> dict:
     }[fault]
 
 
-def row(kind_docs: list[int], vocab: int, seed: int) -> dict:
+# The vision-language row: a text document, a document with a 4x4 image, one with a 4x8 image (31 tokens).
+VL_GRIDS = [[1, 4, 4], [1, 4, 8]]
+
+
+def vl_row(seed: int) -> tuple[list[int], torch.Tensor, dict]:
     g = torch.Generator().manual_seed(seed)
+
+    def words(n):
+        return torch.randint(0, 100, (n,), generator=g).tolist()
+
+    docs = [words(5), words(3) + image_tokens(VL_GRIDS[0]) + words(4), image_tokens(VL_GRIDS[1]) + words(3)]
+    vision = {
+        "pixel_values": torch.randn(sum(t * h * w for t, h, w in VL_GRIDS), PATCH_DIM, generator=g),
+        "image_grid_thw": grid_tensor(VL_GRIDS),
+    }
+    return [len(d) for d in docs], torch.tensor([t for d in docs for t in d])[None], vision
+
+
+def row(kind_docs: list[int] | None, vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    vision = {}
+    if kind_docs is None:
+        kind_docs, ids, vision = vl_row(seed)
+    else:
+        ids = torch.randint(0, vocab, (1, sum(kind_docs)), generator=g)
     total = sum(kind_docs)
-    ids = torch.randint(0, vocab, (1, total), generator=g)
     labels = ids.clone()
+    labels[ids == IMAGE] = IGNORE
     labels[0, torch.randperm(total, generator=g)[: total // 6]] = IGNORE  # some positions without a target
     positions = torch.cat([torch.arange(n) for n in kind_docs])[None]
     cu = torch.tensor([0, *torch.tensor(kind_docs).cumsum(0).tolist()], dtype=torch.int32)
     shift = torch.full_like(labels, IGNORE)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         shift[0, start : end - 1] = labels[0, start + 1 : end]
-    return {"input_ids": ids, "labels": labels, "shift_labels": shift, "position_ids": positions, "cu_seqlens": cu}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "shift_labels": shift,
+        "position_ids": positions,
+        "cu_seqlens": cu,
+        "vision": vision,  # the whole row's images, given to every rank
+    }
 
 
 def run_case(name, spec, models, rank, world) -> dict:
     kind, docs, cuts, labels_form, boundaries = spec
     model = models[kind]
-    data = row(docs, model.config.vocab_size, seed=len(name))
+    data = row(docs, model.config.get_text_config().vocab_size, seed=len(name))
     model.set_context_parallel(None)
     model.zero_grad()
-    full = model(input_ids=data["input_ids"], cu_seqlens=data["cu_seqlens"], labels=data["labels"])
+    full = model(input_ids=data["input_ids"], cu_seqlens=data["cu_seqlens"], labels=data["labels"], **data["vision"])
     full.loss.backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -117,7 +166,7 @@ def run_case(name, spec, models, rank, world) -> dict:
             shard["position_ids"] = data["position_ids"][:, piece]
     model.zero_grad()
     model.set_context_parallel(dist.group.WORLD)
-    out = model(**shard)
+    out = model(**shard, **data["vision"])
     out.loss.backward()
     model.set_context_parallel(None)
 
@@ -147,12 +196,13 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     models = {kind: packed_model(kind) for kind in ("dense", "moe")}
+    models["vl"] = packed_vl_model("dense", seed=3)
     report = {"exact": {name: run_case(name, spec, models, rank, world) for name, spec in CASES[world].items()}}
-    for fault in FAULTS:
+    for fault, cases in FAULT_CASES[world].items():
         original = {name: getattr(context_parallel, name) for name in planted(fault)}
         for name, replacement in planted(fault).items():
             setattr(context_parallel, name, replacement)
-        report[fault] = {name: run_case(name, CASES[world][name], models, rank, world) for name in FAULT_CASES[world]}
+        report[fault] = {name: run_case(name, CASES[world][name], models, rank, world) for name in cases}
         for name, function in original.items():
             setattr(context_parallel, name, function)
     if rank == 0:
