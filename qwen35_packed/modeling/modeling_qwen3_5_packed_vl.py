@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
+from . import context_parallel  # called through the module: tests swap its functions for planted faults
+
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
 # `noqa: F401`), so that a folder loads with a fresh cache (tests/conversion/test_remote_code_audit.py checks the list).
@@ -39,7 +41,7 @@ from .causal_lm_head import PackedCausalLMHead
 from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
-from . import context_parallel
+from .context_parallel import shard_packed_row  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .kernel_selection import bound_kernels  # noqa: F401
