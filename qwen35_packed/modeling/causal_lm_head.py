@@ -103,11 +103,6 @@ class PackedCausalLMHead:
 
         aux_loss = None
         if batch.output_router_logits and run.router_logits:
-            if batch.shard is not None and loss is not None and text_config.router_aux_loss_coef > 0:
-                raise ValueError(
-                    "the MoE load-balancing loss is not computed under context parallelism (it averages router "
-                    "statistics over the whole row): set router_aux_loss_coef=0 or do not request router logits"
-                )
             if loss is not None and text_config.router_aux_loss_coef > 0:
                 log_once(
                     logger,

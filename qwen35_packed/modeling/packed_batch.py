@@ -265,6 +265,14 @@ def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
         raise ValueError("context parallelism runs training and scoring forwards: no cache (use_cache=False)")
     if arguments.get("output_attentions"):
         raise ValueError("output_attentions is not available under context parallelism")
+    output_router_logits = wants_router_logits(config, arguments.get("output_router_logits"))
+    if output_router_logits and getattr(config, "router_aux_loss_coef", 0):
+        raise ValueError(
+            "router logits with router_aux_loss_coef > 0 under context parallelism: the MoE load-balancing loss "
+            "averages router statistics over the whole row, which a shard does not hold, and trainers (TRL) would "
+            "add it computed on the shard. Set router_aux_loss_coef=0 (or do not request router logits: "
+            "output_router_logits=False, also in the config)"
+        )
     input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
     shape = input_shape(input_ids, inputs_embeds)
     device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -284,6 +292,6 @@ def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
         targets=targets,
         routed_experts=arguments.get("routed_experts"),
         output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
-        output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
+        output_router_logits=output_router_logits,
         shard=layout,
     )

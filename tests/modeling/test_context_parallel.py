@@ -115,10 +115,17 @@ def test_refused_shard_inputs(single_rank_group, inputs, message):
         model(**given)
 
 
-def test_aux_loss_is_refused_under_context_parallelism(single_rank_group):
+def test_router_logits_with_an_aux_loss_are_refused(single_rank_group):
+    """TRL adds the load-balancing loss of the router logits it gets back: on a shard's logits that would be a
+    different number, so a forward asked for them with a nonzero coefficient raises."""
     model = packed_model("moe", router_aux_loss_coef=0.01)
     model.set_context_parallel(single_rank_group)
     ids = torch.zeros(1, 6, dtype=torch.long)
-    with pytest.raises(ValueError, match="load-balancing loss"):
-        model(input_ids=ids, cu_seqlens=torch.tensor([0, 6]), labels=ids, output_router_logits=True)
-    model(input_ids=ids, cu_seqlens=torch.tensor([0, 6]), labels=ids)  # without router logits it runs
+    cu = torch.tensor([0, 6])
+    with pytest.raises(ValueError, match="router_aux_loss_coef > 0 under context parallelism"):
+        model(input_ids=ids, cu_seqlens=cu, labels=ids, output_router_logits=True)
+    with pytest.raises(ValueError, match="router_aux_loss_coef > 0 under context parallelism"):
+        model.model(input_ids=ids, cu_seqlens=cu, output_router_logits=True)  # the backbone, as TRL calls it
+    model(input_ids=ids, cu_seqlens=cu, labels=ids)  # without router logits it runs
+    model.config.router_aux_loss_coef = 0.0
+    assert len(model(input_ids=ids, cu_seqlens=cu, output_router_logits=True).router_logits) > 0

@@ -1,0 +1,82 @@
+"""Context parallelism in TRL's SFTTrainer (integrations/context_parallel.py): one SGD step with 2 processes, each
+holding half of the group's packed row (sft_context_parallel_worker.py under torchrun, gloo, DDP), gives the loss
+and the weights of one process training on the whole row; and the collator's shards, checked in one process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+from tiny_folders import build_tiny_folder  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "sft_context_parallel_worker.py"
+# Four documents of 1 to 30 tokens: each rank's batch holds two, the group's row all four.
+TEXTS_CP = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "?"]
+
+
+def sft_context_parallel_config(out_dir, **fields):
+    """One SGD step, fp32 on the CPU, padding-free, nothing saved or reported."""
+    return trl.SFTConfig(
+        output_dir=str(Path(out_dir) / "run"),
+        learning_rate=0.1,
+        optim="sgd",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        max_steps=1,
+        padding_free=True,
+        max_length=None,
+        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32},
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_sft_step_with_context_parallelism_equals_the_whole_row(kind, tmp_path):
+    # no MoE load-balancing loss: it is refused under context parallelism (tests/modeling/test_context_parallel.py)
+    folder = build_tiny_folder(tmp_path / "model", kind, router_aux_loss_coef=0.0)
+    out = tmp_path / "cp" / "report.json"
+    out.parent.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
+    done = subprocess.run(
+        [*cmd, "--folder", str(folder), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+
+    # the same step in one process on the whole row
+    trainer = trl.SFTTrainer(
+        model=str(folder),
+        args=sft_context_parallel_config(tmp_path / "single", per_device_train_batch_size=len(TEXTS_CP)),
+        train_dataset=datasets.Dataset.from_dict({"text": TEXTS_CP}),
+    )
+    losses, compute_loss = [], trainer.compute_loss
+    trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    single = losses[0].item()
+    expected = {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+    ranks = [steps[0] for steps in report["steps"]]
+    # each rank held its half of the row, with the row's targets shifted before cutting
+    tokens = [step["tokens"] for step in ranks]
+    assert abs(tokens[0] - tokens[1]) <= 1
+    assert all({"cu_seqlens", "shift_labels", "position_ids"} <= set(step["keys"]) for step in ranks)
+    # the Trainer's loss on a rank is its share times the process count: their mean is the row's loss
+    assert sum(step["loss"] for step in ranks) / 2 == pytest.approx(single, rel=1e-5)
+    got = torch.load(f"{out}.weights.pt")
+    moved = max(float((expected[n] - p).abs().max()) for n, p in got.items())
+    assert moved < 1e-5, moved
+    assert max(float((expected[n] - p).abs().max()) for n, p in initial.items()) > 1e-3  # the step moved them
