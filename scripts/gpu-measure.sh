@@ -34,6 +34,8 @@
 #   workload-4b-ours      bench_workload.py, Qwen3.5-4B full fine-tune, ours: one document of 32k
 #                (profiled) / 128k / 256k tokens                                                     ~7 min
 #   workload-4b-builtin   the same, the built-in: 32k / 128k                                          ~3 min
+#   context-parallel  tests/gpu/test_gpu_context_parallel.py (2 processes on the GPU, 35B-A3B layer shapes: the
+#                sharded row against the unsharded one, fp32 and bf16)                               ~5 min
 #   long-attention  tests/gpu/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
 #                against the varlen kernel, attention timed both ways), then workload-4b-ours's 32k and 128k rows
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
@@ -48,7 +50,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -73,6 +75,10 @@ case "$stage" in
     step moe-locate python3 benchmarks/moe_batch_invariance.py --model --out "$OUT/moe-locate.json"
     step moe-lora python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
       --runs builtin_lora,ours_lora --out "$OUT/moe-lora.json"
+    ;;
+  context-parallel)
+    step context-parallel env QWEN35_GPU_RESULTS="$OUT/gpu-context-parallel.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_context_parallel.py
     ;;
   moe-vocab)
     step moe-vocab python3 benchmarks/bench_moe.py --vocabs 248320 --runs builtin_correct_packed,ours_packed \

@@ -39,14 +39,18 @@ the gradients; a hand-written loop does the same (or sums the gradients over the
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
 
+from .kernel_selection import KernelChoice
 from .kernels import gated_delta_rule_varlen, varlen_causal_attention
 from .packing import PackedSequence, build_packed_sequence
 from .reference_kernels import sdpa_one_document
+from .utils import log_once
 
+logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
@@ -246,6 +250,21 @@ def open_shard(group, arguments: dict, device) -> tuple[PackedSequence, torch.Te
         next_first_label=gathered[4 * (rank + 1) + 3] if rank + 1 < world else IGNORE_INDEX,
     )
     return packed, rope_positions, layout
+
+
+def shard_kernels(choice: KernelChoice) -> KernelChoice:
+    """The kernels a shard runs: FLA's Triton delta rule where FlashQLA was chosen (a shard's first document
+    starts from a state carrying a gradient, and the state maps run with value dim Dk + Dv, which FlashQLA's
+    kernels do not take), said once."""
+    if choice.gdn != "flash_qla":
+        return choice
+    log_once(
+        logger,
+        "context-parallel-gdn",
+        "context parallelism: the GDN layers run FLA's Triton delta rule instead of FlashQLA (initial states with "
+        "gradients and state maps of value dim Dk + Dv)",
+    )
+    return dataclasses.replace(choice, gdn="fla")
 
 
 def shard_targets(targets: torch.Tensor, layout: ShardLayout) -> torch.Tensor:

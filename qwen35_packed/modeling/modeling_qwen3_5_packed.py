@@ -31,7 +31,7 @@ from .checkpoint_keys import (
     from_official_layout,
 )
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
-from .context_parallel import shard_packed_row  # noqa: F401
+from .context_parallel import shard_kernels, shard_packed_row  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
 from .kernel_selection import bound_kernels
@@ -213,10 +213,11 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `batch`: the kernels
         are bound for the stream's device and dtype, rope is taken at `batch.rope_positions`, a cache advances by
         the stream and the caller's columns, MoE layers replay `batch.routed_experts` (routing_replay.py)."""
+        kernels = bound_kernels(self.config, hidden.device, hidden.dtype)
+        if batch.shard is not None:
+            kernels = shard_kernels(kernels)
         batch = dataclasses.replace(
-            batch,
-            kernels=bound_kernels(self.config, hidden.device, hidden.dtype),
-            rope=self.rotary_emb.cos_sin(batch.rope_positions, hidden.dtype),
+            batch, kernels=kernels, rope=self.rotary_emb.cos_sin(batch.rope_positions, hidden.dtype)
         )
         replay = None
         if batch.routed_experts is not None:
