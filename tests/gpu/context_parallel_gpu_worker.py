@@ -66,13 +66,14 @@ def progress(message: str) -> None:
 
 
 def to_rank0(tensor: torch.Tensor, rank: int) -> torch.Tensor | None:
-    """Rank 1's tensor on rank 0 (gloo point to point; None on rank 1)."""
+    """Rank 1's tensor on rank 0 (gloo point to point, through host memory: gloo sends no CUDA tensors; None on
+    rank 1)."""
     if rank == 1:
-        dist.send(tensor.contiguous(), dst=0)
+        dist.send(tensor.detach().cpu().contiguous(), dst=0)
         return None
-    received = torch.empty_like(tensor)
+    received = torch.empty(tensor.shape, dtype=tensor.dtype)
     dist.recv(received, src=1)
-    return received
+    return received.to(tensor.device)
 
 
 def main():
