@@ -1,8 +1,8 @@
 """Worker for tests/gpu/test_gpu_context_parallel.py: 2 processes on one GPU (torchrun, gloo: NCCL refuses two ranks
 on one device), the 35B-A3B layer shapes (first 4 of 40 layers; vocab cut to 32,768), random weights, bf16. One
 packed row of 8,192 tokens whose 4,500-token document straddles the shard boundary, run with context parallelism
-over the two processes (4,096 tokens each) and unsharded, with the GPU kernels `auto` picks (FLA's delta rule). The
-control, on rank 0: the unsharded bf16 run against the same weights in fp32 through the PyTorch kernels (bf16
+over the two processes (4,096 tokens each) and unsharded, with the GPU kernels `auto` picks (FLA's delta rule), all
+runs replaying one routing (rank 0's, of the unsharded bf16 row). The control, on rank 0: the unsharded bf16 run against the same weights in fp32 through the PyTorch kernels (bf16
 rounding). Rank 0 writes the report: the largest logit difference, the loss difference, and per parameter group the
 relative (norm-wise) gradient difference, sharded (summed over the ranks) vs unsharded and for the control."""
 
@@ -101,9 +101,21 @@ def main():
     choice = kernel_selection.select_kernels(model.config, ids.device, torch.bfloat16)
     report = {"documents": LENGTHS, "shard_tokens": half, "vocab": VOCAB, "kernels": str(choice)}
 
+    # Every run replays rank 0's routing of the row (routing replay): at these shapes bf16 rounding flips near-tie
+    # routing choices, which would move the logits by far more than the arithmetic compared here.
+    with torch.no_grad():
+        router_logits = model(ids, cu_seqlens=cu, output_router_logits=True).router_logits
+    routed = torch.stack([layer.topk(config.num_experts_per_tok, dim=-1).indices for layer in router_logits], dim=1)
+    routed = routed.cpu()[None]  # [1, tokens, MoE layers, top-k]
+    dist.broadcast(routed, src=0)
+    routed = routed.to(ids.device)
+
     progress("sharded step")
     model.set_context_parallel(dist.group.WORLD)
-    loss, logits = step(model, {"input_ids": ids[:, piece], "labels": ids[:, piece], "cu_seqlens": cu})
+    loss, logits = step(
+        model,
+        {"input_ids": ids[:, piece], "labels": ids[:, piece], "cu_seqlens": cu, "routed_experts": routed[:, piece]},
+    )
     model.set_context_parallel(None)
     other_logits = to_rank0(logits[0], rank)
     other_loss = to_rank0(loss.reshape(1), rank)
@@ -117,7 +129,9 @@ def main():
         sharded_logits = torch.cat([logits[0], other_logits])
         sharded_loss = (loss + other_loss).item()
         progress("unsharded step, bf16")
-        full_loss, full_logits = step(model, {"input_ids": ids, "labels": ids, "cu_seqlens": cu})
+        full_loss, full_logits = step(
+            model, {"input_ids": ids, "labels": ids, "cu_seqlens": cu, "routed_experts": routed}
+        )
         reference = {n: p.grad.float() for n, p in model.named_parameters()}
         report["sharded_vs_unsharded"] = {
             "max_abs_logit_diff": (sharded_logits.float() - full_logits[0].float()).abs().max().item(),
@@ -128,7 +142,9 @@ def main():
         progress("unsharded step, fp32, PyTorch kernels (the control)")
         model.float()
         model.config.gdn_kernel, model.config.attention_kernel = "torch", "sdpa"
-        fp32_loss, fp32_logits = step(model, {"input_ids": ids, "labels": ids, "cu_seqlens": cu})
+        fp32_loss, fp32_logits = step(
+            model, {"input_ids": ids, "labels": ids, "cu_seqlens": cu, "routed_experts": routed}
+        )
         report["control_bf16_vs_fp32"] = {
             "max_abs_logit_diff": (full_logits[0].float() - fp32_logits[0]).abs().max().item(),
             "loss_diff": abs(full_loss.item() - fp32_loss.item()),
