@@ -188,6 +188,40 @@ def run_case(name, spec, models, rank, world) -> dict:
     }
 
 
+def run_fsdp2_case(rank, world) -> dict:
+    """Context parallelism composed with FSDP2 on the same ranks (fp32, the decoder layers and the root sharded
+    over all ranks, context parallelism over a group of its own): each rank's loss times the group size, as the
+    Trainer scales it, and FSDP2's gradient average give the unsharded row's gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    reference_model = packed_model("dense")
+    data = row([13, 19, 8], reference_model.config.vocab_size, seed=7)
+    full = reference_model(input_ids=data["input_ids"], cu_seqlens=data["cu_seqlens"], labels=data["labels"])
+    full.loss.backward()
+    model = packed_model("dense")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_context_parallel(dist.new_group(list(range(world))))
+    total = data["input_ids"].shape[1]
+    piece = slice(rank * total // world, (rank + 1) * total // world)
+    out = model(input_ids=data["input_ids"][:, piece], labels=data["labels"][:, piece], cu_seqlens=data["cu_seqlens"])
+    (out.loss * world).backward()
+    reference = dict(reference_model.named_parameters())
+    grad_error = max(float((p.grad.full_tensor() - reference[n].grad).abs().max()) for n, p in model.named_parameters())
+    loss = out.loss.detach().reshape(1)
+    dist.all_reduce(loss)
+    return {
+        "logits": float((out.logits[0] - full.logits[0, piece]).abs().max()),
+        "loss": abs(float(loss) - float(full.loss.detach())),
+        "grads": grad_error,
+        "logits_scale": float(full.logits.abs().max()),
+        "grad_scale": max(float(p.grad.abs().max()) for p in reference.values()),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -198,6 +232,7 @@ def main():
     models = {kind: packed_model(kind) for kind in ("dense", "moe")}
     models["vl"] = packed_vl_model("dense", seed=3)
     report = {"exact": {name: run_case(name, spec, models, rank, world) for name, spec in CASES[world].items()}}
+    report["exact"]["fsdp2_on_the_same_ranks"] = run_fsdp2_case(rank, world)
     for fault, cases in FAULT_CASES[world].items():
         original = {name: getattr(context_parallel, name) for name in planted(fault)}
         for name, replacement in planted(fault).items():

@@ -43,7 +43,9 @@ def reports(tmp_path_factory):
     return {world: run_worker(tmp_path_factory, world) for world in (2, 4)}
 
 
-@pytest.mark.parametrize("world,case", [(world, case) for world, cases in CASES.items() for case in cases])
+@pytest.mark.parametrize(
+    "world,case", [(world, case) for world, cases in CASES.items() for case in [*cases, "fsdp2_on_the_same_ranks"]]
+)
 def test_sharded_row_equals_unsharded(reports, world, case):
     result = reports[world]["exact"][case]
     assert result["logits"] <= TOLERANCE, result
