@@ -372,6 +372,8 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
         """`labels`: one per document ([documents] or [documents, num_labels]), in the order of `logits`."""
         labels = arguments["labels"]
         run = self.model.run({**arguments, "labels": None})  # document labels, not token targets
+        if run.batch.shard is not None:  # a document's score token may sit on another rank
+            raise ValueError("sequence classification is not available under context parallelism")
         packed = run.batch.packed
         scored = document_score_index(packed, arguments["input_ids"], self.config.get_text_config().pad_token_id)
         logits = self.score(run.hidden.index_select(0, scored))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import packed_model
+from conftest import packed_model, tiny_kwargs
 
 from qwen35_packed.modeling.context_parallel import shard_packed_row
 
@@ -131,3 +131,12 @@ def test_router_logits_with_an_aux_loss_are_refused(single_rank_group):
     model(input_ids=ids, cu_seqlens=cu, labels=ids)  # without router logits it runs
     model.config.router_aux_loss_coef = 0.0
     assert len(model(input_ids=ids, cu_seqlens=cu, output_router_logits=True).router_logits) > 0
+
+
+def test_sequence_classification_is_refused(single_rank_group):
+    from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForSequenceClassification
+
+    model = Qwen3_5PackedForSequenceClassification(Qwen3_5PackedConfig(**tiny_kwargs("dense"), num_labels=2))
+    model.set_context_parallel(single_rank_group)
+    with pytest.raises(ValueError, match="sequence classification is not available under context parallelism"):
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seqlens=torch.tensor([0, 6]))
