@@ -79,7 +79,11 @@ def test_shard_packed_row_cuts_contiguous_even_shards():
 
 @pytest.fixture
 def single_rank_group(tmp_path):
-    """A gloo group of one process (the model's context-parallel path with nothing to exchange)."""
+    """A gloo group of one process (the model's context-parallel path with nothing to exchange); a group of this
+    process alone where an earlier test of the session left a default group (Accelerate's state does)."""
+    if dist.is_initialized():
+        yield dist.new_group([dist.get_rank()], backend="gloo")
+        return
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
