@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..modeling.context_parallel import IGNORE_INDEX, shard_packed_row
+from ..modeling.context_parallel import shard_packed_row
+from ..modeling.packing import build_packed_sequence, shift_labels_within_documents
 
 # Per-token entries of a padding-free batch that the row's shards carry; the boundary entries are replaced by the
 # row's cu_seqlens (shard_packed_row).
@@ -54,8 +55,9 @@ class ContextParallelCollator:
         if any(set(r) != set(tokens) for r in rows):
             raise ValueError("the ranks' batches hold different entries; they cannot be joined into one row")
         row = {name: torch.cat([r[name] for r in rows], dim=-1 if name == "position_ids" else 1) for name in tokens}
-        if "labels" in row:
-            row["shift_labels"] = _shift_within_documents(row["labels"], row["position_ids"])
+        if "labels" in row:  # the row's next-token targets, shifted within its documents before cutting
+            packed = build_packed_sequence(tuple(row["labels"].shape), "cpu", position_ids=row["position_ids"].cpu())
+            row["shift_labels"] = shift_labels_within_documents(row["labels"].cpu(), packed).view(1, -1)
         shard = shard_packed_row(row, dist.get_rank(self.group), len(rows))
         return {**batch, **{name: shard[name] for name in (*row, "cu_seqlens")}}
 
@@ -67,12 +69,3 @@ def _per_token(name: str, value, length: int) -> bool:
     if name == "position_ids":
         return value.shape[-1] == length
     return value.shape[0] == 1 and value.shape[1] == length
-
-
-def _shift_within_documents(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """[1, n] next-token targets of a packed row: label t+1 where token t+1 continues token t's document."""
-    positions = position_ids.reshape(-1, labels.shape[-1])[0]
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    continues = positions[1:] != 0
-    shifted[0, :-1] = torch.where(continues, labels[0, 1:], IGNORE_INDEX)
-    return shifted

@@ -299,10 +299,14 @@ def conv_history(mixed: torch.Tensor, packed: PackedSequence, layout: ShardLayou
 
 
 def _last_document(packed: PackedSequence) -> tuple[int, PackedSequence]:
-    bounds = packed.cu_seqlens_cpu()
-    start = int(bounds[-2])
-    length = int(bounds[-1]) - start
-    return start, build_packed_sequence((1, length), packed.cu_seqlens.device)
+    """(where the stream's last document starts, that document as a stream of its own), built once per stream and
+    shared by every GDN layer (FLA memoises its varlen indices by the boundaries' identity)."""
+    if "last_document" not in packed._derived:
+        bounds = packed.cu_seqlens_cpu()
+        start = int(bounds[-2])
+        length = int(bounds[-1]) - start
+        packed._derived["last_document"] = (start, build_packed_sequence((1, length), packed.cu_seqlens.device))
+    return packed._derived["last_document"]
 
 
 def incoming_state(q, k, v, g, beta, packed: PackedSequence, choice, layout: ShardLayout) -> torch.Tensor:
@@ -391,8 +395,8 @@ def shard_packed_row(row: dict, rank: int, world_size: int) -> dict:
         positions = row.get("position_ids")
         if positions is None or torch.as_tensor(positions).ndim != 2:
             raise ValueError("shard_packed_row needs the row's cu_seqlens or its 2D position_ids")
-        starts = torch.nonzero(torch.as_tensor(positions)[0] == 0).flatten().cpu()
-        shard["cu_seqlens"] = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+        packed = build_packed_sequence((1, total), "cpu", position_ids=torch.as_tensor(positions).cpu())
+        shard["cu_seqlens"] = packed.cu_seqlens_cpu().to(torch.int32)
     for name in ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "routed_experts"):
         if row.get(name) is not None:
             shard[name] = row[name][:, piece]
