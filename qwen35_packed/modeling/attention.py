@@ -63,10 +63,9 @@ class GatedAttention(nn.Module):
             out = self._attend_with_cache(q, k, v, batch.packed, batch.cache)
         if batch.attentions is not None:  # the slow reference path, only when asked; `out` is the kernel's
             if batch.continues_cache:
-                columns = batch.cache.get_seq_length() + batch.columns
                 key_rows = batch.cache.layers[self.layer_idx].key_rows
                 batch.attentions.append(
-                    cached_attention_probabilities(q, key_rows, batch.packed, columns, self.scaling)
+                    cached_attention_probabilities(q, key_rows, batch.packed, batch.cache.real_columns, self.scaling)
                 )
             else:
                 batch.attentions.append(stream_attention_probabilities(q, k, batch.packed, self.scaling))

@@ -8,8 +8,8 @@ states, logits and loss are the same with or without output_attentions. The cost
 [batch, heads, seq, keys] per layer, formed only when asked.
 
 The layout is the built-in's, [batch, heads, query columns, key columns] in the caller's columns: pad positions
-hold zeros (as queries and as keys), and in a cached step each row's keys are right-aligned in the columns consumed
-so far, where its tokens are (cache.py keeps rows that way).
+hold zeros (as queries and as keys), and in a cached step each row's keys sit in the columns of its real tokens
+(the cache's `real_columns`).
 """
 
 from __future__ import annotations
@@ -41,21 +41,23 @@ def stream_attention_probabilities(
 
 
 def cached_attention_probabilities(
-    q: torch.Tensor, key_rows: list[torch.Tensor], packed: PackedSequence, columns: int, scaling: float
+    q: torch.Tensor, key_rows: list[torch.Tensor], packed: PackedSequence, earlier: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """A cached step: q [N, H, D] of the new tokens (all real, one row each), key_rows[b] [L_b, Hkv, D] the row's
-    keys so far, the new ones last; `columns` the key columns consumed, new ones included -> [B, H, S_new, columns]."""
+    """A cached step: q [N, H, D] of the new real tokens (one document per row), key_rows[b] [L_b, Hkv, D] the
+    row's keys so far, the new ones last, `earlier` bool [B, consumed columns] the columns of the row's earlier real
+    tokens (the cache's real_columns) -> [B, H, new columns, all columns]."""
     queries = packed.unpack(q)
-    batch, new = queries.shape[:2]
+    new_real = packed.real_mask()
+    batch, new = new_real.shape
+    real = torch.cat([earlier.to(new_real.device), new_real], dim=1)
+    columns = real.shape[1]
     keys = key_rows[0].new_zeros(batch, columns, *key_rows[0].shape[1:])
-    allowed = torch.zeros(batch, new, columns, dtype=torch.bool, device=q.device)
     for row, row_keys in enumerate(key_rows):
-        length = row_keys.shape[0]
-        keys[row, columns - length :] = row_keys
-        # causal with the new queries as the last `new` of the row's keys
-        allowed[row, :, columns - length :] = torch.ones(new, length, dtype=torch.bool, device=q.device).tril(
-            length - new
-        )
+        keys[row, real[row]] = row_keys
+    # a real query sees the real keys in its own column and before it
+    query_column = earlier.shape[1] + torch.arange(new, device=q.device)
+    causal = torch.arange(columns, device=q.device)[None, :] <= query_column[:, None]
+    allowed = real[:, None, :] & causal[None] & new_real[:, :, None]
     return _softmax(queries, keys, allowed, scaling)
 
 

@@ -12,11 +12,13 @@ It is a transformers `Cache`, so generate(), beam search and code that reads tra
 - a full-attention layer is `PerRowKeysValues`: the keys/values of every row's real tokens only, without padding
   (`key_rows[b]` [tokens of row b, kv_heads, head_dim]), so left-padded prompts decode exactly like unpadded ones.
   Its `keys` / `values` give transformers' layout [B, kv_heads, columns, head_dim], built when read: each row's
-  tokens right-aligned, zeros in the columns of its padding (where a DynamicCache holds the padding tokens' keys).
+  tokens in their columns (`real_columns`), zeros in the columns of its padding (where a DynamicCache holds the
+  padding tokens' keys).
 `get_seq_length()` counts the caller's columns consumed, padding included, as transformers' caches do.
 
 Supported: generate(), continuing generation from a returned cache (with the returned sequences or with
-inputs_embeds that extend the cached prompt), beam search (`reorder_cache`), `batch_repeat_interleave` /
+inputs_embeds that extend the cached prompt; new tokens may be masked, as in a forward with holes: packing.py),
+beam search (`reorder_cache`), `batch_repeat_interleave` /
 `batch_select_indices`. Refused with an error: `update` and the conv/recurrent state updates (the packed layers
 write this cache themselves), `crop` and past recording (assisted decoding: a GDN state cannot be rolled back),
 `reset`, and transformers' attention masks (`get_mask_sizes`). `as_packed_cache` takes the cache argument a caller
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .packing import PackedSequence
+from .packing import PackedSequence, continuation_sequence
 
 try:
     from transformers.cache_utils import LinearAttentionLayer
@@ -79,10 +81,10 @@ class PerRowKeysValues:
     def _as_columns(self, rows: list[torch.Tensor | None]) -> torch.Tensor | None:
         if rows[0] is None:
             return None
-        columns = self._cache.get_seq_length()
-        out = rows[0].new_zeros(len(rows), columns, *rows[0].shape[1:])
+        real = self._cache.real_columns
+        out = rows[0].new_zeros(len(rows), real.shape[1], *rows[0].shape[1:])
         for b, row in enumerate(rows):
-            out[b, columns - row.shape[0] :] = row
+            out[b, real[b].to(row.device)] = row
         return out.transpose(1, 2)
 
     def get_max_length(self) -> int:
@@ -111,6 +113,9 @@ class Qwen3_5PackedCache(Cache):
         )
         self.seen_tokens: torch.Tensor | None = None  # long [B]: real tokens consumed per row
         self.consumed_columns = 0  # columns of the caller's input_ids consumed (padding included)
+        # The consumed columns in order: bool [B, c] where some are masked, a count where all of them are real (every
+        # decode step), so a long generation keeps a few entries (real_columns).
+        self._column_chunks: list[torch.Tensor | int] = []
         # long [B] or None: added to the rope position of every cached step. After a multimodal prefill the next text
         # position is the prompt's largest (t, h, w) position + 1, not its token count (the built-in's rope_deltas).
         self.position_offset: torch.Tensor | None = None
@@ -118,6 +123,18 @@ class Qwen3_5PackedCache(Cache):
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    @property
+    def real_columns(self) -> torch.Tensor:
+        """bool [B, consumed columns]: True at the columns of real tokens (where the keys of `PerRowKeysValues` sit)."""
+        device = next((c.device for c in self._column_chunks if isinstance(c, torch.Tensor)), None)
+        return torch.cat(
+            [
+                c if isinstance(c, torch.Tensor) else torch.ones(self.batch_size, c, dtype=torch.bool, device=device)
+                for c in self._column_chunks
+            ],
+            dim=1,
+        )
 
     @property
     def has_state(self) -> bool:
@@ -148,24 +165,26 @@ class Qwen3_5PackedCache(Cache):
         ):
             flags[0] = True
 
-    def decode_sequence(self, batch: int, q_len: int, device) -> PackedSequence:
-        """The packed view of a cached step: row b is document b, positions continue after its cached tokens."""
+    def decode_sequence(self, batch: int, q_len: int, device, new_real: torch.Tensor | None = None) -> PackedSequence:
+        """The packed view of a cached step: row b is document b, positions continue after its cached tokens;
+        `new_real` (bool [batch, q_len]) marks the real new tokens when some are masked (packing.continuation_sequence)."""
         if batch != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows but the input has {batch}")
-        host_cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int64)
         start = self.seen_tokens.to(device)
         if self.position_offset is not None:
             start = start + self.position_offset.to(device)
-        positions = (start.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
-        # The boundaries are built on the host, so no decode step copies them back from the device.
-        return PackedSequence(
-            host_cu.to(device, torch.int32), q_len, positions, None, (batch, q_len), host_cu_seqlens=host_cu
-        )
+        return continuation_sequence(new_real, batch, q_len, start, device)
 
     def advance(self, packed: PackedSequence, columns: int) -> None:
         lengths = packed.doc_lengths().long()
         self.seen_tokens = lengths if self.seen_tokens is None else self.seen_tokens.to(lengths.device) + lengths
         self.consumed_columns += columns
+        if packed.token_index is not None:
+            self._column_chunks.append(packed.real_mask())
+        elif self._column_chunks and not isinstance(self._column_chunks[-1], torch.Tensor):
+            self._column_chunks[-1] += columns
+        else:
+            self._column_chunks.append(columns)
 
     def _select_rows(self, index: torch.LongTensor) -> None:
         """Row b becomes the old row index[b] (index may repeat rows or drop them)."""
@@ -177,6 +196,9 @@ class Qwen3_5PackedCache(Cache):
             for states in (layer.conv_states, layer.recurrent_states):
                 if states[0] is not None:
                     states[0] = states[0].index_select(0, index.to(states[0].device))
+        self._column_chunks = [
+            c.index_select(0, index.to(c.device)) if isinstance(c, torch.Tensor) else c for c in self._column_chunks
+        ]
         for name in ("seen_tokens", "position_offset"):
             value = getattr(self, name)
             if value is not None:

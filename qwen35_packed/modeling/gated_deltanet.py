@@ -4,7 +4,8 @@ Projections (keys as in the official checkpoints): in_proj_qkv -> short causal d
 + SiLU -> split q, k, v; in_proj_b -> beta = sigmoid(b); in_proj_a -> g = -exp(A_log) * softplus(a + dt_bias)
 (fp32); gated delta rule with qk l2-norm; gated RMSNorm with in_proj_z; out_proj.
 
-Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence. Under
+Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence. Masked
+tokens between real ones (an attention mask with holes) are zero inputs here, as in the built-in. Under
 context parallelism the shard's first document continues from the earlier ranks: the conv reads their last inputs
 and the recurrence starts from the state they reach (context_parallel.py).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
@@ -79,7 +80,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """hidden_states [N, hidden] (the packed stream of `batch`); reads and advances `batch.cache` if any."""
-        n, packed, choice, cache = hidden_states.shape[0], batch.packed, batch.kernels, batch.cache
+        spans = batch.packed.spans
+        if spans is None:
+            return self._run(hidden_states, batch.packed, batch)
+        # Masked tokens between real ones: zero inputs the conv and the recurrence run through (packing.py)
+        return spans.gather(self._run(spans.spread(hidden_states), spans.stream, batch))
+
+    def _run(self, hidden_states: torch.Tensor, packed, batch: PackedBatch) -> torch.Tensor:
+        """The layer on the stream `packed` (the batch's own, or its RecurrentSpans' stream)."""
+        n, choice, cache = hidden_states.shape[0], batch.kernels, batch.cache
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states)
         g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)

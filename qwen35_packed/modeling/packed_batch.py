@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import sys
 
 import torch
@@ -23,6 +24,9 @@ from .cache import Qwen3_5PackedCache, as_packed_cache
 from .context_parallel import ShardLayout
 from .kernel_selection import KernelChoice
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
 
 # The keyword arguments of the packing contract (packing.py), in the order the public signatures list them.
 PACKING_ARGUMENTS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -222,16 +226,31 @@ def open_packed_batch(config, arguments: dict, *, training: bool, context_parall
             raise ValueError(
                 "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
             )
-        if attention_mask is not None and not bool(attention_mask[:, -shape[1] :].bool().all()):
-            raise ValueError("with a cache, the new tokens must all be real (attention_mask 1 on them)")
-        packed = cache.decode_sequence(shape[0], shape[1], device)
+        new_real = None
+        if attention_mask is not None:
+            if attention_mask.ndim != 2 or attention_mask.shape[1] < shape[1]:
+                raise ValueError(
+                    "with a cache, attention_mask must be a 2D [batch, columns] padding mask covering the new tokens, "
+                    f"got shape {tuple(attention_mask.shape)} for {shape[1]} new tokens"
+                )
+            new_real = attention_mask[:, -shape[1] :].bool()
+            new_real = None if bool(new_real.all()) else new_real.to(device)
+        packed = cache.decode_sequence(shape[0], shape[1], device, new_real)
         if position_ids is not None and torch.as_tensor(position_ids).dim() == 2:
-            if not torch.equal(position_ids.reshape(-1).to(packed.position_ids), packed.position_ids):
+            if not torch.equal(packed.pack(position_ids).to(packed.position_ids), packed.position_ids):
                 raise ValueError("position_ids contradict the cache: generation positions continue per row")
     else:
         packed = build_packed_sequence(
             shape, device, attention_mask, position_ids, *(arguments.get(name) for name in PACKING_ARGUMENTS)
         )
+        if packed.spans is not None and position_ids is None:
+            log_once(
+                logger,
+                "holes-positions",
+                "attention_mask with holes: the positions count each row's real tokens, as generate() gives them "
+                "(transformers' built-in text classes count columns, holes included, in a forward without "
+                "position_ids); pass position_ids to set them",
+            )
         # A cache holds one document per row: of the cache given, else of the batch.
         one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
         if use_cache is None:

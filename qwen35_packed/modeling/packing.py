@@ -5,7 +5,8 @@ Accepted entry forms (precedence from the most explicit to the least):
   (c) `cu_seq_lens_q` / `cu_seq_lens_k` (+ `max_length_q` / `max_length_k`), the flash-attention kwargs that
       transformers' DataCollatorWithFlattening path produces (batch size 1; q and k must be equal);
   (b) `position_ids` that restart at 0 for every document (one or more rows);
-  (a) a padded batch with a 2D `attention_mask` (left and/or right padding, no holes).
+  (a) a padded batch with a 2D `attention_mask` (left and/or right padding; a row with holes, real tokens after
+      padding inside it, is one document: see below).
 `seq_idx` [batch, seq_len] (the document index of every token, as TRL's flattening collator and
 DataCollatorWithFlattening(return_seq_idx=True) add it for linear-attention convs) may accompany any form: a
 document starts wherever it changes within a row. Alone (or with padding only) it gives the boundaries, like
@@ -17,6 +18,13 @@ the problem.
 
 Every row of a padded batch is one document (or several, when its position_ids restart); pad tokens are dropped
 before the first layer, so no layer ever computes on them, and outputs are scattered back to the padded layout.
+
+A mask with holes (real tokens after padding inside a row) is taken as transformers' built-in classes take it: the
+row is one document whose masked tokens no attention query sees and no position counts, and which the Gated
+DeltaNet layers read as zero inputs, their conv and recurrence running through them (the built-in zeroes the
+hidden states of masked tokens before those layers: `apply_mask_to_padding_states`). The holes are kept for those
+layers only (`RecurrentSpans`); every other layer runs on the real tokens. Such a row's `position_ids` must count
+its real tokens (what generate() gives); `seq_idx` and unshifted `labels` are refused with it (see loss_targets).
 """
 
 from __future__ import annotations
@@ -38,6 +46,26 @@ class AttentionSegment:
     max_seqlen: int = 0
 
 
+@dataclass(frozen=True)
+class RecurrentSpans:
+    """The stream the Gated DeltaNet layers run on where masked tokens sit between real ones (a mask with holes,
+    or padding in the new tokens of a cached step): each document spans its columns up to its last real token,
+    from its first real token (or from the first new column, continuing a cache), and the masked tokens in it are
+    zero inputs, as the built-in zeroes them."""
+
+    stream: PackedSequence  # the documents with their masked tokens, in the order of the real stream
+    real: torch.Tensor  # long [num_tokens of the real stream]: where each real token sits in `stream`
+    masked_columns: torch.Tensor  # long: flat caller indices (batch * seq_len) of the masked tokens in `stream`
+
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] on the real stream -> [N', ...] on `stream`, zeros at the masked tokens."""
+        return x.new_zeros(self.stream.num_tokens, *x.shape[1:]).index_copy(0, self.real, x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[N', ...] on `stream` -> [N, ...] at the real tokens."""
+        return x.index_select(0, self.real)
+
+
 @dataclass
 class PackedSequence:
     """One varlen stream of `num_tokens` real tokens, split into documents by `cu_seqlens`."""
@@ -49,6 +77,8 @@ class PackedSequence:
     batch_shape: tuple[int, int]  # (batch, seq_len) of the caller's layout
     # int64 CPU copy of cu_seqlens when the builder already holds the boundaries on the host; else made on first use.
     host_cu_seqlens: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Masked tokens between real ones, which the Gated DeltaNet layers read as zero inputs (None: there are none).
+    spans: RecurrentSpans | None = field(default=None, repr=False, compare=False)
     # Per-token indices derived from cu_seqlens (which never changes), computed once and shared by all layers.
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -138,6 +168,14 @@ class PackedSequence:
         out = out.index_copy(0, self.token_index, x)
         return out.reshape(batch, seq_len, *x.shape[1:])
 
+    def real_mask(self) -> torch.Tensor:
+        """bool [batch, seq_len]: True at the caller's columns that hold a token of the stream."""
+        batch, seq_len = self.batch_shape
+        if self.token_index is None:
+            return torch.ones(batch, seq_len, dtype=torch.bool, device=self.cu_seqlens.device)
+        real = torch.zeros(batch * seq_len, dtype=torch.bool, device=self.token_index.device)
+        return real.index_fill(0, self.token_index, True).view(batch, seq_len)
+
 
 def input_shape(input_ids, inputs_embeds) -> tuple[int, int]:
     """(batch, seq_len) of the caller's tokens; exactly one of input_ids [B, T] / inputs_embeds [B, T, H]."""
@@ -181,17 +219,38 @@ def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> tor
     if attention_mask.dtype.is_floating_point:
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must contain only 0 and 1")
-    valid = attention_mask.bool()
-    # Left and/or right padding only: the real tokens of a row must be one contiguous run.
+    return attention_mask.bool()
+
+
+def _rows_with_holes(valid: torch.Tensor) -> torch.Tensor:
+    """bool [batch]: rows whose real tokens are not one contiguous run (real tokens after padding inside them)."""
     as_int = valid.to(torch.int8)
     rises = (as_int[:, 1:] - as_int[:, :-1] == 1).sum(dim=1) + as_int[:, 0]
-    if bool((rises > 1).any()):
-        rows = torch.nonzero(rises > 1).flatten().tolist()
-        raise ValueError(
-            f"attention_mask has holes (real tokens after padding inside a row) in rows {rows}; only left and/or "
-            "right padding is accepted. Pack documents with position_ids or cu_seqlens instead."
-        )
-    return valid
+    return rises > 1
+
+
+def _recurrent_spans(
+    span: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, token_index: torch.Tensor
+) -> RecurrentSpans:
+    """RecurrentSpans of the columns `span` (bool [B, S], the real tokens and the masked ones the recurrent layers
+    read), split where `starts` (bool [B, S]) is True; `token_index` the real stream's flat caller indices."""
+    batch, seq_len = span.shape
+    flat_span = span.reshape(-1)
+    span_index = torch.nonzero(flat_span).flatten()
+    host_starts = torch.nonzero(starts.reshape(-1).index_select(0, span_index).cpu()).flatten()
+    host = torch.cat([host_starts, host_starts.new_tensor([span_index.numel()])])
+    stream = PackedSequence(
+        host.to(torch.int32).to(span.device, non_blocking=True),
+        int((host[1:] - host[:-1]).max()),
+        None,
+        span_index,
+        (batch, seq_len),
+        host,
+    )
+    stream.position_ids = stream.position_in_doc()
+    rank = torch.cumsum(flat_span.to(torch.long), 0) - 1  # place of every spanned column in the span stream
+    masked = torch.nonzero(flat_span & ~valid.reshape(-1)).flatten()
+    return RecurrentSpans(stream, rank.index_select(0, token_index), masked)
 
 
 def _check_positions_match(position_ids: torch.Tensor, expected: torch.Tensor, source: str) -> None:
@@ -277,6 +336,15 @@ def build_packed_sequence(
 
     # (a) padding and/or (b) restarting position ids.
     valid = _padding_mask(attention_mask, batch, seq_len) if attention_mask is not None else None
+    holes = _rows_with_holes(valid) if valid is not None else None
+    if holes is not None and not bool(holes.any()):
+        holes = None
+    if holes is not None and seq_idx_changes is not None:
+        rows = torch.nonzero(holes).flatten().tolist()
+        raise ValueError(
+            f"seq_idx cannot be combined with an attention_mask with holes (real tokens after padding inside rows "
+            f"{rows}): such a row is one document"
+        )
     flat_valid = valid.reshape(-1) if valid is not None else None
     token_index = None
     if flat_valid is not None and not bool(flat_valid.all()):
@@ -293,7 +361,8 @@ def build_packed_sequence(
     else:
         starts[:, 0] = True
     if position_ids is not None:
-        starts |= position_ids == 0
+        # a row with holes is one document: a position 0 after its first real token breaks the count (below)
+        starts |= (position_ids == 0) if holes is None else (position_ids == 0) & ~holes[:, None]
     elif seq_idx_changes is not None:  # seq_idx is the boundary source (checked against position_ids otherwise)
         starts |= seq_idx_changes
     flat_starts = starts.reshape(-1)
@@ -310,10 +379,15 @@ def build_packed_sequence(
         given = packed.pack(position_ids)
         if not torch.equal(given.to(derived.dtype), derived):
             bad = int(torch.nonzero(given.to(derived.dtype) != derived)[0])
+            holes_note = (
+                "; a row whose attention_mask has holes is one document, its positions count its real tokens"
+                if holes is not None
+                else ""
+            )
             raise ValueError(
                 "position_ids must count 0, 1, 2, ... within each document (restarting at 0 for a new document, "
                 f"starting at the first real token of each row); real token {bad} has position {int(given[bad])} "
-                f"where {int(derived[bad])} was expected"
+                f"where {int(derived[bad])} was expected{holes_note}"
             )
     if mrope_positions is None:
         packed.position_ids = derived
@@ -321,6 +395,44 @@ def build_packed_sequence(
         packed.position_ids = torch.stack([packed.pack(p) for p in mrope_positions])
     if seq_idx_changes is not None and position_ids is not None:
         _check_seq_idx_matches(packed, seq_idx_changes, "position_ids")
+    if holes is not None:
+        # between each row's first and last real token (a row with holes is one document)
+        after_first = valid.to(torch.int8).cummax(dim=1).values.bool()
+        before_last = valid.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
+        packed.spans = _recurrent_spans(valid | (after_first & before_last), starts, valid, token_index)
+    return packed
+
+
+def continuation_sequence(
+    new_real: torch.Tensor | None, batch: int, columns: int, first_position: torch.Tensor, device
+) -> PackedSequence:
+    """The packed view of a cached step: row b is document b, continuing its cached tokens; its positions count
+    on from `first_position[b]`. `new_real` (bool [batch, columns], None when every new token is real) marks the
+    new tokens that are real: the masked ones are dropped, and where they come before a row's last real token the
+    Gated DeltaNet layers read them as zero inputs (RecurrentSpans), as in a forward with holes."""
+    if new_real is None:
+        host_cu = torch.arange(0, (batch + 1) * columns, columns, dtype=torch.int64)
+        positions = (first_position.unsqueeze(1) + torch.arange(columns, device=device)).reshape(-1)
+        # The boundaries are built on the host, so no decode step copies them back from the device.
+        return PackedSequence(
+            host_cu.to(device, torch.int32), columns, positions, None, (batch, columns), host_cu_seqlens=host_cu
+        )
+    counts = new_real.sum(dim=1).cpu()
+    if bool((counts == 0).any()):
+        rows = torch.nonzero(counts == 0).flatten().tolist()
+        raise ValueError(f"a cached step needs a real new token in every row; rows {rows} have none")
+    host = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    token_index = torch.nonzero(new_real.reshape(-1)).flatten()
+    packed = PackedSequence(
+        host.to(torch.int32).to(device), int(counts.max()), None, token_index, (batch, columns), host
+    )
+    packed.position_ids = first_position.to(device)[packed.doc_index()] + packed.position_in_doc()
+    # every new column up to the row's last real token: the row's recurrence runs on through masked ones
+    span = new_real.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
+    if bool((span & ~new_real).any()):
+        starts = torch.zeros_like(span)
+        starts[:, 0] = True
+        packed.spans = _recurrent_spans(span, starts, new_real, token_index)
     return packed
 
 
@@ -392,6 +504,21 @@ def loss_targets(packed: PackedSequence, labels=None, shift_labels=None, ignore_
         if value is not None and tuple(value.shape) != packed.batch_shape:
             raise ValueError(
                 f"{name} must have the shape of input_ids {list(packed.batch_shape)}, got {list(value.shape)}"
+            )
+    if packed.spans is not None:
+        # The built-in shifts targets over columns, so with holes it scores the logits of masked tokens (which this
+        # model does not compute) and gives the real token before a hole the hole's label.
+        if shift_labels is None:
+            raise ValueError(
+                "labels with an attention_mask with holes (real tokens after padding inside a row) are ambiguous: "
+                "shifted over columns they give the token before a hole the masked token's label, as the built-in "
+                f"does. Pass shift_labels (the target of every real token, {ignore_index} at masked positions)"
+            )
+        at_masked = shift_labels.reshape(-1).index_select(0, packed.spans.masked_columns.to(shift_labels.device))
+        if bool((at_masked != ignore_index).any()):
+            raise ValueError(
+                f"shift_labels give masked tokens inside a row (holes of the attention_mask) a target; put "
+                f"{ignore_index} there: this model computes no prediction at masked tokens"
             )
     if shift_labels is None:
         return shift_labels_within_documents(labels, packed, ignore_index)

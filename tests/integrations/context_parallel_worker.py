@@ -107,6 +107,8 @@ def main():
     report["after"] = outcome(lambda: model(**batch(vocab)).loss.backward())
 
     Path(f"{args.out}.{rank}").write_text(json.dumps(report, indent=1))
+    # every rank leaves together: gloo can abort a rank that tears down while its peer is still working
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -168,6 +168,8 @@ def main():
             **meta_report,
         }
         args.out.write_text(json.dumps(report))
+    # every rank leaves together: gloo can abort a rank that tears down while its peer is still working
+    dist.barrier()
     dist.destroy_process_group()
 
 

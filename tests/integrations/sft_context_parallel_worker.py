@@ -49,6 +49,8 @@ def main():
     if rank == 0:
         Path(args.out).write_text(json.dumps({"world": world, "steps": steps}))
         torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, f"{args.out}.weights.pt")
+    # every rank leaves together: gloo can abort a rank that tears down while its peer is still working
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """output_attentions: the attention probabilities of the full-attention layers (attention_probabilities.py), equal
 to the built-in's eager ones on unpacked input, per document on packed input, without changing any other output."""
 
+import pytest
 import torch
 from conftest import builtin_pair, packed_model, tiny_kwargs
 
@@ -67,12 +68,16 @@ def test_config_output_attentions_is_honoured_and_the_argument_wins():
         assert asking(ids, output_attentions=False).attentions is None
 
 
-def test_generate_attentions_match_builtin_per_step(kind):
+@pytest.mark.parametrize("holes", [False, True], ids=["left-padded", "with-holes"])
+def test_generate_attentions_match_builtin_per_step(kind, holes):
     ref, ours = builtin_pair(kind)
     ref.set_attn_implementation("eager")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    if holes:  # masked tokens inside both rows: the cached keys sit in their columns, none at the holes
+        mask[0, 5] = 0
+        mask[1, 2:4] = 0
     options = dict(max_new_tokens=4, do_sample=False, output_attentions=True, return_dict_in_generate=True)
     with torch.no_grad():
         expected = ref.generate(ids, attention_mask=mask, **options)

@@ -118,6 +118,34 @@ def test_continuing_from_a_returned_cache_equals_one_generate_call(kind, form):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_cached_step_with_masked_new_tokens_equals_one_forward(kind):
+    """A cached step whose new tokens start with masked ones in one row (a prompt continued after padding) gives the
+    logits of one forward over the whole mask with holes, and that forward the built-in's; the cache then holds
+    each row's keys in the columns of its real tokens, where the built-in's cache holds them."""
+    ref, ours = builtin_pair(kind)
+    ids = torch.randint(3, 120, (2, 20), generator=torch.Generator().manual_seed(9))
+    first, masked = 11, 4
+    mask = torch.ones_like(ids)
+    mask[1, first : first + masked] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        whole = ours(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = ours(ids[:, :first], attention_mask=mask[:, :first], use_cache=True).past_key_values
+        step = ours(ids[:, first:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert (whole.logits[real] - expected.logits[real]).abs().max().item() <= 1e-4
+    assert (step.logits[real[:, first:]] - whole.logits[:, first:][real[:, first:]]).abs().max().item() <= 1e-5
+    assert not step.logits[~real[:, first:]].any()
+    for got, built_in in zip(step.past_key_values.layers, expected.past_key_values.layers):
+        if isinstance(got, PerRowKeysValues):
+            torch.testing.assert_close(got.keys.transpose(1, 2)[real], built_in.keys.transpose(1, 2)[real])
+            assert not got.keys.transpose(1, 2)[~real].any()
+        else:  # the recurrence ran through the masked tokens as the built-in's did
+            torch.testing.assert_close(got.recurrent_states[0], built_in.recurrent_states[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_row_selection_moves_every_state_of_a_row(kind):
     """batch_select_indices / batch_repeat_interleave / reorder_cache: the next step of a selected row gives the
     logits its source row gives."""

@@ -5,7 +5,7 @@ import torch
 from conftest import packed_model, random_doc_lengths
 
 from qwen35_packed.modeling import gated_deltanet, reference_kernels
-from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence
+from qwen35_packed.modeling.packing import PackedSequence, build_packed_sequence, loss_targets
 
 N_DOCS = 22
 
@@ -184,7 +184,22 @@ def _build(**kwargs):
         ({"cu_seqlens": torch.tensor([0, 4, 10]), "shape": (2, 5)}, "batch has 2 rows"),
         ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "cu_seq_lens_k": torch.tensor([0, 5, 10])}, "differ"),
         ({"cu_seq_lens_q": torch.tensor([0, 4, 10]), "max_length_q": 4}, "max_length_q=4"),
-        ({"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]])}, "holes"),
+        # a row with holes is one document: no seq_idx, no position restart, positions count its real tokens
+        (
+            {"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]]), "seq_idx": torch.zeros(1, 10).long()},
+            "seq_idx cannot be combined with an attention_mask with holes",
+        ),
+        (
+            {
+                "attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]]),
+                "position_ids": torch.tensor([[0, 1, 0, 0, 1, 2, 3, 4, 5, 0]]),
+            },
+            "a row whose attention_mask has holes is one document",
+        ),
+        (
+            {"attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 0]]), "position_ids": torch.arange(10)[None]},
+            "positions count its real tokens",
+        ),
         ({"attention_mask": torch.zeros(1, 10, dtype=torch.long)}, "no real token"),
         ({"attention_mask": torch.ones(1, 1, 10, 10).tril()}, "4D or custom masks are not accepted"),
         ({"position_ids": torch.tensor([[0, 1, 2, 4, 5, 6, 0, 1, 2, 3]])}, "count 0, 1, 2"),
@@ -227,6 +242,34 @@ def test_seq_idx_alone_sets_boundaries_and_padding_starts_rows():
         position_ids=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 1, 2]]),
     )
     assert packed.cu_seqlens.tolist() == [0, 2, 3, 5, 8]
+
+
+def test_a_mask_with_holes_keeps_the_masked_tokens_for_the_recurrent_layers_only():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0]])
+    packed = _build(shape=(2, 8), attention_mask=mask)
+    # every layer but the GDN ones: the real tokens, one document per row, positions counting them
+    assert packed.token_index.tolist() == [1, 2, 5, 6, 8, 9, 10, 11]
+    assert packed.cu_seqlens.tolist() == [0, 4, 8] and packed.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    # the GDN layers: each row from its first to its last real token, the masked tokens between them zero inputs
+    spans = packed.spans
+    assert spans.stream.token_index.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+    assert spans.stream.cu_seqlens.tolist() == [0, 6, 10]
+    assert spans.real.tolist() == [0, 1, 4, 5, 6, 7, 8, 9] and spans.masked_columns.tolist() == [3, 4]
+    x = torch.arange(1.0, 9.0)[:, None]
+    assert spans.spread(x).flatten().tolist() == [1, 2, 0, 0, 3, 4, 5, 6, 7, 8]
+    assert torch.equal(spans.gather(spans.spread(x)), x)
+    assert _build(shape=(2, 8), attention_mask=mask.sort(dim=1).values).spans is None  # padding alone: none
+
+
+def test_targets_with_holes_come_from_shift_labels_only():
+    mask = torch.tensor([[1, 1, 0, 1, 1]])
+    packed = _build(shape=(1, 5), attention_mask=mask)
+    ids = torch.arange(5)[None]
+    with pytest.raises(ValueError, match="labels with an attention_mask with holes"):
+        loss_targets(packed, labels=ids)
+    with pytest.raises(ValueError, match="shift_labels give masked tokens"):
+        loss_targets(packed, shift_labels=torch.tensor([[1, 2, 3, 4, -100]]))
+    assert loss_targets(packed, shift_labels=torch.tensor([[1, 3, -100, 4, -100]])).tolist() == [1, 3, 4, -100]
 
 
 def test_model_rejects_cache_with_packed_documents():

@@ -53,3 +53,63 @@ def test_greedy_generate_matches_builtin(kind):
         alone = ours.generate(ids[1:, 5:], max_new_tokens=10, do_sample=False)
     assert got.tolist() == expected.tolist()
     assert got[1, 12:].tolist() == alone[0, 7:].tolist()  # the padded row decodes like the unpadded prompt
+
+
+def _holes_batch(seed: int, width: int = 30):
+    """Rows with holes (real tokens after padding inside a row), left padding, and one unmasked row; the positions
+    generate() gives (the real tokens counted)."""
+    ids = torch.randint(0, 128, (3, width), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[1, 6:9] = 0
+    mask[2, 5] = 0
+    mask[2, 10:12] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_mask_with_holes_matches_builtin_on_real_tokens(kind):
+    """A mask with holes as the built-in reads it: attention skips the masked tokens, the Gated DeltaNet layers read
+    them as zero inputs and run through them."""
+    ref, ours = builtin_pair(kind)
+    ids, mask, positions = _holes_batch(seed=6)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        got = ours(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        by_default = ours(ids, attention_mask=mask, use_cache=False).logits  # positions count the real tokens
+        squeezed = ours(ids[2][real[2]][None], use_cache=False).logits[0]  # the real tokens without the holes
+    assert (got[real] - expected[real]).abs().max().item() <= 1e-4
+    assert got[~real].abs().max().item() == 0.0
+    assert torch.equal(by_default, got)
+    # the masked tokens are inputs of the recurrence, not absent: dropping them changes the row
+    assert (squeezed - got[2][real[2]]).abs().max().item() > 1e-3
+
+
+def test_shift_labels_with_holes_give_the_builtin_loss_and_gradients(kind):
+    ref, ours = builtin_pair(kind)
+    ref.train()
+    ours.train()
+    ids, mask, positions = _holes_batch(seed=7)
+    # the next real token of the row at every real token, none at masked ones and at a row's last real token
+    shift_labels = torch.full_like(ids, -100)
+    for row in range(ids.shape[0]):
+        columns = torch.nonzero(mask[row]).flatten()
+        shift_labels[row, columns[:-1]] = ids[row, columns[1:]]
+    inputs = dict(attention_mask=mask, position_ids=positions, shift_labels=shift_labels)
+    ref_loss = ref(ids, labels=ids, use_cache=False, **inputs).loss
+    our_loss = ours(ids, labels=ids, **inputs).loss
+    ref_loss.backward()
+    our_loss.backward()
+    assert abs(ref_loss.item() - our_loss.item()) <= 1e-5
+    ref_grads = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.allclose(param.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_generate_with_holes_matches_builtin(kind):
+    ref, ours = builtin_pair(kind)
+    ids, mask, _ = _holes_batch(seed=8, width=14)
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert got.tolist() == expected.tolist()

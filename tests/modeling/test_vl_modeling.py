@@ -45,14 +45,19 @@ def _padded_batch(rows, left: bool):
     return ids, mask
 
 
-@pytest.mark.parametrize("left", [False, True], ids=["unpadded-or-right", "left-padded"])
-def test_logits_match_builtin_with_images(kind, left):
+@pytest.mark.parametrize("layout", ["unpadded-or-right", "left-padded", "with-holes"])
+def test_logits_match_builtin_with_images(kind, layout):
     ref, ours = builtin_vl_pair(kind)
     gen = torch.Generator().manual_seed(1)
     docs = [make_document(gen, n) for n in (2, 1, 0)]
     rows = [d[0] for d in docs]
     images = [g for d in docs for g in d[1]]
-    ids, mask = _padded_batch(rows, left)
+    ids, mask = _padded_batch(rows, layout != "unpadded-or-right")
+    if layout == "with-holes":  # two text tokens masked inside each row that has them
+        vision = torch.isin(ids, torch.tensor([IMAGE, VIDEO, VISION_START, VISION_END]))
+        for row in range(ids.shape[0]):
+            text = torch.nonzero(mask[row].bool() & ~vision[row]).flatten()
+            mask[row, text[2:4]] = 0
     pixels, grid = pixels_for(images, gen), grid_tensor(images)
     inputs = dict(
         input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=token_types(ids)
