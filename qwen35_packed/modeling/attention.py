@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from . import context_parallel
-from .attention_probabilities import cached_attention_probabilities, stream_attention_probabilities
+from .attention_probabilities import (
+    cached_attention_probabilities,
+    on_the_output_path,
+    stream_attention_probabilities,
+)
 from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .packed_batch import PackedBatch
@@ -68,7 +72,10 @@ class GatedAttention(nn.Module):
                     cached_attention_probabilities(q, key_rows, batch.packed, batch.cache.real_columns, self.scaling)
                 )
             else:
-                batch.attentions.append(stream_attention_probabilities(q, k, batch.packed, self.scaling))
+                probabilities = stream_attention_probabilities(q, k, batch.packed, self.scaling)
+                batch.attentions.append(probabilities)
+                if out.requires_grad:
+                    out = on_the_output_path(out, probabilities, v, batch.packed)
         out = out.reshape(n, -1)
         if gate is not None:
             out = remember(sigmoid_gate(out, gate, choice), sigmoid_gate, out, gate, choice)

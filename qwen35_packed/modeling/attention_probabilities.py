@@ -4,8 +4,9 @@ The varlen kernels never form the attention matrix. When a caller asks for the p
 each full-attention layer recomputes them from the queries and keys its kernel used (after the q / k norms and
 rope) with the built-in's eager formula, a scaled matmul and a softmax in fp32, masked as this model attends: a
 token sees only the earlier tokens of its own document. The layer's output still comes from its kernel, so hidden
-states, logits and loss are the same with or without output_attentions. The cost is the eager one:
-[batch, heads, seq, keys] per layer, formed only when asked.
+states, logits and loss are the same with or without output_attentions. With autograd recording, the layer's
+gradient then runs through the probabilities (`on_the_output_path`), so they get a gradient as the built-in's eager
+ones do. The cost is the eager one: [batch, heads, seq, keys] per layer, formed only when asked.
 
 The layout is the built-in's, [batch, heads, query columns, key columns] in the caller's columns: pad positions
 hold zeros (as queries and as keys), and in a cached step each row's keys sit in the columns of its real tokens
@@ -61,4 +62,14 @@ def cached_attention_probabilities(
     return _softmax(queries, keys, allowed, scaling)
 
 
-__all__ = ["cached_attention_probabilities", "stream_attention_probabilities"]
+def on_the_output_path(out: torch.Tensor, probabilities: torch.Tensor, v: torch.Tensor, packed) -> torch.Tensor:
+    """The kernel's attention output `out` [N, H, D] with its gradient taken through `probabilities` [B, H, S, S]:
+    the value stays the kernel's (bitwise), the backward runs the eager formula probabilities @ values (the same
+    function), so a gradient reaches the returned probabilities, as in the built-in's eager attention."""
+    values = packed.unpack(v)  # [B, S, Hkv, D]
+    values = values.repeat_interleave(probabilities.shape[1] // values.shape[2], dim=2)
+    eager = packed.pack(torch.einsum("bhqk,bkhd->bqhd", probabilities.to(values.dtype), values))
+    return out.detach() + (eager - eager.detach())
+
+
+__all__ = ["cached_attention_probabilities", "on_the_output_path", "stream_attention_probabilities"]

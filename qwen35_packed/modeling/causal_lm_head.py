@@ -62,6 +62,38 @@ def new_columns(input_ids, attention_mask, inputs_embeds, cache: Qwen3_5PackedCa
     return count
 
 
+# The generation inputs laid out [batch, columns, ...] like the attention mask.
+PER_COLUMN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "mm_token_type_ids")
+
+
+def padding_moved_left(tensors: dict, attention_mask: torch.Tensor) -> dict:
+    """A generation prefill whose prompts end in padding in some rows: those rows rolled so that their padding
+    comes first (the row's tokens in order, then nothing), applied to every [batch, seq, ...] tensor of `tensors`.
+
+    generate() predicts each row's first new token at its last column. The built-in computes a prediction at a
+    masked token there (a query that sees the row's real tokens, at position 0); this model computes none at masked
+    tokens, so it continues such a row from its last real token, as it continues a left-padded row: the same tokens
+    as the prompt without its padding. Said once in the log."""
+    real = attention_mask.bool()
+    columns = real.shape[1]
+    last_real = columns - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
+    shift = torch.where(real.any(dim=1), columns - 1 - last_real, torch.zeros_like(last_real))
+    log_once(
+        logger,
+        "right-padded-prompt",
+        "generate(): prompts end in padding in rows %s; each continues from its last real token, as a left-padded "
+        "prompt does (transformers' built-in classes predict at the pad column); pad prompts on the left "
+        "(tokenizer.padding_side = 'left') to avoid this",
+        torch.nonzero(shift).flatten().tolist(),
+    )
+    source = (torch.arange(columns, device=shift.device)[None, :] - shift[:, None]) % columns  # [batch, columns]
+    moved = {}
+    for name, tensor in tensors.items():
+        index = source.to(tensor.device).view(*source.shape, *([1] * (tensor.dim() - 2))).expand_as(tensor)
+        moved[name] = tensor.gather(1, index)
+    return moved
+
+
 def refuse_other_caches(default_generation_config, kwargs: dict) -> None:
     """generate() with `cache_implementation` "static" (or any other than "dynamic") would build a transformers cache
     that this model cannot fill (per-row keys / values without padding and GDN states): refused rather than ignored.
@@ -182,6 +214,10 @@ class PackedCausalLMHead:
         for name in ("position_ids", "cache_position", "next_sequence_length", "is_first_iteration"):
             kwargs.pop(name, None)
         inputs.update(kwargs)
+        if CACHE_FIELD not in inputs and attention_mask is not None and attention_mask.ndim == 2:
+            if not bool(attention_mask[:, -1].bool().all()):  # a prefill with prompts ending in padding
+                per_column = {name: inputs[name] for name in PER_COLUMN_INPUTS if inputs.get(name) is not None}
+                inputs.update(padding_moved_left(per_column, attention_mask))
         return inputs
 
     def _reorder_cache(self, cache, beam_idx):

@@ -414,9 +414,10 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
         """The text model's inputs; images, videos and their token types go into the prefill only. `inputs_embeds`
         is named: generate() reads this signature to decide whether a model can start from embeddings."""
         vision = {name: kwargs.pop(name, None) for name in VISION_ARGUMENTS}
-        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        if CACHE_FIELD not in inputs:
-            inputs.update(vision)
+        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs, **vision)
+        if CACHE_FIELD in inputs:
+            for name in VISION_ARGUMENTS:
+                inputs.pop(name, None)
         return inputs
 
 

@@ -91,13 +91,26 @@ def test_generate_attentions_match_builtin_per_step(kind, holes):
             torch.testing.assert_close(layer_got.transpose(1, 2)[real], layer_expected.transpose(1, 2)[real])
 
 
-def test_attentions_keep_gradients():
+def test_attentions_are_on_the_gradient_path_and_change_no_value_or_gradient():
+    """With output_attentions the returned probabilities get the gradient of the loss (the layer's backward runs
+    through them, as the built-in's eager attention does), while the loss stays bitwise the same and the parameter
+    gradients the same up to rounding."""
     model = packed_model("dense").train()
-    ids = torch.randint(0, 128, (1, 10))
-    out = model(ids, labels=ids, output_attentions=True)
-    out.attentions[0].retain_grad()
-    (out.loss + out.attentions[0].sum()).backward()
-    assert out.attentions[0].grad is not None
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(9))
+    mask = torch.tensor([[0, 0] + [1] * 8, [1] * 10])
+    plain = model(ids, attention_mask=mask, labels=ids)
+    plain.loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    out = model(ids, attention_mask=mask, labels=ids, output_attentions=True)
+    for probabilities in out.attentions:
+        probabilities.retain_grad()
+    out.loss.backward()
+    assert torch.equal(out.loss, plain.loss)
+    for probabilities in out.attentions:
+        assert probabilities.grad is not None and probabilities.grad.abs().sum().item() > 0
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], atol=1e-6, rtol=1e-5)
 
 
 def test_returned_hidden_states_are_in_the_graph_with_unchanged_values():

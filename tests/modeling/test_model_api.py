@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import packed_model, requires_builtin_qwen35
 
+from qwen35_packed.modeling import utils
+
 DOCS = [7, 1, 12]  # a packed row of three documents, one of a single token
 
 
@@ -70,6 +72,31 @@ def test_generate_refuses_packed_boundaries(form):
     }[form]
     with pytest.raises(ValueError, match="generate\\(\\) got packed document boundaries .* one document per row"):
         model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["attention_mask", "pad_token_id"])
+def test_generate_continues_a_prompt_ending_in_padding_from_its_last_real_token(how, caplog, monkeypatch):
+    """The first new token is predicted at the last column, which this model does not compute where it is masked:
+    such a row continues from its last real token, as the same prompt without padding does, said in the log,
+    whether the caller's mask or generate()'s own (from a pad_token_id ending a row) masks the column."""
+    monkeypatch.setattr(utils, "_logged_once", set())  # the line is said once per process
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (2, 8), generator=torch.Generator().manual_seed(4))
+    kwargs = {"do_sample": False, "max_new_tokens": 4}
+    if how == "attention_mask":
+        kwargs["attention_mask"] = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+        real = 6
+    else:
+        ids[1, -1] = 0
+        kwargs["pad_token_id"] = 0
+        real = 7
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got = model.generate(ids, **kwargs)
+        alone = [model.generate(ids[row : row + 1, :length], do_sample=False, max_new_tokens=4)
+                 for row, length in ((0, 8), (1, real))]  # fmt: skip
+    assert got[0].tolist() == alone[0][0].tolist()
+    assert got[1, 8:].tolist() == alone[1][0, real:].tolist()
+    assert "prompts end in padding in rows [1]; each continues from its last real token" in caplog.text
 
 
 def test_generate_accepts_position_ids_of_one_document_per_row():
