@@ -169,10 +169,11 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         return self.encode_vision(pixels, grid)
 
     def run(self, arguments: dict) -> DecoderRun:
-        """A forward's decoder part: the front door (the text model's, with use_cache off unless asked for), then
+        """A forward's decoder part: the front door (the text model's: without use_cache, a cache in eval mode for
+        one document per row, as the built-in makes one by its config's use_cache), then
         a generation step's new text tokens, or the prefill's embeddings with the vision features and 3D rope."""
         text = self.language_model
-        batch = text.open_batch({**arguments, "use_cache": bool(arguments["use_cache"])})
+        batch = text.open_batch(arguments)
         pixel_values, pixel_values_videos = arguments["pixel_values"], arguments["pixel_values_videos"]
         if batch.continues_cache:
             if pixel_values is not None or pixel_values_videos is not None:

@@ -57,6 +57,15 @@ VL_MODEL_PARAMETERS = (*_INPUTS, *VISION_ARGUMENTS, *_OUTPUTS, *_VL_TAIL)
 VL_CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", *VISION_ARGUMENTS, *_OUTPUTS, "logits_to_keep", *_VL_TAIL)
 
 _DEFAULTS = {"logits_to_keep": 0}
+# **kwargs annotated as the built-in's (`Unpack[TransformersKwargs]`): tools read which keyword arguments a forward
+# takes through it (output_attentions, the loss and packing kwargs); absent from older transformers.
+try:
+    from transformers.processing_utils import Unpack
+    from transformers.utils import TransformersKwargs
+
+    _KWARGS_ANNOTATION = Unpack[TransformersKwargs]
+except ImportError:
+    _KWARGS_ANNOTATION = inspect.Parameter.empty
 _ANNOTATIONS = {"logits_to_keep": "int | torch.Tensor"}
 
 
@@ -77,7 +86,7 @@ def public_forward(parameters: tuple[str, ...]):
                 )
                 for name in parameters
             ),
-            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=_KWARGS_ANNOTATION),
         ]
     )
 

@@ -52,6 +52,17 @@ def test_public_signature_keeps_the_builtins_parameters(ours, builtin_name):
     assert set(theirs) - set(mine) <= {"kwargs", "output_attentions", "cache_position", "mm_encoder_outputs"}
     for name in packed_batch.PACKING_ARGUMENTS:
         assert parameters[name].default is None
+    # **kwargs annotated as the built-in's (Unpack[TransformersKwargs]), where tools look up output_attentions & co
+    assert _unpacked_name(parameters[mine[-1]].annotation) == _unpacked_name(
+        inspect.signature(builtin.forward).parameters["kwargs"].annotation
+    )
+
+
+def _unpacked_name(annotation) -> str:
+    """The TypedDict a `**kwargs: Unpack[...]` annotation names (some modules keep annotations as strings)."""
+    if isinstance(annotation, str):
+        return annotation.removeprefix("Unpack[").removesuffix("]")
+    return annotation.__args__[0].__name__
 
 
 def test_positional_and_keyword_calls_bind_like_the_written_signature():

@@ -29,6 +29,8 @@ from vl_tiny import (
     video_tokens,
 )
 
+from qwen35_packed.modeling.outputs import CACHE_FIELD
+
 REFERENCE_DIR = Path(
     os.environ.get("QWEN35_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference" / "qwen3.5")
 )
@@ -298,6 +300,22 @@ def test_text_only_batch_equals_text_model(kind):
     if kind == "moe":
         assert got.aux_loss is not None and abs(got.aux_loss.item() - expected.aux_loss.item()) <= 1e-6
         assert len(got.router_logits) == len(expected.router_logits)
+
+
+def test_eval_forward_returns_a_cache_by_the_config_as_the_builtin(kind):
+    """Without use_cache an eval forward of one document per row returns a cache (the config's use_cache, as the
+    built-in's does) that the next step continues exactly; a training forward returns none."""
+    ref, ours = builtin_vl_pair(kind)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    step = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(input_ids=ids)
+        got = ours(input_ids=ids)
+        assert getattr(expected, CACHE_FIELD) is not None and getattr(got, CACHE_FIELD) is not None
+        expected_step = ref(input_ids=step, **{CACHE_FIELD: getattr(expected, CACHE_FIELD)}).logits
+        got_step = ours(input_ids=step, **{CACHE_FIELD: getattr(got, CACHE_FIELD)}).logits
+    assert (got_step - expected_step).abs().max().item() <= 1e-4
+    assert getattr(ours.train()(input_ids=ids), CACHE_FIELD) is None
 
 
 def test_dummy_vision_pass_contributes_zero_and_gives_zero_grads():
