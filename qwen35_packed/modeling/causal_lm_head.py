@@ -108,6 +108,21 @@ def refuse_other_caches(default_generation_config, kwargs: dict) -> None:
         )
 
 
+# The causal-LM classes' tensor-parallel plan beyond the backbone's (config.base_model_tp_plan): the built-in's.
+LM_HEAD_TP_PLAN = {"lm_head": "colwise_gather_output"}
+
+
+def whole_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The head's weight as one tensor: under tensor parallelism (a DTensor sharded by vocabulary rows) gathered,
+    differentiably, so the loss covers every token of the vocabulary and the gradient goes back to the shards."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(weight, DTensor):
+            return weight.full_tensor()
+    return weight
+
+
 class PackedCausalLMHead:
     """Mixed into the causal-LM classes (text and vision-language) before PreTrainedModel and GenerationMixin: the
     head reads `self.lm_head`, `self.config.get_text_config()` and `self.generation_config`."""
@@ -162,7 +177,7 @@ class PackedCausalLMHead:
             rows, seq_len = packed.batch_shape
             loss, logits = chunked_linear_cross_entropy(
                 hidden,
-                self.lm_head.weight,
+                whole_weight(self.lm_head.weight),
                 targets,
                 num_items_in_batch,
                 keep_logits=keep_logits,

@@ -24,7 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import GatedAttention
 from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache
-from .causal_lm_head import PackedCausalLMHead
+from .causal_lm_head import LM_HEAD_TP_PLAN, PackedCausalLMHead
 from .checkpoint_keys import (
     IGNORED_UNEXPECTED_EXPERT_KEYS,
     TEXT_KEY_MAPPING,
@@ -290,8 +290,9 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, Qwen3_5PackedPreTrainedModel,
     _tied_weights_keys = (
         {"lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["lm_head.weight"]
     )
-    # No tensor-parallel entry for lm_head (the built-in shards it by columns): the loss reads its weight directly
-    # (chunked cross-entropy), which a sharded weight would silently cut to a slice of the vocabulary.
+    # Tensor parallelism shards lm_head by vocabulary rows and gathers its logits, as the built-in's plan does; the
+    # chunked loss, which reads the weight itself, gathers the whole weight (PackedCausalLMHead.packed_loss).
+    _tp_plan = LM_HEAD_TP_PLAN
 
     def __init__(self, config):
         super().__init__(config)

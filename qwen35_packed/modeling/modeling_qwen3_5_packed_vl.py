@@ -37,7 +37,7 @@ from . import context_parallel  # called through the module: tests swap its func
 from .attention import GatedAttention  # noqa: F401
 from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache  # noqa: F401
-from .causal_lm_head import PackedCausalLMHead
+from .causal_lm_head import LM_HEAD_TP_PLAN, PackedCausalLMHead
 from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
@@ -338,6 +338,7 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
         if TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
+    _tp_plan = LM_HEAD_TP_PLAN
 
     def __init__(self, config):
         super().__init__(config)

@@ -187,8 +187,8 @@ def test_a_stated_mrope_section_must_cover_the_rotary_half_dim(interleaved, capl
 @pytest.mark.parametrize("moe", [False, True])
 def test_tensor_parallel_plan_names_modules_of_the_model(moe):
     """The built-in's plan for attention, GDN and dense / shared-expert MLPs, every entry naming modules the model
-    has; no entry for the routed experts (replicated; no expert-parallel plan) nor for lm_head (the loss reads its
-    weight directly)."""
+    has; no entry for the routed experts (replicated; no expert-parallel plan); lm_head's entry is the built-in's
+    (tests/integrations/test_tensor_parallel.py runs the plans)."""
     import re
 
     config_class, model_class = (
@@ -209,4 +209,6 @@ def test_tensor_parallel_plan_names_modules_of_the_model(moe):
     assert not [p for p in plan if ".experts" in p] and getattr(config_class, "base_model_ep_plan", None) is None
     missing = set(builtin) - set(plan)
     assert missing == ({p for p in builtin if ".experts" in p} if moe else set())
-    assert "lm_head" not in (getattr(model, "_tp_plan", None) or {})
+    builtin_class = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    assert model_class._tp_plan == builtin_class._tp_plan == {"lm_head": "colwise_gather_output"}
+    assert model._tp_plan["lm_head"] == "colwise_gather_output"  # the merged plan transformers applies
