@@ -17,7 +17,12 @@ from qwen35_packed import (  # noqa: E402
 )
 
 CLASSES = {"dense": Qwen3_5PackedForCausalLM, "moe": Qwen3_5MoePackedForCausalLM}
-SPLITTABLE = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+SPLITTABLE = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 
 
 def build(kind: str):
