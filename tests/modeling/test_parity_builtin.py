@@ -3,6 +3,8 @@
 import torch
 from conftest import builtin_pair
 
+from qwen35_packed.modeling import utils
+
 
 def test_logits_match_builtin_unpacked(kind):
     ref, ours = builtin_pair(kind)
@@ -67,20 +69,23 @@ def _holes_batch(seed: int, width: int = 30):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def test_mask_with_holes_matches_builtin_on_real_tokens(kind):
+def test_mask_with_holes_matches_builtin_on_real_tokens(kind, caplog, monkeypatch):
     """A mask with holes as the built-in reads it: attention skips the masked tokens, the Gated DeltaNet layers read
-    them as zero inputs and run through them."""
+    them as zero inputs and run through them. Without position_ids the positions count the real tokens, said once."""
+    monkeypatch.setattr(utils, "_logged_once", set())
     ref, ours = builtin_pair(kind)
     ids, mask, positions = _holes_batch(seed=6)
     real = mask.bool()
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("WARNING"):
         expected = ref(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         got = ours(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        assert "attention_mask with holes" not in caplog.text
         by_default = ours(ids, attention_mask=mask, use_cache=False).logits  # positions count the real tokens
         squeezed = ours(ids[2][real[2]][None], use_cache=False).logits[0]  # the real tokens without the holes
     assert (got[real] - expected[real]).abs().max().item() <= 1e-4
     assert got[~real].abs().max().item() == 0.0
     assert torch.equal(by_default, got)
+    assert "attention_mask with holes: the positions count each row's real tokens" in caplog.text
     # the masked tokens are inputs of the recurrence, not absent: dropping them changes the row
     assert (squeezed - got[2][real[2]]).abs().max().item() > 1e-3
 
