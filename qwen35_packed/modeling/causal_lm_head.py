@@ -74,10 +74,10 @@ def padding_moved_left(tensors: dict, attention_mask: torch.Tensor) -> dict:
     masked token there (a query that sees the row's real tokens, at position 0); this model computes none at masked
     tokens, so it continues such a row from its last real token, as it continues a left-padded row: the same tokens
     as the prompt without its padding. Said once in the log."""
-    real = attention_mask.bool()
-    columns = real.shape[1]
-    last_real = columns - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
-    shift = torch.where(real.any(dim=1), columns - 1 - last_real, torch.zeros_like(last_real))
+    columns = attention_mask.shape[1]
+    # the padding after each row's last real token (argmax finds the first real token from the end; 0 for a row
+    # without any)
+    shift = attention_mask.bool().flip(1).to(torch.int8).argmax(dim=1)
     log_once(
         logger,
         "right-padded-prompt",

@@ -222,11 +222,9 @@ def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> tor
     return attention_mask.bool()
 
 
-def _rows_with_holes(valid: torch.Tensor) -> torch.Tensor:
-    """bool [batch]: rows whose real tokens are not one contiguous run (real tokens after padding inside them)."""
-    as_int = valid.to(torch.int8)
-    rises = (as_int[:, 1:] - as_int[:, :-1] == 1).sum(dim=1) + as_int[:, 0]
-    return rises > 1
+def _up_to_last_real(valid: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: True at every column up to and including the row's last real token."""
+    return valid.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
 
 
 def _recurrent_spans(
@@ -336,9 +334,13 @@ def build_packed_sequence(
 
     # (a) padding and/or (b) restarting position ids.
     valid = _padding_mask(attention_mask, batch, seq_len) if attention_mask is not None else None
-    holes = _rows_with_holes(valid) if valid is not None else None
-    if holes is not None and not bool(holes.any()):
-        holes = None
+    holes = span = None
+    if valid is not None:
+        # between each row's first and last real token; a masked token there is a hole
+        span = valid.to(torch.int8).cummax(dim=1).values.bool() & _up_to_last_real(valid)
+        holes = (span & ~valid).any(dim=1)
+        if not bool(holes.any()):
+            holes = None
     if holes is not None and seq_idx_changes is not None:
         rows = torch.nonzero(holes).flatten().tolist()
         raise ValueError(
@@ -395,11 +397,8 @@ def build_packed_sequence(
         packed.position_ids = torch.stack([packed.pack(p) for p in mrope_positions])
     if seq_idx_changes is not None and position_ids is not None:
         _check_seq_idx_matches(packed, seq_idx_changes, "position_ids")
-    if holes is not None:
-        # between each row's first and last real token (a row with holes is one document)
-        after_first = valid.to(torch.int8).cummax(dim=1).values.bool()
-        before_last = valid.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
-        packed.spans = _recurrent_spans(valid | (after_first & before_last), starts, valid, token_index)
+    if holes is not None:  # a row with holes is one document
+        packed.spans = _recurrent_spans(span, starts, valid, token_index)
     return packed
 
 
@@ -428,7 +427,7 @@ def continuation_sequence(
     )
     packed.position_ids = first_position.to(device)[packed.doc_index()] + packed.position_in_doc()
     # every new column up to the row's last real token: the row's recurrence runs on through masked ones
-    span = new_real.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
+    span = _up_to_last_real(new_real)
     if bool((span & ~new_real).any()):
         starts = torch.zeros_like(span)
         starts[:, 0] = True
