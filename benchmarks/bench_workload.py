@@ -9,13 +9,19 @@ with random weights (seed 0). A row is BATCH:SETUP:
          full (every parameter trains), each with decoder-layer checkpointing; a `_no_ckpt` suffix turns it off;
          for ours and the MoE, `lora_low_rank` / `lora_peft_fold` force moe_lora_kernel (the expert adapters as
          low-rank products on the expert rows / PEFT's rebuilt expert weights); `lora` is moe_lora_kernel="auto".
+         Before `_no_ckpt`, `_offload` runs each step inside TRL's activation offloading (what
+         `SFTConfig(activation_offloading=True)` wraps a training step in: saved tensors go to pinned CPU memory on a
+         side stream, which under layer checkpointing are the layers' inputs) and `_save_on_cpu` inside PyTorch's
+         `torch.autograd.graph.save_on_cpu(pin_memory=True)` (the same tensors, copied on the compute stream).
 A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
 decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
 in the order given; switching LoRA targets unloads the adapters and wraps the base model again. A row that runs out
 of memory records the peak at failure and the next row goes on; if memory of a failed row stays allocated, the
 later rows are recorded as not run (their peaks would include it), so rows expected to fail go last. --profile ROW adds the kernel time of one step of
-that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name and the non-kernel remainder.
+that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name, the GPU's idle time between
+kernels by the host operator before it, and the forward's and the backward's (recompute included) share of an
+unprofiled step.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
                                         [--profile ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -56,6 +63,7 @@ from qwen35_packed.modeling import kernel_selection
 ROOT = Path(__file__).resolve().parent
 MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5-4B.config.json"}
 LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
+OFFLOADING = {"_offload": "trl", "_save_on_cpu": "save_on_cpu"}  # setup suffix -> Setup.offloading
 # Kernel classes of a profiled step, first matching pattern wins (names as the profiler reports them).
 KERNEL_CLASSES = (
     ("gdn", r"chunk_|gated_delta|fused_recurrent|kda|tilelang|flash_qla|qla|solve_tril|wy_fast|l2norm"),
@@ -73,19 +81,25 @@ class Setup:
     lora_groups: tuple[str, ...] | None  # None: a full fine-tune
     checkpointing: bool
     moe_lora_kernel: str | None  # ours only; None keeps the config's ("auto")
+    offloading: str | None = None  # "trl" | "save_on_cpu": where the step's saved tensors wait for the backward
 
 
 def parse_setup(name: str) -> Setup:
     base, no_ckpt = (name[: -len("_no_ckpt")], True) if name.endswith("_no_ckpt") else (name, False)
+    offloading = None
+    for suffix, kind in OFFLOADING.items():
+        if base.endswith(suffix):
+            base, offloading = base[: -len(suffix)], kind
     kernel = {"lora_low_rank": "low_rank", "lora_peft_fold": "peft"}.get(base)
     groups_key = "lora" if kernel else base
     if groups_key == "full":
-        return Setup(None, not no_ckpt, None)
+        return Setup(None, not no_ckpt, None, offloading)
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
-            f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full [_no_ckpt]"
+            f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
+            "[_offload | _save_on_cpu] [_no_ckpt]"
         )
-    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel)
+    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel, offloading)
 
 
 def batch_lengths(name: str, tiny: bool) -> list[int]:
@@ -125,14 +139,25 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, lowered)), "other")
 
 
-def profile_step(step, device) -> dict:
-    """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span and the
-    step's wall time (trace_train_step.py's reading of the profiler's trace)."""
+def profile_step(step, device, offloading) -> dict:
+    """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span, the GPU's idle
+    time between kernels by the outermost host operator before the next kernel, the step's wall time
+    (trace_train_step.py's reading of the profiler's trace), and an unprofiled step timed in its two halves."""
     if device.type != "cuda":
         return {"skipped": "kernel times are read from a CUDA trace"}
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with offloading():
+        sync(device)
+        start = time.perf_counter()
+        loss = step()
+        sync(device)
+        forward = time.perf_counter() - start
+        loss.backward()
+        sync(device)
+        backward = time.perf_counter() - start - forward
+    del loss
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, offloading():
         start = time.perf_counter()
         step().backward()
         sync(device)
@@ -146,9 +171,13 @@ def profile_step(step, device) -> dict:
         by_class[kernel_class(name)] += ms
     gaps = idle_gaps(events)
     return {
+        "forward_ms_unprofiled": round(forward * 1e3, 1),
+        "backward_ms_unprofiled": round(backward * 1e3, 1),
         "wall_ms_profiled": round(wall * 1e3, 1),
         "kernel_ms": gaps["kernel_ms"],
         "span_ms": gaps["span_ms"],
+        "idle_in_gaps_ms": round(gaps["idle_in_gaps_ms"], 1),
+        "idle_by_outermost_op_ms": {k: round(v, 1) for k, v in list(gaps["idle_by_outermost_op_ms"].items())[:10]},
         "by_class_ms": {k: round(v, 1) for k, v in by_class.most_common()},
         "top_kernels_ms": dict(list(by_name.items())[:25]),
     }
@@ -172,6 +201,19 @@ class Workload:
         if impl == "builtin" and model == "qwen35_35b_a3b":
             self.base.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
         self.model, self.groups = self.base, "none"
+        self.offloading_kind, self.trl_offloading = None, None
+
+    def offloading(self):
+        """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu."""
+        if self.offloading_kind == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+        if self.offloading_kind == "trl":
+            if self.trl_offloading is None:  # built once per model: it hooks the output head
+                from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+                self.trl_offloading = get_act_offloading_ctx_manager(self.model)
+            return self.trl_offloading
+        return contextlib.nullcontext()
 
     def apply(self, setup: Setup):
         if setup.moe_lora_kernel and self.impl != "ours":
@@ -190,7 +232,11 @@ class Workload:
                 config = lora_config(self.reference_config, r=16, lora_dropout=0.0, targets=setup.lora_groups)
                 self.model = get_peft_model(self.base, config)
             self.groups = groups
+            self.trl_offloading = None
             gc.collect()
+        if setup.offloading == "trl" and self.device.type != "cuda":
+            raise SystemExit("_offload runs TRL's activation offloading, which needs an accelerator")
+        self.offloading_kind = setup.offloading
         if setup.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -230,13 +276,15 @@ def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> 
     """Seconds per forward + backward after `warmup` steps (the first step of new shapes autotunes), the peak."""
     try:
         for _ in range(warmup):
-            step().backward()
+            with workload.offloading():
+                step().backward()
             workload.model.zero_grad(set_to_none=True)
         sync(workload.device)
         start = time.perf_counter()
         for _ in range(reps):
-            loss = step()
-            loss.backward()
+            with workload.offloading():
+                loss = step()
+                loss.backward()
             workload.model.zero_grad(set_to_none=True)
         sync(workload.device)
         seconds = (time.perf_counter() - start) / reps
@@ -323,7 +371,7 @@ def main():
         row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
         row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
         if row_name == args.profile and "error" not in row:
-            row["profile"] = profile_step(step, device)
+            row["profile"] = profile_step(step, device, workload.offloading)
             workload.release()
         kept = (torch.cuda.memory_allocated() - before) / 2**30 if device.type == "cuda" else 0.0
         if kept > 1.0:

@@ -39,6 +39,11 @@
 #   long-attention  tests/gpu/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
 #                against the varlen kernel, attention timed both ways), then workload-4b-ours's 32k and 128k rows
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
+#   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, the RL
+#                batch profiled (kernel classes, idle gaps, forward / backward split); then trace_train_step.py on
+#                the 4-layer 35B-A3B shapes, RL batch                                                 ~7 min
+#   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
+#                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #
 # Bundle c (transformers 5.24, causal_conv1d) is needed only where the built-in runs; the workload-*-ours stages run
 # without it, on the machine's transformers. Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
@@ -50,7 +55,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -157,6 +162,17 @@ case "$stage" in
     step workload-4b-ours-long-attention python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
       --rows doc_32768:full,doc_131072:full --profile doc_32768:full --config long_document_attention=sdpa \
       --out "$OUT/workload-4b-ours-long-attention.json"
+    ;;
+  trace-35b-rl)
+    step trace-35b-rl python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank --profile rl:lora_low_rank --out "$OUT/trace-35b-rl.json"
+    step trace-moe-4l python3 benchmarks/trace_train_step.py --model moe_35b_a3b_shapes --batch rl_longtail_x16 \
+      --out "$OUT/trace-moe-4l.json"
+    ;;
+  offload-4b)
+    step offload-4b python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
+      --rows doc_131072:full_offload,doc_131072:full_save_on_cpu,doc_32768:full_offload,doc_262144:full_offload \
+      --out "$OUT/offload-4b.json"
     ;;
   gpu-tests)
     step gpu-tests env QWEN35_GPU_RESULTS="$OUT/gpu-tests.json" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py
