@@ -13,6 +13,9 @@ with random weights (seed 0). A row is BATCH:SETUP:
          `SFTConfig(activation_offloading=True)` wraps a training step in: saved tensors go to pinned CPU memory on a
          side stream, which under layer checkpointing are the layers' inputs) and `_save_on_cpu` inside PyTorch's
          `torch.autograd.graph.save_on_cpu(pin_memory=True)` (the same tensors, copied on the compute stream).
+         LoRA adapters are PEFT's default, fp32 beside the bf16 base (`autocast_adapter_dtype=True`); `_bf16_adapters`
+         keeps them in bf16 (`autocast_adapter_dtype=False`, what TRL passes under ZeRO-3); `_autocast` runs each step
+         under `torch.autocast(bfloat16)`, as Accelerate's bf16 mixed precision (TRL's `bf16=True`) runs the forward.
 A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
 decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
@@ -82,10 +85,16 @@ class Setup:
     checkpointing: bool
     moe_lora_kernel: str | None  # ours only; None keeps the config's ("auto")
     offloading: str | None = None  # "trl" | "save_on_cpu": where the step's saved tensors wait for the backward
+    bf16_adapters: bool = False  # LoRA adapters kept in the base's bf16 instead of PEFT's fp32
+    autocast: bool = False  # the step under torch.autocast(bfloat16)
 
 
 def parse_setup(name: str) -> Setup:
     base, no_ckpt = (name[: -len("_no_ckpt")], True) if name.endswith("_no_ckpt") else (name, False)
+    flags = {}
+    for suffix in ("_autocast", "_bf16_adapters"):  # in this order when both are given
+        flags[suffix[1:]] = base.endswith(suffix)
+        base = base[: -len(suffix)] if flags[suffix[1:]] else base
     offloading = None
     for suffix, kind in OFFLOADING.items():
         if base.endswith(suffix):
@@ -93,13 +102,15 @@ def parse_setup(name: str) -> Setup:
     kernel = {"lora_low_rank": "low_rank", "lora_peft_fold": "peft"}.get(base)
     groups_key = "lora" if kernel else base
     if groups_key == "full":
-        return Setup(None, not no_ckpt, None, offloading)
+        if flags["bf16_adapters"]:
+            raise SystemExit("_bf16_adapters is a LoRA setup's suffix")
+        return Setup(None, not no_ckpt, None, offloading, autocast=flags["autocast"])
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
-            "[_offload | _save_on_cpu] [_no_ckpt]"
+            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_no_ckpt]"
         )
-    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel, offloading)
+    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel, offloading, **flags)
 
 
 def batch_lengths(name: str, tiny: bool) -> list[int]:
@@ -201,10 +212,19 @@ class Workload:
         if impl == "builtin" and model == "qwen35_35b_a3b":
             self.base.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
         self.model, self.groups = self.base, "none"
-        self.offloading_kind, self.trl_offloading = None, None
+        self.offloading_kind, self.trl_offloading, self.autocast = None, None, False
 
     def offloading(self):
-        """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu."""
+        """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu, each under
+        autocast where the setup asks for it."""
+        if self.autocast:
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+            stack.enter_context(self._offloading())
+            return stack
+        return self._offloading()
+
+    def _offloading(self):
         if self.offloading_kind == "save_on_cpu":
             return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
         if self.offloading_kind == "trl":
@@ -218,7 +238,7 @@ class Workload:
     def apply(self, setup: Setup):
         if setup.moe_lora_kernel and self.impl != "ours":
             raise SystemExit("lora_low_rank / lora_peft_fold are ours-only setups")
-        groups = setup.lora_groups or "full"
+        groups = (setup.lora_groups, setup.bf16_adapters) if setup.lora_groups else "full"
         if groups != self.groups:
             if self.model is not self.base:
                 self.base = self.model.unload()  # the adapters removed, the base modules back in place
@@ -230,13 +250,13 @@ class Workload:
 
                 self.base.requires_grad_(False)
                 config = lora_config(self.reference_config, r=16, lora_dropout=0.0, targets=setup.lora_groups)
-                self.model = get_peft_model(self.base, config)
+                self.model = get_peft_model(self.base, config, autocast_adapter_dtype=not setup.bf16_adapters)
             self.groups = groups
             self.trl_offloading = None
             gc.collect()
         if setup.offloading == "trl" and self.device.type != "cuda":
             raise SystemExit("_offload runs TRL's activation offloading, which needs an accelerator")
-        self.offloading_kind = setup.offloading
+        self.offloading_kind, self.autocast = setup.offloading, setup.autocast
         if setup.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:

@@ -44,6 +44,9 @@
 #                the 4-layer 35B-A3B shapes, RL batch                                                 ~7 min
 #   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
+#   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
+#                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
+#                offloading                                                                           ~7 min
 #
 # Bundle c (transformers 5.24, causal_conv1d) is needed only where the built-in runs; the workload-*-ours stages run
 # without it, on the machine's transformers. Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
@@ -55,7 +58,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -168,6 +171,11 @@ case "$stage" in
       --rows rl:lora_low_rank --profile rl:lora_low_rank --out "$OUT/trace-35b-rl.json"
     step trace-moe-4l python3 benchmarks/trace_train_step.py --model moe_35b_a3b_shapes --batch rl_longtail_x16 \
       --out "$OUT/trace-moe-4l.json"
+    ;;
+  adapters-35b)
+    step adapters-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload \
+      --profile rl:lora_low_rank_bf16_adapters --out "$OUT/adapters-35b.json"
     ;;
   offload-4b)
     step offload-4b python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
