@@ -233,3 +233,37 @@ def test_hooks_active_around_the_forward_keep_deciding_about_every_saved_tensor(
     assert with_recompute == without_recompute and with_recompute["pack"] > 50, (with_recompute, without_recompute)
     for name, grad in kept.items():
         assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_layer_checkpointing_under_activation_offloading_is_exact(kind):
+    # Long documents fit one GPU with the decoder layers checkpointed and the saved tensors offloaded (TRL's
+    # `activation_offloading=True`, PyTorch's `save_on_cpu`): the outer hooks then receive the checkpointed layers'
+    # inputs and whatever the layers outside saved. Loss and gradients must be those of checkpointing alone.
+    model = _model(kind)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, cu = _batch(model.config.vocab_size)
+    hidden = model.config.hidden_size
+
+    def run(offload: bool):
+        layer_inputs = []
+
+        def pack(t):
+            if t.shape == (ids.shape[1], hidden):  # the packed stream, [tokens, hidden]
+                layer_inputs.append(t.shape)
+            return t.to("cpu", copy=True)  # what save_on_cpu keeps: a copy, not the tensor itself
+
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            if offload:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            loss = model(input_ids=ids, cu_seqlens=cu, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(layer_inputs)
+
+    loss, grads, _ = run(offload=False)
+    offloaded_loss, offloaded_grads, offloaded_layer_inputs = run(offload=True)
+    assert offloaded_layer_inputs >= model.config.num_hidden_layers
+    assert torch.equal(offloaded_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(offloaded_grads[name], grad), name
