@@ -47,6 +47,8 @@
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
 #                offloading                                                                           ~7 min
+#   holes        tests/gpu/test_gpu.py -k holes (masks with holes through the GPU kernels against the PyTorch path,
+#                fp32 and bf16)                                                                     ~2 min
 #
 # Bundle c (transformers 5.24, causal_conv1d) is needed only where the built-in runs; the workload-*-ours stages run
 # without it, on the machine's transformers. Exit 3: the machine went cold and lost the bundles; install them again. The stage times are those measured in
@@ -58,7 +60,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | holes) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -171,6 +173,10 @@ case "$stage" in
       --rows rl:lora_low_rank --profile rl:lora_low_rank --out "$OUT/trace-35b-rl.json"
     step trace-moe-4l python3 benchmarks/trace_train_step.py --model moe_35b_a3b_shapes --batch rl_longtail_x16 \
       --out "$OUT/trace-moe-4l.json"
+    ;;
+  holes)
+    step gpu-tests-holes env QWEN35_GPU_RESULTS="$OUT/gpu-tests-holes.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k holes
     ;;
   adapters-35b)
     step adapters-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \

@@ -195,6 +195,45 @@ def test_flash_qla_packed_equals_per_document_and_matches_fla_bf16():
     assert logit_gap <= 1e-1 and grad_gap <= 1.5e-1
 
 
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mask_with_holes_on_the_gpu_kernels_matches_the_pytorch_path(dtype):
+    """Masks with holes (the Gated DeltaNet layers run through the masked tokens as zero inputs, attention skips
+    them) through the GPU kernels the config picks (FLA or FlashQLA, the Triton conv and elementwise kernels, varlen
+    attention) against the fp32 PyTorch GDN and SDPA path on the same rows; the masked tokens' logits are zero, and
+    dropping the masked tokens instead changes a row by far more than the kernels differ."""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 1024, (3, 900), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, 300:420] = 0  # a long hole inside the row (across a 64-token chunk boundary)
+    mask[1, :75] = 0  # left padding, then scattered holes
+    mask[1, 200::9] = 0
+    mask[2, 1:6] = 0
+    mask[2, 640:641] = 0
+    real = mask.bool()
+    model = _model(dtype)
+    reference_model = _model(torch.float32, gdn_kernel="torch", attention_kernel="sdpa")
+    choice = kernel_selection.select_kernels(model.config, ids.device, dtype)
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, use_cache=False).logits.float()
+        reference = reference_model(ids, attention_mask=mask, use_cache=False).logits
+        squeezed = model(ids[0][real[0]][None], use_cache=False).logits[0].float()
+    name = str(dtype).split(".")[-1]
+    gap = (got[real] - reference[real]).abs().max().item()
+    dropped = (squeezed - got[0][real[0]]).abs().max().item()
+    RESULTS[f"holes_kernels_vs_pytorch_{name}"] = {
+        "gdn": choice.gdn,
+        "max_abs_logit_diff": gap,
+        "holes_dropped": dropped,
+    }
+    print(f"{name}: kernels {choice}, holes vs PyTorch path {gap:.3g}, holes dropped instead {dropped:.3g}")
+    assert choice.gdn in ("flash_qla", "fla")
+    assert got[~real].abs().max().item() == 0.0
+    # the bounds of test_fla_packed_equals_per_document's kernels-against-PyTorch comparison
+    assert gap <= (1e-2 if dtype == torch.float32 else 1e-1)
+    assert dropped > 10 * gap
+
+
 def test_torch_varlen_attention_is_causal_per_document():
     if not kernel_selection.TORCH_VARLEN_AVAILABLE:
         pytest.skip("torch varlen_attn not available")
