@@ -150,7 +150,7 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, lowered)), "other")
 
 
-def profile_step(step, device, offloading) -> dict:
+def profile_step(step, device, step_context) -> dict:
     """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span, the GPU's idle
     time between kernels by the outermost host operator before the next kernel, the step's wall time
     (trace_train_step.py's reading of the profiler's trace), and an unprofiled step timed in its two halves."""
@@ -158,7 +158,7 @@ def profile_step(step, device, offloading) -> dict:
         return {"skipped": "kernel times are read from a CUDA trace"}
     from torch.profiler import ProfilerActivity, profile
 
-    with offloading():
+    with step_context():
         sync(device)
         start = time.perf_counter()
         loss = step()
@@ -168,7 +168,7 @@ def profile_step(step, device, offloading) -> dict:
         sync(device)
         backward = time.perf_counter() - start - forward
     del loss
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, offloading():
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, step_context():
         start = time.perf_counter()
         step().backward()
         sync(device)
@@ -214,7 +214,7 @@ class Workload:
         self.model, self.groups = self.base, "none"
         self.offloading_kind, self.trl_offloading, self.autocast = None, None, False
 
-    def offloading(self):
+    def step_context(self):
         """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu, each under
         autocast where the setup asks for it."""
         if self.autocast:
@@ -296,13 +296,13 @@ def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> 
     """Seconds per forward + backward after `warmup` steps (the first step of new shapes autotunes), the peak."""
     try:
         for _ in range(warmup):
-            with workload.offloading():
+            with workload.step_context():
                 step().backward()
             workload.model.zero_grad(set_to_none=True)
         sync(workload.device)
         start = time.perf_counter()
         for _ in range(reps):
-            with workload.offloading():
+            with workload.step_context():
                 loss = step()
                 loss.backward()
             workload.model.zero_grad(set_to_none=True)
@@ -391,7 +391,7 @@ def main():
         row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
         row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
         if row_name == args.profile and "error" not in row:
-            row["profile"] = profile_step(step, device, workload.offloading)
+            row["profile"] = profile_step(step, device, workload.step_context)
             workload.release()
         kept = (torch.cuda.memory_allocated() - before) / 2**30 if device.type == "cuda" else 0.0
         if kept > 1.0:

@@ -41,12 +41,12 @@
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
 #   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, the RL
 #                batch profiled (kernel classes, idle gaps, forward / backward split); then trace_train_step.py on
-#                the 4-layer 35B-A3B shapes, RL batch                                                 ~7 min
+#                the 4-layer 35B-A3B shapes, RL batch                                                 ~4 min
 #   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
-#                offloading                                                                           ~7 min
+#                offloading                                                                           ~5 min
 #   holes        tests/gpu/test_gpu.py -k holes (masks with holes through the GPU kernels against the PyTorch path,
 #                fp32 and bf16)                                                                     ~2 min
 #
