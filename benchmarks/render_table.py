@@ -12,6 +12,7 @@ lines in between are owned by this script (tests/test_render_table.py fails when
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -177,31 +178,79 @@ def render_moe_summary() -> str:
     return "\n".join(lines) + f"\n\n({name})"
 
 
-def render_workload() -> str:
-    """What one GPU trains (bench_workload.py): every row of the newest file of each model and implementation."""
+def workload_rows():
+    """(result file name, model, implementation with its config settings, row name, row) for every row of the newest
+    bench_workload.py file of each model and implementation (a file's key: its name without date and -vN)."""
     newest = {}
     for path in sorted(RESULTS.glob("*-workload-*.json"), key=by_date_and_version):
         newest[re.sub(r"^\d{4}-\d{2}-\d{2}-workload-|-v\d+$", "", path.stem)] = path
+    for key in sorted(newest):
+        data = json.loads(newest[key].read_text())
+        settings = data.get("config_fields_set") or {}
+        impl = data["impl"] + "".join(f" ({name}={value})" for name, value in settings.items())
+        for row_name, row in data["rows"].items():
+            yield newest[key].name, data["model"].split(" ")[0], impl, row_name, row
+
+
+def workload_rate(row: dict) -> str:
+    if "error" in row:
+        return row["error"] + (" (see the row's note)" if "note" in row else "")
+    if row.get("warmup_steps") == 0:
+        return "trains (first step, compile included: no rate)"
+    return f"{row['real_tok_per_s']:,}"
+
+
+def render_workload() -> str:
+    """What one GPU trains (bench_workload.py): every row of the newest file of each model and implementation."""
     lines = [
         "| model | implementation | batch:setup | tokens | real tokens/s | peak GiB | result file |",
         "|---|---|---|---|---|---|---|",
     ]
-    for key in sorted(newest):
-        data = json.loads(newest[key].read_text())
-        model = data["model"].split(" ")[0]
-        settings = data.get("config_fields_set") or {}
-        impl = data["impl"] + "".join(f" ({name}={value})" for name, value in settings.items())
-        for row_name, row in data["rows"].items():
-            if "error" in row:
-                rate = row["error"] + (" (see the row's note)" if "note" in row else "")
-            elif row.get("warmup_steps") == 0:
-                rate = "trains (first step, compile included: no rate)"
-            else:
-                rate = f"{row['real_tok_per_s']:,}"
-            lines.append(
-                f"| {model} | {impl} | {row_name} | {row['tokens']:,} | {rate} | {row['peak_GiB']} | "
-                f"{newest[key].name} |"
-            )
+    for name, model, impl, row_name, row in workload_rows():
+        lines.append(
+            f"| {model} | {impl} | {row_name} | {row['tokens']:,} | {workload_rate(row)} | {row['peak_GiB']} | {name} |"
+        )
+    return "\n".join(lines)
+
+
+def render_workload_summary() -> str:
+    """Per model and batch of the workload rows: the built-in's fastest run (or that every setup ran out of memory),
+    ours's fastest run and ours's smallest, each with its setup."""
+    groups = collections.defaultdict(list)
+    for _, model, impl, row_name, row in workload_rows():
+        batch, setup = row_name.split(":")
+        settings = re.findall(r"\((.*?)\)", impl)
+        groups[model, batch].append((impl.split(" ")[0], ", ".join([setup, *settings]), row))
+
+    def cell(entry) -> str:
+        _, setup, row = entry
+        return f"{row['real_tok_per_s']:,} tokens/s in {row['peak_GiB']} GiB (`{setup}`)"
+
+    lines = [
+        "| model | batch (tokens) | the built-in | ours, fastest | ours, least memory |",
+        "|---|---|---|---|---|",
+    ]
+    batch_order = lambda key: (key[0], key[1] != "rl", int(key[1][4:]) if key[1].startswith("doc_") else 0)  # noqa: E731
+    for model, batch in sorted(groups, key=batch_order):
+        entries = groups[model, batch]
+        timed = [e for e in entries if "error" not in e[2] and e[2].get("warmup_steps") != 0]
+        ours = [e for e in timed if e[0] == "ours"]
+        builtin_timed = [e for e in timed if e[0] == "builtin"]
+        builtin_all = [e for e in entries if e[0] == "builtin"]
+        if builtin_timed:
+            builtin = cell(max(builtin_timed, key=lambda e: e[2]["real_tok_per_s"]))
+        elif builtin_all:
+            builtin = "out of memory" + (f" (all {len(builtin_all)} setups)" if len(builtin_all) > 1 else "")
+        else:
+            builtin = "not run"
+        fastest = max(ours, key=lambda e: e[2]["real_tok_per_s"]) if ours else None
+        smallest = min(ours, key=lambda e: e[2]["peak_GiB"]) if ours else None
+        tokens = entries[0][2]["tokens"]
+        label = "RL batch" if batch == "rl" else "one document" if batch.startswith("doc_") else batch
+        lines.append(
+            f"| {model} | {label} ({tokens:,}) | {builtin} | {cell(fastest) if fastest else 'not run'} | "
+            f"{cell(smallest) if smallest and smallest is not fastest else ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -212,6 +261,7 @@ TABLES = {
     "moe": render_moe,
     "moe-summary": render_moe_summary,
     "workload": render_workload,
+    "workload-summary": render_workload_summary,
 }
 
 

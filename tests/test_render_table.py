@@ -54,3 +54,44 @@ def test_workload_table_lists_every_row_of_the_newest_files(tmp_path, monkeypatc
     assert "| doc_16:full | 16 | 1,234 | 2.0 |" in table
     assert "| doc_32:full | 32 | trains (first step, compile included: no rate) | 3.0 |" in table  # no warm-up: no rate
     assert "| doc_64:full | 64 | out of memory | 4.0 |" in table
+
+
+def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_path, monkeypatch):
+    import json
+
+    def row(rate, peak):
+        return {"tokens": 16, "real_tok_per_s": rate, "peak_GiB": peak, "warmup_steps": 1}
+
+    ours = {
+        "model": "qwen35_4b (official)",
+        "impl": "ours",
+        "rows": {
+            "doc_16:full": row(300, 9.0),
+            "doc_16:full_offload": row(290, 5.0),
+            "doc_16:full_no_ckpt": {"tokens": 16, "error": "out of memory", "peak_GiB": 99.0},
+            "rl:full": row(500, 7.0),
+        },
+    }
+    tuned = {
+        "model": "qwen35_4b (official)",
+        "impl": "ours",
+        "config_fields_set": {"k": "v"},
+        "rows": {"rl:full": row(600, 8.0)},
+    }
+    builtin = {
+        "model": "qwen35_4b (official)",
+        "impl": "builtin",
+        "rows": {"rl:full": row(100, 50.0), "doc_16:full": {"tokens": 16, "error": "out of memory", "peak_GiB": 90.0}},
+    }
+    for name, data in (("ours", ours), ("ours-tuned", tuned), ("builtin", builtin)):
+        (tmp_path / f"2026-01-01-workload-qwen35_4b-{name}.json").write_text(json.dumps(data))
+    monkeypatch.setattr(render_table, "RESULTS", tmp_path)
+    lines = render_table.render_workload_summary().splitlines()
+    assert lines[2] == (
+        "| qwen35_4b | RL batch (16) | 100 tokens/s in 50.0 GiB (`full`) | 600 tokens/s in 8.0 GiB (`full, k=v`) | "
+        "500 tokens/s in 7.0 GiB (`full`) |"
+    )
+    assert lines[3] == (
+        "| qwen35_4b | one document (16) | out of memory | 300 tokens/s in 9.0 GiB (`full`) | "
+        "290 tokens/s in 5.0 GiB (`full_offload`) |"
+    )
