@@ -66,7 +66,14 @@ from qwen35_packed.modeling import kernel_selection
 ROOT = Path(__file__).resolve().parent
 MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5-4B.config.json"}
 LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
-OFFLOADING = {"_offload": "trl", "_save_on_cpu": "save_on_cpu"}  # setup suffix -> Setup.offloading
+# Setup suffixes (field, value), stripped from the end of a setup's name in this order.
+SUFFIXES = (
+    ("_no_ckpt", "checkpointing", False),
+    ("_autocast", "autocast", True),
+    ("_bf16_adapters", "bf16_adapters", True),
+    ("_offload", "offloading", "trl"),
+    ("_save_on_cpu", "offloading", "save_on_cpu"),
+)
 # Kernel classes of a profiled step, first matching pattern wins (names as the profiler reports them).
 KERNEL_CLASSES = (
     ("gdn", r"chunk_|gated_delta|fused_recurrent|kda|tilelang|flash_qla|qla|solve_tril|wy_fast|l2norm"),
@@ -82,35 +89,30 @@ KERNEL_CLASSES = (
 @dataclasses.dataclass(frozen=True)
 class Setup:
     lora_groups: tuple[str, ...] | None  # None: a full fine-tune
-    checkpointing: bool
-    moe_lora_kernel: str | None  # ours only; None keeps the config's ("auto")
+    checkpointing: bool = True
+    moe_lora_kernel: str | None = None  # ours only; None keeps the config's ("auto")
     offloading: str | None = None  # "trl" | "save_on_cpu": where the step's saved tensors wait for the backward
     bf16_adapters: bool = False  # LoRA adapters kept in the base's bf16 instead of PEFT's fp32
     autocast: bool = False  # the step under torch.autocast(bfloat16)
 
 
 def parse_setup(name: str) -> Setup:
-    base, no_ckpt = (name[: -len("_no_ckpt")], True) if name.endswith("_no_ckpt") else (name, False)
-    flags = {}
-    for suffix in ("_autocast", "_bf16_adapters"):  # in this order when both are given
-        flags[suffix[1:]] = base.endswith(suffix)
-        base = base[: -len(suffix)] if flags[suffix[1:]] else base
-    offloading = None
-    for suffix, kind in OFFLOADING.items():
+    base, fields = name, {}
+    for suffix, field, value in SUFFIXES:
         if base.endswith(suffix):
-            base, offloading = base[: -len(suffix)], kind
+            base, fields[field] = base[: -len(suffix)], value
     kernel = {"lora_low_rank": "low_rank", "lora_peft_fold": "peft"}.get(base)
     groups_key = "lora" if kernel else base
     if groups_key == "full":
-        if flags["bf16_adapters"]:
+        if fields.get("bf16_adapters"):
             raise SystemExit("_bf16_adapters is a LoRA setup's suffix")
-        return Setup(None, not no_ckpt, None, offloading, autocast=flags["autocast"])
+        return Setup(None, **fields)
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
             "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_no_ckpt]"
         )
-    return Setup(LORA_GROUPS[groups_key], not no_ckpt, kernel, offloading, **flags)
+    return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
 
 def batch_lengths(name: str, tiny: bool) -> list[int]:

@@ -192,10 +192,15 @@ def workload_rows():
             yield newest[key].name, data["model"].split(" ")[0], impl, row_name, row
 
 
+def timed(row: dict) -> bool:
+    """Whether a workload row has a rate: it ran, after at least one warm-up step."""
+    return "error" not in row and row.get("warmup_steps") != 0
+
+
 def workload_rate(row: dict) -> str:
     if "error" in row:
         return row["error"] + (" (see the row's note)" if "note" in row else "")
-    if row.get("warmup_steps") == 0:
+    if not timed(row):
         return "trains (first step, compile included: no rate)"
     return f"{row['real_tok_per_s']:,}"
 
@@ -230,12 +235,14 @@ def render_workload_summary() -> str:
         "| model | batch (tokens) | the built-in | ours, fastest | ours, least memory |",
         "|---|---|---|---|---|",
     ]
-    batch_order = lambda key: (key[0], key[1] != "rl", int(key[1][4:]) if key[1].startswith("doc_") else 0)  # noqa: E731
+
+    def batch_order(key):  # per model: the RL batch, then documents by length
+        return key[0], key[1] != "rl", int(key[1][4:]) if key[1].startswith("doc_") else 0
+
     for model, batch in sorted(groups, key=batch_order):
         entries = groups[model, batch]
-        timed = [e for e in entries if "error" not in e[2] and e[2].get("warmup_steps") != 0]
-        ours = [e for e in timed if e[0] == "ours"]
-        builtin_timed = [e for e in timed if e[0] == "builtin"]
+        ours = [e for e in entries if e[0] == "ours" and timed(e[2])]
+        builtin_timed = [e for e in entries if e[0] == "builtin" and timed(e[2])]
         builtin_all = [e for e in entries if e[0] == "builtin"]
         if builtin_timed:
             builtin = cell(max(builtin_timed, key=lambda e: e[2]["real_tok_per_s"]))
