@@ -9,8 +9,9 @@ models fit one GPU, with vocab 65,536 and the real 248,320. bf16 forward + backw
   * ours_packed_loop        the same with moe_kernel="loop" (the per-expert reference), first model only
   * ours_packed_eager_combine   the same with moe_combine_kernel="eager" (the gather and sum instead of the Triton
                             top-k combine), first model only
-  * ours_packed_plain_gemms the same with the router, shared expert and its gate as plain GEMMs instead of
-                            fixed row blocks (not batch-invariant: the cost of invariance), first model only
+  * ours_packed_plain_gemms the same with every projection (GDN, attention, shared expert and its gate, router,
+                            lm_head) as a plain cuBLAS GEMM instead of the row-invariant product
+                            (modeling/projection.py; not batch-invariant: the cost of invariance), first model only
   * builtin_correct_packed  the built-in with grouped_mm experts (its default) on its correct packed path:
                             cu_seq_lens + seq_idx, with FLA and causal_conv1d installed (the baseline)
   * builtin_correct_packed_eager   the same with experts_implementation="eager"
@@ -38,7 +39,6 @@ results/benchmarks/<date>-moe-<tag>.json after every row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -62,7 +62,8 @@ from bench_train_step import (
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
-from qwen35_packed.modeling import kernel_selection, kernels, moe, triton_elementwise
+from qwen35_packed.modeling import kernel_selection, kernels, triton_elementwise
+from qwen35_packed.modeling.projection import plain_products
 
 ROOT = Path(__file__).resolve().parent
 
@@ -132,19 +133,6 @@ def active_parameters(config) -> int:
         total += model.lm_head.weight.numel()
     unused = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
     return total - unused
-
-
-@contextlib.contextmanager
-def plain_gemms(plain: bool = True):
-    """With `plain`, the router, shared expert and shared-expert gate as one plain GEMM each instead of fixed row
-    blocks (moe.ROW_BLOCK = 0): the configuration that is not batch-invariant, to show what invariance costs and
-    which GEMM it is for (moe_batch_invariance.py)."""
-    saved = moe.ROW_BLOCK
-    moe.ROW_BLOCK = 0 if plain else saved
-    try:
-        yield
-    finally:
-        moe.ROW_BLOCK = saved
 
 
 def lora(model, reference):
@@ -303,7 +291,7 @@ def run_vocab(vocab, args, device, rate, results, save):
                 measure(batch_name, "ours_packed_loop", ours, ours_step(ours), n_real)
             with config_fields(ours, moe_combine_kernel="eager"):
                 measure(batch_name, "ours_packed_eager_combine", ours, ours_step(ours), n_real)
-            with plain_gemms():
+            with plain_products():
                 measure(batch_name, "ours_packed_plain_gemms", ours, ours_step(ours), n_real)
     if not args.skip_experts and vocab == args.first_vocab and "rl_longtail_x16" in inputs:
         only_on(device, ours, models)

@@ -6,9 +6,10 @@ waits on the CPU, so each peak is the running model's own):
   * rl: 16 RL-shaped sequences, prompt 128-512 + completion 64-512 (60%) or 1024-3584 (40%) (seed 1);
 for a 1.386B hybrid config (vocab 65,536) and the real Qwen3.5-0.8B / 4B / 9B text configs (vocab 248,320, read
 from examples/configs). Runs:
-  * ours_packed (+ _logits_kept, _eager_elementwise, ours_padded_input): this project; ours_packed has the
-    default return_logits_with_loss="auto" (the model is in training mode: the logits are not kept),
-    ours_packed_logits_kept forces them (True), as the default did before;
+  * ours_packed (+ _logits_kept, _eager_elementwise, _plain_gemms, ours_padded_input): this project; ours_packed
+    has the default return_logits_with_loss="auto" (the model is in training mode: the logits are not kept),
+    ours_packed_logits_kept forces them (True), as the default did before; ours_packed_plain_gemms runs every
+    projection as a plain cuBLAS GEMM instead of the row-invariant product (modeling/projection.py): its cost;
   * builtin_correct_packed: the built-in on its correct packed path, cu_seq_lens + seq_idx with FLA and
     causal_conv1d installed (what DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     gives): the baseline of ratio_to_builtin when it ran;
@@ -41,6 +42,7 @@ import torch
 import transformers
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+from qwen35_packed.modeling.projection import plain_products
 
 ROOT = Path(__file__).resolve().parent
 # Official Qwen/Qwen3.5-* config.json files, byte for byte (tests/modeling/test_configuration.py checks them).
@@ -123,6 +125,26 @@ def batches() -> dict[str, list[int]]:
         torch.randint(1024, 3584, (16,), generator=g),
     )
     return {"uniform_128_2048_x8": uniform, "rl_longtail_x16": [int(p + c) for p, c in zip(prompt, completion)]}
+
+
+def random_longtail(seed: int, max_tokens: int = 26_000) -> list[int]:
+    """Document lengths of a random batch as users' RL and SFT batches come: a few of 1 to 3 tokens, short ones
+    (4-64), RL-sized ones (100-3,600) and one or two long ones (4,000-7,000), shuffled, cut to at most
+    `max_tokens` tokens. The packed-vs-alone checks draw their batches here with a seed that changes every run."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(count_range, low, high):
+        count = int(torch.randint(count_range[0], count_range[1] + 1, (1,), generator=g))
+        return torch.randint(low, high + 1, (count,), generator=g).tolist()
+
+    lengths = draw((3, 5), 1, 3) + draw((2, 4), 4, 64) + draw((6, 12), 100, 3600) + draw((1, 2), 4000, 7000)
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
+    kept, total = [], 0
+    for n in lengths:
+        if total + n <= max_tokens:
+            kept.append(n)
+            total += n
+    return kept
 
 
 def matmul_rate() -> float:
@@ -299,6 +321,10 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
         def ours_packed():
             return ours(input_ids=x["flat"], cu_seqlens=x["cu"], labels=x["flat"], use_cache=False).loss
 
+        def ours_plain_products():  # every projection a plain cuBLAS GEMM: what row invariance costs
+            with plain_products():
+                return ours_packed()
+
         def ours_with(**fields):
             def step():
                 with config_fields(ours, **fields):
@@ -310,6 +336,7 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
             "ours_packed": (ours, ours_packed),
             "ours_packed_logits_kept": (ours, ours_with(return_logits_with_loss=True)),
             "ours_packed_eager_elementwise": (ours, ours_with(elementwise_kernel="eager")),
+            "ours_packed_plain_gemms": (ours, ours_plain_products),
             "ours_padded_input": (
                 ours,
                 lambda: ours(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"], use_cache=False).loss,

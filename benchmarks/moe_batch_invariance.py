@@ -7,7 +7,7 @@ experts. This script runs each part of one MoE block on the whole packed stream 
 and counts the rows that are not bitwise equal:
 
   router      fp32 router logits through one F.linear
-  router_blocked   the same through moe.batch_invariant_linear (fixed-size row blocks: what the router runs)
+  router_blocked   the same through projection.row_block_product (fixed-size row blocks: what the router runs)
   gate        shared_expert_gate: a [rows, hidden] x [hidden, 1] product
   shared      the shared expert (three bf16 linears)
   grouped     the experts through grouped_mm, with the routing of the packed run
@@ -16,9 +16,8 @@ and counts the rows that are not bitwise equal:
   experts_gate_up / _swiglu / _down / _combined   the grouped experts' intermediate results (each token's k expert
               rows side by side), to tell a GEMM from the elementwise chain or the combine
 
-Every part runs twice: as the model runs it (router, shared expert and gate through fixed row blocks,
-moe.ROW_BLOCK) and with those as plain GEMMs (suffix _plain, moe.ROW_BLOCK = 0), to show which GEMM the blocks are
-for.
+Every part runs twice: as the model runs it (every projection row-invariant, modeling/projection.py) and with plain
+GEMMs (suffix _plain, projection.plain_products()), to show which GEMM the invariant products are for.
 
 With --model it runs a whole 4-layer MoE model instead, the packed stream once and each document alone, recording
 the output of every module and of the kernel functions the layers call (conv, delta rule, attention), and lists
@@ -45,12 +44,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_moe import layer_shapes, plain_gemms
+from bench_moe import layer_shapes
 from bench_train_step import batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernel_selection, moe
-from qwen35_packed.modeling.moe import SparseMoeBlock, batch_invariant_linear
+from qwen35_packed.modeling.moe import SparseMoeBlock
+from qwen35_packed.modeling.projection import plain_products, row_block_product
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL_LENGTHS = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
@@ -174,7 +174,7 @@ def locate_in_model(config, lengths, plain: bool) -> dict:
     ids = torch.cat(docs)[None]
     cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
     rows: dict[str, dict] = {}
-    with torch.no_grad(), plain_gemms(plain):
+    with torch.no_grad(), plain_products() if plain else contextlib.nullcontext():
         with recording(model, ids.shape[1], device="cpu") as packed:
             model(ids, cu_seqlens=cu, use_cache=False)
         start = 0
@@ -268,7 +268,7 @@ def locate_in_block(config, lengths) -> dict:
         _, weights, index = block.gate(x)
         parts = {
             "router": lambda rows, sl: F.linear(rows.float(), block.gate.weight.float()),
-            "router_blocked": lambda rows, sl: batch_invariant_linear(rows.float(), block.gate.weight.float()),
+            "router_blocked": lambda rows, sl: row_block_product(rows.float(), block.gate.weight.float()),
             "gate": lambda rows, sl: block.shared_expert_gate(rows),
             "shared": lambda rows, sl: block.shared_expert(rows, choice),
             "grouped": lambda rows, sl: block.experts(rows, index[sl], weights[sl], choice),
@@ -277,7 +277,7 @@ def locate_in_block(config, lengths) -> dict:
         }
         results = {}
         for plain in (False, True):
-            with plain_gemms(plain):
+            with plain_products() if plain else contextlib.nullcontext():
                 suffix = "_plain" if plain else ""
                 for name, fn in parts.items():
                     if plain and name in ("router", "router_blocked", "grouped", "loop"):

@@ -20,6 +20,7 @@ from .attention_probabilities import (
 from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .packed_batch import PackedBatch
+from .projection import RowInvariantLinear
 from .recompute import remember
 from .reference_kernels import sdpa_one_document
 from .rope import apply_rotary
@@ -36,10 +37,10 @@ class GatedAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         bias = config.attention_bias
         q_out = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = RowInvariantLinear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = RowInvariantLinear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = RowInvariantLinear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = RowInvariantLinear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -16,6 +16,7 @@ from .moe import add_load_balancing_loss
 from .outputs import CACHE_FIELD, DecoderRun
 from .packed_batch import BOUNDARY_ARGUMENTS, PackedBatch
 from .packing import build_packed_sequence
+from .projection import RowInvariantLinear
 from .utils import log_once
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class PackedCausalLMHead:
         """Token-weighted fp32 cross-entropy of `batch.targets` on the packed stream; returns (loss, logits in the
         caller's layout [batch, seq, V], or None when `keep_logits` is False).
 
-        With a plain nn.Linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
+        With an unwrapped linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
         exist in full, the per-chunk cross-entropy runs compiled when the elementwise chains are fused, and the returned
         logits are detached (they carry no gradient; the loss does) and written straight into the caller's layout.
         A wrapped head (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
@@ -173,7 +174,7 @@ class PackedCausalLMHead:
         packed, targets = batch.packed, batch.targets
         if batch.shard is not None:  # this rank's share of the row's loss (context_parallel.py)
             num_items_in_batch = batch.shard.loss_denominator(targets.to(hidden.device), num_items_in_batch)
-        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+        if type(self.lm_head) in (nn.Linear, RowInvariantLinear) and self.lm_head.bias is None:
             rows, seq_len = packed.batch_shape
             loss, logits = chunked_linear_cross_entropy(
                 hidden,

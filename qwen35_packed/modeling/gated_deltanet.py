@@ -22,6 +22,7 @@ from .kernel_selection import KernelChoice
 from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
 from .packed_batch import PackedBatch
+from .projection import RowInvariantLinear
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
 
@@ -39,10 +40,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
 
-        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_qkv = RowInvariantLinear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = RowInvariantLinear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = RowInvariantLinear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = RowInvariantLinear(config.hidden_size, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -54,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = RowInvariantLinear(self.value_dim, config.hidden_size, bias=False)
 
     def _apply(self, fn, *args, **kwargs):
         # Keep A_log / dt_bias (and their gradients) fp32 across .to(dtype) / .half() / .bfloat16(): where `fn`

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from .kernel_selection import KernelChoice
 from .kernels import elementwise
+from .projection import row_invariant_product
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
@@ -135,11 +136,11 @@ def _logits_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def _project_chunk(h, weight, kept, logits_index, start: int, end: int):
-    """h @ weight.T for tokens start:end, recorded in `kept` when logits are kept: computed straight into its rows
-    when they are contiguous there (an `out=` matmul ignores autocast, so not under autocast), else copied."""
-    if kept is not None and logits_index is None and not torch.is_autocast_enabled(h.device.type):
-        return torch.mm(h, weight.t(), out=kept[start:end])
-    logits = h @ weight.t()
+    """h @ weight.T for tokens start:end, a row-invariant product (projection.py: a token's logits do not depend on
+    the chunk's row count, so a document's logits packed equal its logits alone), in the dtype autocast gives a
+    matmul; recorded in `kept` when logits are kept."""
+    dtype = _logits_dtype(h)
+    logits = row_invariant_product(h.to(dtype), weight.to(dtype))
     if kept is not None:
         if logits_index is None:
             kept[start:end] = logits

@@ -58,6 +58,7 @@ from .packed_batch import (
     wants_router_logits,
 )
 from .packing import PackedSequence
+from .projection import RowInvariantLinear
 from .recompute import RecomputedActivations, recompute_enabled
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
@@ -298,7 +299,7 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, Qwen3_5PackedPreTrainedModel,
         super().__init__(config)
         self.model = Qwen3_5PackedTextModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -365,7 +366,7 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = Qwen3_5PackedTextModel(config)
-        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.score = RowInvariantLinear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
     @public_forward(SEQUENCE_CLASSIFICATION_PARAMETERS)

@@ -26,7 +26,6 @@ import dataclasses
 import logging
 
 import torch
-from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
 from . import context_parallel  # called through the module: tests swap its functions for planted faults
@@ -63,6 +62,7 @@ from .packed_batch import (
     returns_dict,
 )
 from .packing import PackedSequence  # noqa: F401
+from .projection import RowInvariantLinear
 from .recompute import recompute_enabled  # noqa: F401
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
@@ -343,7 +343,7 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
     def __init__(self, config):
         super().__init__(config)
         self.model = (Qwen3_5MoePackedVLModel if config.text_config.is_moe else Qwen3_5PackedVLModel)(config)
-        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.lm_head = RowInvariantLinear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
     @property

@@ -21,26 +21,25 @@ then runs as two low-rank products on the expert rows, not through a rebuilt ada
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
 from .expert_lora import ExpertWeight, low_rank_plan
 from .kernel_selection import KernelChoice
 from .kernels import gather_sum, swiglu, weighted_swiglu
+from .projection import RowInvariantLinear, RowInvariantProduct
 from .recompute import remember
 from .routing_replay import replayed_top_k
 
 
 class SwiGLUMLP(nn.Module):
-    """gate_proj / up_proj / down_proj with SwiGLU; `linear` builds the three projections (nn.Linear, or
-    RowBlockedLinear for the MoE block's shared expert)."""
+    """gate_proj / up_proj / down_proj with SwiGLU (the dense MLP and the MoE block's shared expert)."""
 
-    def __init__(self, config, intermediate_size: int, linear=nn.Linear):
+    def __init__(self, config, intermediate_size: int):
         super().__init__()
-        self.gate_proj = linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = RowInvariantLinear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = RowInvariantLinear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = RowInvariantLinear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
         self.is_swiglu = config.hidden_act == "silu"
 
@@ -54,8 +53,9 @@ class SwiGLUMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Owns the router weight `mlp.gate.weight [E, H]`; returns fp32 logits, top-k weights and indices.
-    `routed_experts` [N, k] (ids, -1 = none) replaces the top-k choice of the tokens it gives (routing_replay.py)."""
+    """Owns the router weight `mlp.gate.weight [E, H]`; returns fp32 logits (an fp32 product: on CUDA fixed row
+    blocks, projection.py), top-k weights and indices. `routed_experts` [N, k] (ids, -1 = none) replaces the top-k
+    choice of the tokens it gives (routing_replay.py)."""
 
     def __init__(self, config):
         super().__init__()
@@ -63,84 +63,13 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
     def forward(self, x: torch.Tensor, routed_experts: torch.Tensor | None = None):
-        logits = FixedBlockLinear.apply(x, self.weight, torch.float32)
+        logits = RowInvariantProduct.apply(x, self.weight, torch.float32)
         probs = logits.softmax(dim=-1)
         top_weights, top_index = probs.topk(self.top_k, dim=-1)
         if routed_experts is not None:
             return (logits, *replayed_top_k(probs, top_index, routed_experts))
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return logits, top_weights, top_index
-
-
-ROW_BLOCK = 2048
-
-
-def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ weight [out, in]^T over blocks of ROW_BLOCK rows, the last one zero-padded, so every row goes
-    through a GEMM of the same shape. BLAS libraries pick their algorithm (tiles, split-K, stream-K: with it the
-    summation order) by the shape, the row count included: a token's result then depended on how many tokens ran
-    with it, a document packed with others got results an ulp away from the same document alone, and near-tie
-    tokens went to other experts (benchmarks/moe_batch_invariance.py locates it). Each block's product is written
-    straight into its rows of the result; only the last, partial block is copied to be padded. The block size
-    trades launches on long streams against padding on short ones: a decode step of a few tokens multiplies one
-    whole block. Not differentiable itself (out= products): FixedBlockLinear is its autograd form. ROW_BLOCK = 0
-    turns the blocks off (one plain product: how benchmarks measure what the invariance costs)."""
-    if not ROW_BLOCK:
-        return x @ weight.t()
-    n = x.shape[0]
-    out = x.new_empty((-(-n // ROW_BLOCK) * ROW_BLOCK, weight.shape[0]))
-    for start in range(0, n, ROW_BLOCK):
-        block = x[start : start + ROW_BLOCK]
-        if block.shape[0] < ROW_BLOCK:
-            block = F.pad(block, (0, 0, 0, ROW_BLOCK - block.shape[0]))
-        torch.mm(block, weight.t(), out=out[start : start + ROW_BLOCK])
-    return out[:n]
-
-
-class FixedBlockLinear(torch.autograd.Function):
-    """x [N, in] @ weight^T computed in `dtype` through `batch_invariant_linear`: the router's fp32 logits, and the
-    shared expert's bf16 products (RowBlockedLinear). Only the forward decides a token's result (and its experts),
-    so only it needs the fixed row blocks: the backward is two plain GEMMs (not two per block). They run in the
-    parameters' dtype when x has it too (bf16 training: tensor-core GEMMs with fp32 accumulation, as autograd
-    through a bf16 F.linear would), else in fp32; what the backward keeps is x in its own dtype, not a cast copy."""
-
-    @staticmethod
-    def forward(ctx, x, weight, dtype):
-        ctx.save_for_backward(x, weight)
-        return batch_invariant_linear(x.to(dtype), weight.to(dtype))
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        dtype = x.dtype if x.dtype == weight.dtype else torch.float32
-        grad = grad.to(dtype)  # the incoming gradient's dtype is the caller's (bf16 where it cast the logits)
-        grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight, None
-
-
-class RowBlockedLinear(nn.Linear):
-    """A bias-free nn.Linear (same parameter, same state-dict key, a PEFT LoRA target like any nn.Linear) whose
-    forward multiplies fixed-size row blocks (FixedBlockLinear), so a token's output does not depend on how many
-    tokens share the call. The MoE block's [hidden -> 1] shared-expert gate uses it (at Qwen3.5-35B-A3B's shapes its
-    plain bf16 product rounded a document's rows differently alone than packed), and so do the shared expert's
-    three projections: cuBLAS promises no row-count invariance for any shape, and the blocks cost these small GEMMs
-    little (bench_moe.py's ours_packed_plain_gemms row). Under autocast the product runs in the autocast dtype, as
-    nn.Linear's would."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
-        if bias:
-            raise ValueError("RowBlockedLinear has no bias (the MoE block's projections have none)")
-        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        if x.dim() == 2:  # the tensor itself: a recomputed activation (recompute.py) is known by its identity
-            return FixedBlockLinear.apply(x, self.weight, dtype)
-        rows = x.reshape(-1, self.in_features)
-        return FixedBlockLinear.apply(rows, self.weight, dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class FusedExperts(nn.Module):
@@ -271,10 +200,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(config)
         self.experts = FusedExperts(config)
-        # The shared expert and its gate multiply fixed row blocks like the router (RowBlockedLinear): packed ==
-        # per-document bit for bit at the real shapes. The routed experts' grouped GEMMs are row-count invariant.
-        self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size, linear=RowBlockedLinear)
-        self.shared_expert_gate = RowBlockedLinear(config.hidden_size, 1)
+        # The shared expert and its [hidden -> 1] gate are row-invariant projections like every other
+        # (projection.py); the routed experts' grouped GEMMs are too, by the same kernel.
+        self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = RowInvariantLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, choice: KernelChoice | None = None, routed_experts: torch.Tensor | None = None):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""

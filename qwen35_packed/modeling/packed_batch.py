@@ -24,6 +24,7 @@ from .cache import Qwen3_5PackedCache, as_packed_cache
 from .context_parallel import ShardLayout
 from .kernel_selection import KernelChoice
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
+from .projection import adopt_adapter_products
 from .utils import log_once
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def public_forward(parameters: tuple[str, ...]):
             arguments.update(extra)
             # resolved here, with the forward's own config (wants_attentions)
             arguments["output_attentions"] = wants_attentions(self.config, extra.get("output_attentions"))
+            adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
             return body(self, arguments)
 
         forward.__signature__ = signature

@@ -25,6 +25,7 @@ from .kernel_selection import bound_kernels
 from .kernels import varlen_bidirectional_attention
 from .model_conventions import init_dense_weights, weight_init
 from .mrope_positions import check_grid_thw
+from .projection import RowInvariantLinear, row_invariant_linear
 from .rope import rotate_half
 
 
@@ -59,7 +60,7 @@ class VisionPatchEmbed(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight.reshape(self.embed_dim, -1)
-        return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
+        return row_invariant_linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -69,8 +70,8 @@ class VisionAttention(nn.Module):
         self.num_heads = config.num_heads
         self.head_dim = self.dim // self.num_heads
         self.scaling = self.head_dim**-0.5
-        self.qkv = nn.Linear(self.dim, self.dim * 3, bias=True)
-        self.proj = nn.Linear(self.dim, self.dim)
+        self.qkv = RowInvariantLinear(self.dim, self.dim * 3, bias=True)
+        self.proj = RowInvariantLinear(self.dim, self.dim)
 
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin, attention_kernel: str):
         n = x.shape[0]
@@ -89,8 +90,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class VisionMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.linear_fc1 = RowInvariantLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=True)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -117,9 +118,9 @@ class VisionPatchMerger(nn.Module):
         super().__init__()
         self.merged_size = config.hidden_size * config.spatial_merge_size**2
         self.norm = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
+        self.linear_fc1 = RowInvariantLinear(self.merged_size, self.merged_size)
         self.act_fn = nn.GELU()
-        self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size)
+        self.linear_fc2 = RowInvariantLinear(self.merged_size, config.out_hidden_size)
 
     def forward(self, x):
         x = self.norm(x).reshape(-1, self.merged_size)

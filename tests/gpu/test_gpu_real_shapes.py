@@ -1,19 +1,21 @@
 """GPU checks at the shapes users train (run on the H200, skipped elsewhere): packed == per-document bit for bit in
 bf16 for Qwen3.5-4B (its official config, first 8 of 32 layers) and for Qwen3.5-35B-A3B's layer shapes (first 4 of
-40 layers, vocab 248,320), in eval and in train mode, with the kernels `auto` picks; every token-layer of the MoE
-routed to the same experts; and packed vs per-document gradients at the 35B-A3B shapes within the bf16 bound.
+40 layers, vocab 248,320), on random batches, with the kernels `auto` picks; every token-layer of the MoE routed to
+the same experts; and packed vs per-document gradients at the 35B-A3B shapes within the bf16 bound.
 
-The batch is bench_train_step.py's RL batch (16 documents of 192 to 3,600 tokens, 26,354 tokens) packed into one
-row (cu_seqlens), against each document run alone through the same model. Documents of a few dozen tokens are not
-covered at these shapes: alone, their dense projections run through other cuBLAS algorithms
-(benchmarks/moe_batch_invariance.py --extra-docs, docs/guarantees.md). Random weights (seed 0,
-norm weights moved off zero so every layer's scale matters). The small-config MoE test in test_gpu.py stays: it
-passed while these shapes did not (their GEMMs reach other cuBLAS algorithms). QWEN35_GPU_RESULTS=FILE writes the
-measured numbers."""
+A guarantee about any batch is tested on batches nobody tuned to: every case draws its document lengths
+(bench_train_step.random_longtail: 1- to 3-token documents, short ones, RL-sized ones and long ones, shuffled) from
+a seed that changes every run and is printed (QWEN35_GPU_SEED=N repeats a run). Cases: eval and train mode, one
+packed row (cu_seqlens) and the same documents over three padded rows (position_ids restarting per document plus
+an attention mask), without and with PEFT LoRA (r=16, non-zero B, PEFT's default fp32 adapters) on every GDN,
+attention and MLP projection and, for the MoE, on the experts (target_parameters). Each document is compared with
+itself run alone through the same model. Random weights (seed 0, norm weights moved off zero so every layer's scale
+matters). QWEN35_GPU_RESULTS=FILE writes the measured numbers."""
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_moe import layer_shapes  # noqa: E402
-from bench_train_step import batches, default_dtype, model_kwargs  # noqa: E402
-from test_gpu import _routing  # noqa: E402
+from bench_train_step import default_dtype, model_kwargs, random_longtail  # noqa: E402
 
 from qwen35_packed import (  # noqa: E402
     Qwen3_5MoePackedConfig,
@@ -38,8 +39,16 @@ from qwen35_packed import (  # noqa: E402
 )
 from qwen35_packed.modeling import kernel_selection  # noqa: E402
 
-RESULTS: dict = {}
-LENGTHS = batches()["rl_longtail_x16"]
+BASE_SEED = int(os.environ.get("QWEN35_GPU_SEED", time.time_ns() % 1_000_000))
+print(f"\nrandom batches of this run: QWEN35_GPU_SEED={BASE_SEED}")
+RESULTS: dict = {"base_seed": BASE_SEED}
+KINDS = ("dense_4b_8_layers", "moe_35b_a3b_shapes_4_layers")
+# (mode, layout, lora): each case its own random batch
+CASES = (("eval", "one_row", False), ("train", "one_row", True), ("eval", "rows", True), ("train", "rows", False))
+LORA_MODULES = [
+    "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj",
+]  # fmt: skip
 # Parameter groups of the gradient check, by name fragment (first match).
 GROUPS = (
     ("embed_tokens", "embed_tokens"),
@@ -59,7 +68,7 @@ def write_results():
     yield
     path = os.environ.get("QWEN35_GPU_RESULTS")
     if path:
-        RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, documents=LENGTHS)
+        RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
         Path(path).write_text(json.dumps(RESULTS, indent=2))
 
 
@@ -81,48 +90,104 @@ def build(kind: str):
     return model
 
 
-def documents(vocab: int):
-    gen = torch.Generator().manual_seed(2)
-    docs = [torch.randint(0, vocab, (n,), generator=gen).cuda() for n in LENGTHS]
-    cu = torch.tensor([0, *LENGTHS], device="cuda").cumsum(0).to(torch.int32)
-    return docs, torch.cat(docs)[None], cu
+def with_lora(model):
+    """PEFT LoRA r=16 with a random (non-zero) B on every projection, and on the MoE experts."""
+    from peft import LoraConfig, get_peft_model
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if model.config.is_moe else None
+    config = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_MODULES, target_parameters=experts,
+        init_lora_weights=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return get_peft_model(model, config)
+
+
+def draw_documents(seed: int, vocab: int):
+    lengths = random_longtail(seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).cuda() for n in lengths]
+
+
+def packed_forward(model, docs, layout: str):
+    """The documents' logits in document order [tokens, vocab] from one packed forward: one row with cu_seqlens,
+    or three right-padded rows of whole documents with position_ids restarting per document."""
+    if layout == "one_row":
+        cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+        return model(torch.cat(docs)[None], cu_seqlens=cu, use_cache=False).logits[0].detach()
+    rows = [list(range(r, len(docs), 3)) for r in range(3)]
+    width = max(sum(docs[i].shape[0] for i in row) for row in rows)
+    ids = torch.zeros(3, width, dtype=torch.long, device="cuda")
+    positions = torch.zeros_like(ids)
+    mask = torch.zeros_like(ids)
+    where = {}
+    for r, row in enumerate(rows):
+        column = 0
+        for i in row:
+            n = docs[i].shape[0]
+            ids[r, column : column + n] = docs[i]
+            positions[r, column : column + n] = torch.arange(n, device="cuda")
+            mask[r, column : column + n] = 1
+            where[i] = (r, column, n)
+            column += n
+    logits = model(ids, position_ids=positions, attention_mask=mask, use_cache=False).logits.detach()
+    return torch.cat([logits[r, column : column + n] for r, column, n in (where[i] for i in range(len(docs)))])
+
+
+def routes_of(model, run):
+    """Each MoE layer's top-k expert ids of every token, captured while `run()` runs."""
+    captured, hooks = [], []
+    for module in model.modules():
+        if type(module).__name__ == "TopKRouter":
+            hooks.append(module.register_forward_hook(lambda m, a, out: captured.append(out[2].sort(-1).values)))
+    try:
+        return run(), captured
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
-@pytest.mark.parametrize("mode", ["eval", "train"])
-@pytest.mark.parametrize("kind", ["dense_4b_8_layers", "moe_35b_a3b_shapes_4_layers"])
-def test_packed_equals_per_document_bitwise_at_real_shapes(kind, mode):
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)).replace("True", "lora").replace("False", "base") for c in CASES])  # fmt: skip
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_equals_per_document_bitwise_on_random_batches(kind, case):
+    mode, layout, lora = CASES[case]
+    seed = BASE_SEED + 10 * KINDS.index(kind) + case
     model = build(kind)
+    if lora:
+        model = with_lora(model)
     model.train(mode == "train")
-    choice = kernel_selection.select_kernels(model.config, torch.device("cuda"), torch.bfloat16)
-    docs, ids, cu = documents(model.config.vocab_size)
-    moe = kind.startswith("moe")
+    config = model.config
+    choice = kernel_selection.select_kernels(config, torch.device("cuda"), torch.bfloat16)
+    docs = draw_documents(seed, config.vocab_size)
     with torch.set_grad_enabled(mode == "train"):
-        packed, packed_routes = _routing(model, lambda: model(ids, cu_seqlens=cu, use_cache=False).logits[0].detach())
+        packed, packed_routes = routes_of(model, lambda: packed_forward(model, docs, layout))
         worst, differing, same_routes, start = 0.0, 0, 0, 0
         for doc in docs:
-            alone, routes = _routing(model, lambda d=doc: model(d[None], use_cache=False).logits[0].detach())
+            alone, routes = routes_of(model, lambda d=doc: model(d[None], use_cache=False).logits[0].detach())
             rows = packed[start : start + doc.shape[0]]
             worst = max(worst, (rows.float() - alone.float()).abs().max().item())
             differing += int((rows != alone).any(-1).sum())
-            same_routes += sum(
-                int((whole[start : start + doc.shape[0]] == part).all(-1).sum())
-                for whole, part in zip(packed_routes, routes)
-            )
+            if layout == "one_row":  # the padded rows' routes hold the pad columns too
+                same_routes += sum(
+                    int((whole[start : start + doc.shape[0]] == part).all(-1).sum())
+                    for whole, part in zip(packed_routes, routes)
+                )
             start += doc.shape[0]
-    token_layers = sum(r.shape[0] for r in packed_routes)
-    row = RESULTS.setdefault(kind, {})[mode] = {
+    row = {
+        "seed": seed, "mode": mode, "layout": layout, "lora": lora,
+        "documents": [d.shape[0] for d in docs], "tokens": start,
         "kernels": {"gdn": choice.gdn, "conv": choice.conv, "attention": choice.attention, "moe": choice.moe},
-        "max_abs_logit_diff": worst,
-        "rows_not_bitwise_equal": differing,
-        "tokens": ids.shape[1],
-    }
-    if moe:
+        "max_abs_logit_diff": worst, "rows_not_bitwise_equal": differing,
+    }  # fmt: skip
+    token_layers = start * len(packed_routes) if layout == "one_row" else None
+    if config.is_moe and token_layers is not None:
         row.update(same_routing=same_routes, token_layers=token_layers)
-    print(kind, mode, row)
+    RESULTS.setdefault(kind, []).append(row)
+    print(kind, row)
     assert choice.gdn in ("flash_qla", "fla") and choice.attention in ("flash_attn", "torch_varlen")
-    assert differing == 0 and worst == 0.0
-    if moe:
+    assert differing == 0 and worst == 0.0, f"seed {seed}: {row}"
+    if config.is_moe and token_layers is not None:
         assert choice.moe == "grouped_mm" and same_routes == token_layers
 
 
@@ -132,28 +197,29 @@ def group_of(name: str) -> str:
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_gradients_packed_vs_per_document_at_35b_a3b_shapes_bf16():
-    """Summed-token loss (num_items_in_batch=1): the packed step's gradient against the sum of the per-document
-    steps' gradients, relative error per parameter group. The forwards are bit for bit equal (the test above) and
-    route alike, so only summation order differs: a weight gradient is one GEMM over the whole stream packed and one
-    per document alone, added in bf16 into .grad. Each group's error is that rounding, a few bf16 ulps of the
-    group's norm; a leak between documents or a wrong target moves whole rows."""
+    """Summed-token loss (num_items_in_batch=1) on a random batch: the packed step's gradient against the sum of
+    the per-document steps' gradients, relative error per parameter group. The forwards are bit for bit equal (the
+    test above) and route alike, so only summation order differs: a weight gradient is one GEMM over the whole
+    stream packed and one per document alone, added in bf16 into .grad. Each group's error is that rounding, a few
+    bf16 ulps of the group's norm; a leak between documents or a wrong target moves whole rows."""
     model = build("moe_35b_a3b_shapes_4_layers").train()
-    docs, ids, cu = documents(model.config.vocab_size)
+    docs = draw_documents(BASE_SEED + 99, model.config.vocab_size)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
     model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1, use_cache=False).loss.backward()
     packed = {n: p.grad.float() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     for doc in docs:
-        model(doc[None], labels=doc[None], num_items_in_batch=1, use_cache=False).loss.backward()
+        if doc.shape[0] > 1:  # a 1-token document has no target
+            model(doc[None], labels=doc[None], num_items_in_batch=1, use_cache=False).loss.backward()
     diff, norm = {}, {}
     for n, p in model.named_parameters():
         group = group_of(n)
-        diff[group] = diff.get(group, 0.0) + (packed[n] - p.grad.float()).pow(2).sum().item()
-        norm[group] = norm.get(group, 0.0) + p.grad.float().pow(2).sum().item()
+        grad = p.grad.float() if p.grad is not None else torch.zeros_like(packed[n])
+        diff[group] = diff.get(group, 0.0) + (packed[n] - grad).pow(2).sum().item()
+        norm[group] = norm.get(group, 0.0) + grad.pow(2).sum().item()
     errors = {group: (diff[group] / max(norm[group], 1e-30)) ** 0.5 for group in diff}
-    RESULTS["moe_35b_a3b_shapes_4_layers"] = {
-        **RESULTS.get("moe_35b_a3b_shapes_4_layers", {}),
-        "grad_relative_error_packed_vs_per_document": errors,
-    }
+    RESULTS["grad_relative_error_packed_vs_per_document"] = {"seed": BASE_SEED + 99, "errors": errors}
     print(errors)
     assert set(errors) == {group for group, _ in GROUPS}
     assert max(errors.values()) <= 3e-2, errors

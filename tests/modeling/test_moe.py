@@ -272,13 +272,13 @@ def test_router_logits_of_a_document_do_not_depend_on_what_runs_with_it():
 def test_router_logits_gradients_equal_one_plain_gemm():
     # The fixed row blocks serve the forward only; the backward is one GEMM per input: same gradients as autograd
     # through a plain fp32 F.linear, for bf16 inputs too (cast back to the input's dtype).
-    from qwen35_packed.modeling.moe import FixedBlockLinear
+    from qwen35_packed.modeling.projection import RowInvariantProduct
 
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(1100, 32, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
         weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
         grad = torch.randn(1100, 8, generator=torch.Generator().manual_seed(4))
-        logits = FixedBlockLinear.apply(x, weight, torch.float32)
+        logits = RowInvariantProduct.apply(x, weight, torch.float32)
         logits.backward(grad)
         x_ref, weight_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
         reference = torch.nn.functional.linear(x_ref.float(), weight_ref.float())
@@ -292,12 +292,12 @@ def test_router_logits_gradients_equal_one_plain_gemm():
 def test_router_logits_backward_in_bf16_when_both_inputs_are_bf16():
     # bf16 training (both x and the router weight bf16): the backward GEMMs run in bf16 with fp32 accumulation, the
     # gradients autograd gives through a bf16 F.linear fed the same bf16 gradient, bit for bit.
-    from qwen35_packed.modeling.moe import FixedBlockLinear
+    from qwen35_packed.modeling.projection import RowInvariantProduct
 
     x = torch.randn(1100, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
     weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(1100, 8, generator=torch.Generator().manual_seed(4))
-    logits = FixedBlockLinear.apply(x, weight, torch.float32)
+    logits = RowInvariantProduct.apply(x, weight, torch.float32)
     assert logits.dtype == torch.float32
     logits.backward(grad)
     x_ref, weight_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
@@ -368,12 +368,12 @@ def test_router_logits_backward_under_autocast():
     # Trainers run the forward under autocast (TRL's bf16 on CPU): the router's block GEMMs write into an fp32
     # result (an out= matmul is not autocast), so its logits stay those of the fp32 GEMM; the incoming gradient may
     # be bf16, and the backward must still give the plain fp32 GEMM's gradients in the inputs' dtypes.
-    from qwen35_packed.modeling.moe import FixedBlockLinear
+    from qwen35_packed.modeling.projection import RowInvariantProduct
 
     x = torch.randn(600, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
     weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = FixedBlockLinear.apply(x, weight, torch.float32)
+        logits = RowInvariantProduct.apply(x, weight, torch.float32)
     reference = torch.nn.functional.linear(x.float(), weight.float())
     assert logits.dtype == torch.float32 and torch.equal(logits, reference)
     grad_x, grad_weight = torch.autograd.grad(logits.to(torch.bfloat16).float().sum(), (x, weight))
