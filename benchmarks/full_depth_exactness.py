@@ -1,14 +1,23 @@
-"""Packed vs per-document logits of the whole Qwen3.5-35B-A3B (all 40 layers, vocab 248,320, its official config),
-ours and transformers' built-in on its correct packed path, on one GPU in bf16.
+"""Packed vs per-document logits of a whole model (the official Qwen3.5-35B-A3B config, all 40 layers, vocab 248,320,
+or Qwen3.5-4B's, all 32 layers), on one GPU in bf16.
 
-The RL batch of bench_train_step.py (16 documents, 26,354 tokens), packed in one row, against each document run alone through the same model; random weights (seed 0, built by this project's
-class on the GPU: 68 GiB), shared with the built-in model (its parameters are assigned ours, no copy). For each
-model: the largest |logit difference|, the mean KL(alone || packed) over tokens, the share of tokens whose argmax
-agrees, and the rows that are not bitwise equal. The built-in runs its correct packed path (cu_seq_lens + seq_idx,
-with FLA and causal_conv1d installed: transformers 5.24 on the H200 recipe); without them it is skipped and says
-why. Writes results/gpu/<date>-full-depth-exactness.json (or --out).
+Documents packed in one row against each document run alone through the same model; random weights (seed 0,
+built by this project's class on the GPU: 68 GiB for the 35B-A3B). For each run: the largest |logit difference|,
+the mean KL(alone || packed) over tokens, the share of tokens whose argmax agrees, and the rows that are not
+bitwise equal.
 
-    python benchmarks/full_depth_exactness.py [--layers 40] [--skip-builtin] [--out FILE]
+Without --random-batches: the RL batch of bench_train_step.py (16 documents, 26,354 tokens), ours and (35B-A3B)
+transformers' built-in sharing our weights (its parameters are assigned ours, no copy) on its correct packed path
+(cu_seq_lens + seq_idx, with FLA and causal_conv1d installed: transformers 5.24 on the H200 recipe; without them it
+is skipped and says why). Writes results/gpu/<date>-full-depth-exactness.json (or --out).
+
+With --random-batches N: N batches drawn by bench_train_step.random_longtail (1- to 3-token documents among long
+ones, shuffled) from --seed (default: from the clock, printed), ours only, optionally with PEFT LoRA (--lora: r=16
+with a random B on every GDN, attention and MLP projection and the experts, PEFT's default fp32 adapters). Writes
+results/gpu/<date>-h200-any-batch-<model>.json (or --out), one entry per batch.
+
+    python benchmarks/full_depth_exactness.py [--model 35b_a3b|4b] [--layers N] [--skip-builtin]
+                                              [--random-batches N] [--seed S] [--lora] [--out FILE]
 """
 
 from __future__ import annotations
@@ -21,9 +30,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_train_step import CONFIGS, batches, default_dtype
+from bench_train_step import CONFIGS, batches, default_dtype, model_kwargs, random_longtail
 
-from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
+from qwen35_packed import (
+    Qwen3_5MoePackedConfig,
+    Qwen3_5MoePackedForCausalLM,
+    Qwen3_5PackedConfig,
+    Qwen3_5PackedForCausalLM,
+)
 from qwen35_packed.modeling import kernel_selection
 
 ROOT = Path(__file__).resolve().parent
@@ -103,16 +117,90 @@ def builtin_missing() -> str | None:
     return f"not importable: {', '.join(missing)}" if missing else None
 
 
+LORA_MODULES = [
+    "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj",
+]  # fmt: skip
+
+
+def build_ours(model: str, layers: int | None):
+    """Our model with random weights (seed 0), bf16 on the GPU, eval mode, and its text config kwargs."""
+    torch.manual_seed(0)
+    if model == "35b_a3b":
+        kwargs = official_text_config(layers or 40)
+        cls, config_cls = Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig
+    else:
+        kwargs = model_kwargs("qwen35_4b", layers=layers)
+        cls, config_cls = Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig
+    with default_dtype(torch.bfloat16), torch.device("cuda"):
+        return cls(config_cls(**kwargs)).eval(), kwargs
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if model.config.is_moe else None
+    config = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_MODULES, target_parameters=experts,
+        init_lora_weights=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return get_peft_model(model, config).eval()
+
+
+def random_batches(args):
+    """--random-batches: each batch from its own seed, ours only; one result entry per batch."""
+    ours, kwargs = build_ours(args.model, args.layers)
+    if args.lora:
+        ours = with_lora(ours)
+    layers = kwargs["num_hidden_layers"]
+    name = f"Qwen3.5-{'35B-A3B' if args.model == '35b_a3b' else '4B'} official config, {layers} layers"
+    choice = kernel_selection.select_kernels(ours.config, torch.device("cuda"), torch.bfloat16)
+    out = Path(
+        args.out or ROOT.parent / "results" / "gpu" / f"{datetime.date.today()}-h200-any-batch-{args.model}.json"
+    )
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "ours_kernels": {"gdn": choice.gdn, "conv": choice.conv, "attention": choice.attention, "moe": choice.moe},
+        "base_seed": args.seed,
+        "batches": [],
+    }
+    for index in range(args.random_batches):
+        seed = args.seed + index
+        lengths = random_longtail(seed)
+        gen = torch.Generator().manual_seed(seed)
+        docs = [torch.randint(0, kwargs["vocab_size"], (n,), generator=gen).cuda() for n in lengths]
+        cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+        flat = torch.cat(docs)[None]
+        measured = compare(
+            lambda: ours(flat, cu_seqlens=cu, use_cache=False).logits[0],
+            lambda doc: ours(doc[None], use_cache=False).logits[0],
+            docs,
+        )
+        entry = {"model": name, "seed": seed, "documents": lengths, "lora": bool(args.lora), **measured}
+        entry["tokens"] = sum(lengths)
+        result["batches"].append(entry)
+        print(entry, flush=True)
+        out.write_text(json.dumps(result, indent=2))
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--model", choices=("35b_a3b", "4b"), default="35b_a3b")
+    parser.add_argument("--layers", type=int, default=None, help="default: every layer of the official config")
     parser.add_argument("--skip-builtin", action="store_true")
+    parser.add_argument("--random-batches", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=time.time_ns() % 1_000_000)
+    parser.add_argument("--lora", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    kwargs = official_text_config(args.layers)
-    torch.manual_seed(0)
-    with default_dtype(torch.bfloat16), torch.device("cuda"):
-        ours = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**kwargs)).eval()
+    if args.random_batches:
+        print(f"random batches from --seed {args.seed}", flush=True)
+        return random_batches(args)
+    if args.model != "35b_a3b":
+        raise SystemExit("the RL-batch comparison with the built-in runs the 35B-A3B; use --random-batches for 4b")
+    ours, kwargs = build_ours("35b_a3b", args.layers)
     gen = torch.Generator().manual_seed(2)
     docs = [torch.randint(0, kwargs["vocab_size"], (n,), generator=gen).cuda() for n in LENGTHS]
     flat = torch.cat(docs)[None]
@@ -120,7 +208,7 @@ def main():
     choice = kernel_selection.select_kernels(ours.config, torch.device("cuda"), torch.bfloat16)
     out = Path(args.out or ROOT.parent / "results" / "gpu" / f"{datetime.date.today()}-full-depth-exactness.json")
     result = {
-        "model": f"Qwen3.5-35B-A3B official config, {args.layers} of 40 layers, random weights (seed 0)",
+        "model": f"Qwen3.5-35B-A3B official config, {kwargs['num_hidden_layers']} of 40 layers, random weights (seed 0)",
         "documents": LENGTHS,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

