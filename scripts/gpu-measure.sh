@@ -23,6 +23,11 @@
 #   gpu-tests    the whole tests/gpu/test_gpu.py                                                         ~8 min
 #   real-shapes  tests/gpu/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise)    ~4 min
 #   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
+#   any-batch-35b  full_depth_exactness.py --random-batches: the whole 35B-A3B, 5 random long-tail batches, then 3
+#                with PEFT LoRA (GDN, attention, experts), from one seed (SEED, default the clock; printed)     ~6 min
+#   any-batch-4b   the same for Qwen3.5-4B (all 32 layers)                                              ~3 min
+#   invariance-cost  bench_moe.py (4 layers, vocab 65,536) and bench_train_step.py (hybrid 1.4B), RL batch: ours
+#                with the row-invariant products and with plain GEMMs, side by side in one process each   ~3 min
 #   moe-locate   moe_batch_invariance.py --shapes 35b-a3b, block and model level (+ short documents) ~3 min
 #   expert-lora  tests/gpu/test_gpu.py -k expert_lora (low-rank expert LoRA against PEFT in bf16), then
 #                bench_moe.py's LoRA rows with the low-rank products and with PEFT's path            ~6 min
@@ -60,7 +65,8 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | holes) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | holes | real-shapes \
+    | any-batch-* | invariance-cost) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -131,6 +137,22 @@ case "$stage" in
     ;;
   full-depth)
     step full-depth python3 benchmarks/full_depth_exactness.py --out "$OUT/full-depth.json"
+    ;;
+  any-batch-35b | any-batch-4b)
+    model=${stage#any-batch-}
+    [ "$model" = 35b ] && model=35b_a3b
+    seed=${SEED:-$(($(date +%s%N) % 1000000))}
+    echo "any-batch seed $seed"
+    step "$stage-base" python3 benchmarks/full_depth_exactness.py --model "$model" --random-batches 5 --seed "$seed" \
+      --out "$OUT/any-batch-$model-base.json"
+    step "$stage-lora" python3 benchmarks/full_depth_exactness.py --model "$model" --random-batches 3 --lora \
+      --seed "$((seed + 100))" --out "$OUT/any-batch-$model-lora.json"
+    ;;
+  invariance-cost)
+    step moe-invariance-cost python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
+      --runs ours_packed,ours_packed_plain_gemms --reps 10 --skip-lora --skip-experts --out "$OUT/moe-invariance-cost.json"
+    step dense-invariance-cost python3 benchmarks/bench_train_step.py --models hybrid_1p4b --batches rl \
+      --runs ours_packed,ours_packed_plain_gemms --out "$OUT/dense-invariance-cost.json"
     ;;
   moe-locate)
     step moe-locate-block python3 benchmarks/moe_batch_invariance.py --shapes 35b-a3b --out "$OUT/moe-locate-block.json"
