@@ -21,7 +21,8 @@
 #   trace-0p8b   trace_train_step.py, Qwen3.5-0.8B, uniform batch (host-bound: where the host goes)  ~1 min
 #   trace-1p4b   trace_train_step.py, hybrid 1.4B, RL batch (kernel-bound: where the kernels go)     ~3 min
 #   gpu-tests    the whole tests/gpu/test_gpu.py                                                         ~8 min
-#   real-shapes  tests/gpu/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise)    ~4 min
+#   real-shapes  tests/gpu/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise), then
+#                tests/gpu/test_gpu_projection.py (the row-invariant product over row counts)          ~5 min
 #   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
 #   any-batch-35b  full_depth_exactness.py --random-batches: the whole 35B-A3B, 5 random long-tail batches, then 3
 #                with PEFT LoRA (GDN, attention, experts), from one seed (SEED, default the clock; printed)     ~6 min
@@ -134,6 +135,8 @@ case "$stage" in
   real-shapes)
     step real-shapes env QWEN35_GPU_RESULTS="$OUT/real-shapes.json" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py
+    step projection-row-counts env QWEN35_GPU_RESULTS="$OUT/projection-row-counts.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_projection.py
     ;;
   full-depth)
     step full-depth python3 benchmarks/full_depth_exactness.py --out "$OUT/full-depth.json"
