@@ -201,7 +201,50 @@ def _add_doctor(subparsers) -> None:
     p.set_defaults(handler=_run_doctor)
 
 
-_COMMANDS = (_add_convert, _add_rope, _add_doctor)
+def _run_tiny(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from .tiny import VL_EXTRA_HINT, TinyFolderError, write_tiny
+
+    transformers_logging.disable_progress_bar()  # the bar of saving the temporary official folder says nothing here
+    try:
+        written = write_tiny(args.out, moe=args.moe, vl=args.vl, seed=args.seed, data=args.data)
+    except TinyFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    if args.vl:
+        try:
+            import torchvision  # noqa: F401
+        except Exception as exc:  # absent, or (PyPI's builds beside a CPU torch) failing to load its operators
+            print(f"note: the processor files are written, but AutoProcessor.from_pretrained({str(args.out)!r}) needs "
+                  f"torchvision (its video processor), which does not import here ({type(exc).__name__}: {exc}); "
+                  f"install the vl extra: {VL_EXTRA_HINT}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _add_tiny(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tiny",
+        help="write a tiny random checkpoint folder with a tokenizer (and datasets) to try the recipes on CPU",
+        description=(
+            "Write OUT: a tiny random Qwen3.5 checkpoint, saved by transformers' built-in "
+            "class and converted with `qwen35-packed convert`, with a character-level tokenizer and chat template; "
+            "--vl the vision-language model with its processor files. Every recipe of the README and docs/ runs on "
+            "it on CPU. --data DIR also writes DIR/chat (conversations, for `trl sft`) and DIR/prompts (a prompt "
+            "column, for `trl grpo`). No output may exist; nothing is downloaded."
+        ),
+    )
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist)")
+    p.add_argument("--moe", action="store_true", help="a mixture-of-experts model (default: dense)")
+    p.add_argument("--vl", action="store_true", help="the vision-language model, with its processor files")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and data (default: %(default)s)")
+    p.add_argument("--data", metavar="DIR", help="also write the datasets DIR/chat and DIR/prompts")
+    p.set_defaults(handler=_run_tiny)
+
+
+_COMMANDS = (_add_convert, _add_rope, _add_doctor, _add_tiny)
 
 
 def build_parser() -> argparse.ArgumentParser:

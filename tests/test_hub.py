@@ -16,10 +16,10 @@ from conftest import requires_builtin_qwen35
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 from test_conversion import build_builtin, build_tiny_vlm
-from tiny_folders import build_tiny_reward_folder
 
 from qwen35_packed import hub
 from qwen35_packed.conversion import convert, remote_code_files
+from qwen35_packed.tiny import build_tiny_reward_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_NotARealTokenButSecret0123456789"
