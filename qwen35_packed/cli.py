@@ -1,8 +1,9 @@
 """Command line interface: `qwen35-packed <command> ...` (also `python -m qwen35_packed.cli`).
 
 Each subcommand is registered by one `_add_<name>` function that builds its parser and sets `handler`; a handler
-returns the exit status. Errors the user can fix (ConversionError) are printed as one `error: ...` message with
-exit status 2, without a traceback.
+returns the exit status. A handler imports what its command needs when it runs, so that `--help`, `--version` and
+the parsing of any command load neither torch nor transformers. Errors the user can fix (ConversionError) are
+printed as one `error: ...` message with exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -161,11 +162,15 @@ def _add_rope(subparsers) -> None:
     p.set_defaults(handler=_run_rope)
 
 
+def _doctor_progress(group: str) -> None:
+    print(f"checking {group}...", file=sys.stderr, flush=True)
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from .doctor import DoctorError, run_doctor
 
     try:
-        report = run_doctor(args.model_dir, device=args.device, with_vllm=args.vllm)
+        report = run_doctor(args.model_dir, device=args.device, with_vllm=args.vllm, progress=_doctor_progress)
     except DoctorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -244,11 +249,30 @@ def _add_tiny(subparsers) -> None:
     p.set_defaults(handler=_run_tiny)
 
 
-_COMMANDS = (_add_convert, _add_rope, _add_doctor, _add_tiny)
+def _run_upload(args: argparse.Namespace) -> int:
+    from .hub import run_upload
+
+    return run_upload(args)
+
+
+def _add_upload(subparsers) -> None:
+    from .hub import UPLOAD_DESCRIPTION, add_upload_arguments
+
+    p = subparsers.add_parser(
+        "upload", help="upload a model or adapter folder to the Hugging Face Hub", description=UPLOAD_DESCRIPTION
+    )
+    add_upload_arguments(p)
+    p.set_defaults(handler=_run_upload)
+
+
+_COMMANDS = (_add_convert, _add_rope, _add_doctor, _add_tiny, _add_upload)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="qwen35-packed", description="Tools for packed Qwen3.5 checkpoints.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _COMMANDS:
         add(subparsers)
