@@ -3,7 +3,8 @@
 
     python hub_upload.py FOLDER --repo-id ORG/NAME [--private] [--base-model ORG/NAME] [--license ID] [--dry-run]
 
-The logic lives in `qwen35_packed/hub.py` (importable, tested); this file is only the entry point.
+The installed command `qwen35-packed upload` takes the same arguments. The logic lives in `qwen35_packed/hub.py`
+(importable, tested); this file is only the entry point.
 """
 
 import sys

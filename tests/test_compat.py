@@ -132,9 +132,9 @@ def test_grpo_with_lora_on_a_folder_built_without_builtin(tmp_path):
     pytest.importorskip("peft")
     import datasets
     from conftest import _randomize_zero_init
-    from tiny_folders import build_char_tokenizer, write_prompt_dataset
 
     from qwen35_packed.integrations.lora import lora_config
+    from qwen35_packed.tiny import build_char_tokenizer, write_prompt_dataset
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""hub_upload.py: the upload plan (allow-list), the model card, and the HfApi call boundary through a recording fake
+"""`qwen35-packed upload` / hub_upload.py: the upload plan (allow-list), the model card, and the HfApi call boundary through a recording fake
 (the Hub is not reachable from CI)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,10 +17,10 @@ from conftest import requires_builtin_qwen35
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 from test_conversion import build_builtin, build_tiny_vlm
-from tiny_folders import build_tiny_reward_folder
 
-from qwen35_packed import hub
+from qwen35_packed import cli, hub
 from qwen35_packed.conversion import convert, remote_code_files
+from qwen35_packed.tiny import build_tiny_reward_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hf_NotARealTokenButSecret0123456789"
@@ -255,6 +256,35 @@ def test_hub_upload_script_is_a_thin_entry(packed, monkeypatch, capsys):
     assert exit_info.value.code == 0
     assert "dry run: nothing uploaded" in capsys.readouterr().out
     assert os.access(ROOT / "hub_upload.py", os.R_OK)
+
+
+def test_the_upload_command_is_the_uploader(packed, monkeypatch, capsys):
+    """`qwen35-packed upload` takes hub_upload.py's arguments and prints the same plan and card; without a token it
+    refuses as the uploader does."""
+    argv = [str(packed), "--repo-id", "a/b", "--base-model", "Qwen/Qwen3.5-0.8B", "--dry-run"]
+    assert hub.main(argv) == 0
+    expected = capsys.readouterr().out
+    assert cli.main(["upload", *argv]) == 0
+    assert capsys.readouterr().out == expected
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    assert cli.main(["upload", str(packed), "--repo-id", "a/b"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+
+
+def test_the_project_license_is_declared_and_recognised(packed, tmp_path):
+    """LICENSE is the Apache-2.0 text pyproject.toml declares (an SPDX expression, which needs setuptools 77), and
+    the card recognises it when a folder carries it."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0" and pyproject["project"]["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]
+    folder = tmp_path / "folder"
+    shutil.copytree(packed, folder)
+    (folder / "LICENSE").write_bytes((ROOT / "LICENSE").read_bytes())
+    plan = hub.plan_upload(folder, "a/b")
+    assert "license: apache-2.0" in plan.card_text
+    assert not any("no license known" in note for note in plan.notes)
 
 
 @pytest.fixture(scope="module")

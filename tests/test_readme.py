@@ -20,11 +20,12 @@ def test_readme_gives_the_command_ci_runs():
 
 def test_documented_trl_commands_say_how_to_run_on_cpu():
     """TRL turns bf16 on by default and transformers refuses it without a GPU unless use_cpu is set: every
-    documented `trl sft` / `trl grpo` command block says to add `--use_cpu true` on CPU (the tests run them so)."""
+    documented `trl sft` / `trl grpo` command block passes `--use_cpu true` (the CPU runs on tiny folders that
+    tests/integrations/test_recipes.py runs as written) or says to add it on CPU."""
     for name in ("README.md", "docs/training.md"):
         text = (ROOT / name).read_text()
         blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
-        commands = [b for b in blocks if re.search(r"^\s*(cd examples && )?trl (sft|grpo) ", b, re.MULTILINE)]
+        commands = [b for b in blocks if re.search(r"^\s*(PYTHONPATH=\S+ )?trl (sft|grpo) ", b, re.MULTILINE)]
         assert len(commands) == 2, (name, commands)
         for block in commands:
-            assert "CPU: add --use_cpu true" in block or "CPU: --use_cpu true" in block, (name, block)
+            assert "--use_cpu true" in block, (name, block)

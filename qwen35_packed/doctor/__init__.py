@@ -8,14 +8,20 @@ the model card reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .folder import DoctorError
 from .report import FAIL, PASS, SKIP, WARN, Check, DoctorReport
 
 
-def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) -> DoctorReport:
+def run_doctor(
+    model_dir, device: str | None = None, with_vllm: bool = False, progress: Callable[[str], None] | None = None
+) -> DoctorReport:
     """Run every check on MODEL_DIR; `device` "cpu" or "cuda" (default: cuda when available). A PEFT adapter folder
-    gets the adapter checks, then every check of its base model folder when that is local. Raises DoctorError when
-    the folder has no readable config.json (nor adapter_config.json) or the device does not exist."""
+    gets the adapter checks, then every check of its base model folder when that is local. `progress` is called with
+    what is checked next as each group of checks starts (the command prints it: the loading and numerics groups take
+    seconds to minutes). Raises DoctorError when the folder has no readable config.json (nor adapter_config.json) or
+    the device does not exist."""
     import torch
 
     from .adapter_checks import check_adapter_against_base, is_adapter_folder, run_adapter_checks
@@ -31,9 +37,11 @@ def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) ->
         raise DoctorError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise DoctorError("--device cuda, but torch sees no CUDA device")
+    starting = progress or (lambda _group: None)
     report = DoctorReport(str(model_dir), device)
     adapter = None
     if is_adapter_folder(model_dir):  # a PEFT adapter: its own checks, then those of its base model folder
+        starting("the adapter")
         base = run_adapter_checks(model_dir, report)
         if base is None:
             return report
@@ -54,13 +62,18 @@ def run_doctor(model_dir, device: str | None = None, with_vllm: bool = False) ->
                    "the doctor checks Qwen3.5 folders: model_type qwen3_5_text / qwen3_5_moe_text, or a composite "
                    "qwen3_5 / qwen3_5_moe one")  # fmt: skip
         return report
+    starting("the config and the tensors it implies")
     run_config_checks(folder, report)
+    starting("the classes transformers, TRL and vLLM build")
     run_loading_checks(folder, report)
+    starting("kernels and versions")
     run_environment_checks(folder, torch.device(device), report, vllm_elsewhere=with_vllm)
+    starting("packed vs per-document numerics on the first layers")
     run_packed_numerics(folder, torch.device(device), report)
     if with_vllm:
         from .vllm_check import run_vllm_checks
 
+        starting("vLLM's log-probs against this model's (vLLM's environment)")
         run_vllm_checks(folder, device, report)
     return report
 

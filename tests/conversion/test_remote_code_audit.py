@@ -164,8 +164,7 @@ def test_the_audit_finds_what_it_forbids(source, expected, tmp_path):
 RUNTIME_AUDIT = r"""
 import json, sys, tempfile
 import torch, transformers
-sys.path.insert(0, "tests")  # run from the repository root: the tiny fixtures
-from tiny_folders import build_tiny_folder
+from qwen35_packed.tiny import build_tiny_folder
 
 folder = build_tiny_folder(tempfile.mkdtemp() + "/model", "moe")
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)

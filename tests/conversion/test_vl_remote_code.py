@@ -73,7 +73,8 @@ def test_trl_grpo_trainer_takes_the_vl_class(tmp_path):
     eos ids) even when vLLM generates; `generate()` itself refuses with the cache error."""
     trl = pytest.importorskip("trl")
     import datasets
-    from tiny_folders import build_tiny_vl_folder
+
+    from qwen35_packed.tiny import build_tiny_vl_folder
 
     folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
     # the tokenizer: the folder's Qwen3VLProcessor needs torchvision (its video processor), which CI does not install

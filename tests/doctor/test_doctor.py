@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from tiny_folders import build_tiny_folder, build_tiny_reward_folder
 
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
+from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
@@ -390,7 +390,8 @@ def test_vision_language_folder(tmp_path):
     """A composite folder: text checks on text_config and model.language_model.*, the vision tower against
     transformers' vision model for vision_config, the composite classes for every consumer."""
     from safetensors.torch import load_file, save_file
-    from tiny_folders import build_tiny_vl_folder
+
+    from qwen35_packed.tiny import build_tiny_vl_folder
 
     folder = build_tiny_vl_folder(tmp_path / "vl", "dense")
     code, checks, _ = doctor(folder, tmp_path)

@@ -14,7 +14,7 @@ import torch
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
-from tiny_folders import build_tiny_folder  # noqa: E402
+from qwen35_packed.tiny import build_tiny_folder  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "sft_context_parallel_worker.py"
 # Four documents of 1 to 30 tokens: each rank's batch holds two, the group's row all four.

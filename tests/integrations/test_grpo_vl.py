@@ -16,13 +16,13 @@ trl = pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vl_worker import make_trainer, vl_processor  # noqa: E402
 from test_vllm import PUSH_FRACTION, ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
-from tiny_folders import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
 
 from qwen35_packed.integrations.grpo import (  # noqa: E402
     collapse_placeholder_runs,
     prompt_token_types,
     send_unexpanded_images,
 )
+from qwen35_packed.tiny import VISION_TOKENS, build_tiny_vl_folder, build_vl_tokenizer  # noqa: E402
 
 START, END, IMAGE, VIDEO = build_vl_tokenizer().convert_tokens_to_ids(list(VISION_TOKENS))
 # The text model's bound in tests/integrations/test_vllm.py (bf16 engine vs fp32 trainer); TRL's expanded prompts sent as they

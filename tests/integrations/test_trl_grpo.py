@@ -16,10 +16,9 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from tiny_folders import build_tiny_folder, write_prompt_dataset  # noqa: E402
-
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
 from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
+from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL_RUN = [

@@ -14,7 +14,8 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
 import transformers  # noqa: E402
-from tiny_folders import build_tiny_folder  # noqa: E402
+
+from qwen35_packed.tiny import build_tiny_folder  # noqa: E402
 
 # Chosen / rejected pairs of different lengths, so the collator pads (right) every batch.
 PAIRS = {

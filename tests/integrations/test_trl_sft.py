@@ -11,7 +11,7 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
-from tiny_folders import build_char_tokenizer, build_tiny_folder  # noqa: E402
+from qwen35_packed.tiny import build_char_tokenizer, build_tiny_folder  # noqa: E402
 
 # Lengths from 1 to 33 tokens: 1-token documents, documents shorter than the conv kernel, and longer ones.
 TEXTS = [

@@ -15,7 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tiny_folders import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
+
+from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 # Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from test_vllm import _run, vllm_python  # noqa: F401
-from tiny_folders import build_tiny_folder, write_prompt_dataset
+
+from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 

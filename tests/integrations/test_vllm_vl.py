@@ -10,7 +10,8 @@ import json
 
 import pytest
 from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
-from tiny_folders import build_tiny_vl_folder
+
+from qwen35_packed.tiny import build_tiny_vl_folder
 
 CLASSES = {
     "dense": ("Qwen3_5PackedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),

@@ -166,8 +166,9 @@ def test_moe_text_backbone_class():
 
 @requires_builtin_qwen35  # the tiny folder is written by the built-in classes
 def test_automodel_on_a_converted_moe_folder_gives_the_moe_backbone(tmp_path):
-    from tiny_folders import build_tiny_folder
     from transformers import AutoModel
+
+    from qwen35_packed.tiny import build_tiny_folder
 
     folder = build_tiny_folder(tmp_path / "moe", "moe")
     loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
