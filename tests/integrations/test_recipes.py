@@ -1,8 +1,8 @@
 """The recipes of the README and docs/ run as written, on CPU, on the folders `qwen35-packed tiny` writes.
 
-The convention: a shell block is runnable when the line right above its ```bash fence (at the same indentation) is
-`<!-- runnable -->`, which a rendered page does not show. The runnable blocks of a file run in order, each with
-`bash -e`, in one empty folder per file (so a block uses the tiny folders an earlier block of the file wrote), with
+The convention: a shell or Python block is runnable when the line right above its ```bash / ```python fence (at the
+same indentation) is `<!-- runnable -->`, which a rendered page does not show. The runnable blocks of a file run in
+order, each with `bash -e` or `python`, in one empty folder per file (so a block uses the tiny folders an earlier block of the file wrote), with
 the repository's `examples/` linked into it; `pip install` commands are the environment these tests already run in
 and are left out. Nothing is downloaded (the Hub is offline for them).
 """
@@ -22,7 +22,7 @@ from conftest import requires_builtin_qwen35
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- runnable -->"
-FENCED = re.compile(r"^(?P<indent>[ \t]*)(?P<marker><!-- runnable -->\n(?P=indent))?```bash\n(?P<body>.*?)^(?P=indent)```",
+FENCED = re.compile(r"^(?P<indent>[ \t]*)(?P<marker><!-- runnable -->\n(?P=indent))?```(?P<lang>bash|python)\n(?P<body>.*?)^(?P=indent)```",
                     re.MULTILINE | re.DOTALL)  # fmt: skip
 TINY_WRITES = re.compile(r"qwen35-packed tiny (\S+?)/?(?=\s|$)(?:.*?--data (\S+?)/?(?=\s|$))?")
 TINY_PATH = re.compile(r"(?<![\w/-])(tiny-[\w-]+)")
@@ -31,7 +31,15 @@ TINY_PATH = re.compile(r"(?<![\w/-])(tiny-[\w-]+)")
 def shell_blocks(path: Path) -> list[tuple[bool, str]]:
     """(marked runnable, the block's text without its indentation) for every ```bash block of the file."""
     text = path.read_text()
-    return [(bool(m["marker"]), textwrap.dedent(m["body"])) for m in FENCED.finditer(text)]
+    return [(bool(m["marker"]), textwrap.dedent(m["body"])) for m in FENCED.finditer(text) if m["lang"] == "bash"]
+
+
+def runnable_command(m: re.Match) -> list[str]:
+    """The command that runs a marked block as written."""
+    body = textwrap.dedent(m["body"])
+    if m["lang"] == "python":
+        return [sys.executable, "-c", body]
+    return ["bash", "-e", "-o", "pipefail", "-c", runnable_script(body)]
 
 
 def runnable_script(block: str) -> str:
@@ -40,14 +48,16 @@ def runnable_script(block: str) -> str:
     return "\n".join(line for line in lines if not line.lstrip().startswith("pip install"))
 
 
-RUNNABLE = {path.name: [runnable_script(b) for marked, b in shell_blocks(path) if marked] for path in DOCUMENTS}
-RUNNABLE = {name: scripts for name, scripts in RUNNABLE.items() if scripts}
+RUNNABLE = {
+    path.name: [runnable_command(m) for m in FENCED.finditer(path.read_text()) if m["marker"]] for path in DOCUMENTS
+}
+RUNNABLE = {name: commands for name, commands in RUNNABLE.items() if commands}
 
 
 def test_the_marker_is_only_used_above_shell_blocks():
     """A misplaced marker (not right above a ```bash fence) would silently leave its block unrun."""
     for path in DOCUMENTS:
-        marked = sum(marked for marked, _ in shell_blocks(path))
+        marked = sum(bool(m["marker"]) for m in FENCED.finditer(path.read_text()))
         lines = sum(line.strip() == MARKER for line in path.read_text().splitlines())
         assert lines == marked, path.name
 
@@ -74,7 +84,7 @@ def test_every_block_on_a_tiny_folder_is_run_and_uses_only_folders_written_befor
 
 
 def test_the_readme_quick_start_trains_on_a_tiny_folder():
-    scripts = "\n".join(RUNNABLE.get("README.md", []))
+    scripts = "\n".join(command[-1] for command in RUNNABLE.get("README.md", []))
     assert "qwen35-packed tiny tiny-dense/ --data tiny-data/" in scripts
     assert re.search(r"^trl sft --model_name_or_path tiny-dense .*--use_cpu true", scripts, re.MULTILINE)
     assert re.search(r"^PYTHONPATH=examples trl grpo --model_name_or_path tiny-dense .*--use_cpu true", scripts,
@@ -98,8 +108,7 @@ def test_runnable_blocks_run_as_written(name, tmp_path):
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    for script in RUNNABLE[name]:
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=workspace, env=env,
-                              capture_output=True, text=True, timeout=900)  # fmt: skip
+    for command in RUNNABLE[name]:
+        proc = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=900)
         output = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"{name}: exit status {proc.returncode} of\n{script}\n---\n{output}"
+        assert proc.returncode == 0, f"{name}: exit status {proc.returncode} of\n{command[-1]}\n---\n{output}"
