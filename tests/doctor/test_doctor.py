@@ -340,7 +340,7 @@ def test_conv_that_ignores_boundaries_fails(dense, tmp_path, monkeypatch):
     """The GDN short conv run over the stream as one document: a leak of K-1 tokens per boundary."""
     from qwen35_packed.modeling import gated_deltanet, reference_kernels
 
-    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
+    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None, adapters=()):
         n = x.shape[0]
         out = reference_kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
         return torch.split(out, split_sizes, dim=-1)
