@@ -78,12 +78,11 @@ class ConvAdapter:
             )
         rank, channels, kernel = self.lora_a.shape
         inputs = self.dropout(x)
-        # windows[t, :, j]: the input tap j reads for token t (tap K-1 is the token itself), A's [C, K] layout
+        # windows[t, :, j]: the input tap j reads for token t, K-1-j tokens back (A's [C, K] layout)
+        lags = range(kernel - 1, -1, -1)
         windows = torch.stack(
-            [lagged_input(inputs, kernel - 1 - j, position_in_doc, kernel, doc_index, initial_state) for j in
-             range(kernel)],
-            dim=-1,
-        )  # fmt: skip
+            [lagged_input(inputs, lag, position_in_doc, kernel, doc_index, initial_state) for lag in lags], dim=-1
+        )
         low = row_invariant_linear(
             windows.reshape(x.shape[0], channels * kernel).to(self.lora_a.dtype), self.lora_a.reshape(rank, -1)
         )
