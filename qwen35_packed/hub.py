@@ -357,7 +357,7 @@ def usage_snippets(
                 else ""
             )
             + ")\n"
-            "model = get_peft_model(model, config)  # never conv1d: the GDN conv reads its weight directly\n"
+            "model = get_peft_model(model, config)  # conv1d takes LoRA too, at r a multiple of its channels\n"
         )
         snippets["vllm"] = (
             "# with the qwen35-packed package installed next to vLLM, its `qwen35_packed` plugin (entry point group\n"

@@ -134,9 +134,11 @@ class PackedGRPOTrainer(GRPOTrainer):
             (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
         )
         generation = getattr(self, "vllm_generation", None)
-        if generation is not None and generation.mode == "colocate":
-            from .vllm_sync import configure_colocate_sync
+        if generation is not None:
+            from .vllm_sync import check_adapters_mergeable, configure_colocate_sync
 
+            check_adapters_mergeable(self.model)
+        if generation is not None and generation.mode == "colocate":
             configure_colocate_sync(generation)
             if self.vision_token_ids is not None:
                 send_unexpanded_images(generation, config.image_token_id)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 
 def push_weights(llm, named_tensors, reset_encoder_cache: bool = True) -> list[str]:
     """Push (name, tensor) pairs into the engine as `model_runner.reload_weights(weights_iterator=...)` does
@@ -72,6 +74,24 @@ def _repack_cpu_experts(model) -> None:
                 "supported: vLLM's reload copies unpadded weights into padded storage"
             )
         experts.process_weights_after_loading(module)
+
+
+def check_adapters_mergeable(model) -> None:
+    """Raise ValueError where the weight sync cannot give vLLM the trainer's model: every sync (TRL's, and
+    `use_reload_sync` through TRL's name iteration) merges the PEFT adapters into the base weights first, and a
+    LoRA on a GDN conv cannot be merged (its delta mixes channels, which the depthwise conv weight vLLM loads cannot
+    hold; PEFT raises NotImplementedError after merging the other modules)."""
+    convs = [
+        name
+        for name, module in model.named_modules()
+        if name.endswith("linear_attn.conv1d") and isinstance(module._modules.get("lora_A"), torch.nn.ModuleDict)
+    ]
+    if convs:
+        raise ValueError(
+            f"the vLLM weight sync merges the adapters into the base weights, and PEFT's LoRA on the GDN conv "
+            f"({len(convs)} modules, {convs[0]} first) cannot be merged: its delta mixes the conv's channels. Train "
+            "without the conv target to generate with vLLM, or generate with the trainer's model (use_vllm=False)"
+        )
 
 
 def vllm_runs_on_cpu() -> bool:

@@ -8,6 +8,8 @@ Document boundaries: the conv and the recurrence both restart at every document 
 tokens between real ones (an attention mask with holes) are zero inputs here, as in the built-in. Under
 context parallelism the shard's first document continues from the earlier ranks: the conv reads their last inputs
 and the recurrence starts from the state they reach (context_parallel.py).
+The conv reads its taps, and the factors of a PEFT LoRA around conv1d, through conv_lora.effective_conv: the layer
+never calls the conv module, so PEFT's forward of it cannot run (conv_lora.py applies what it would compute).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
 sequence, so bf16 rounding of these two vectors would change every later state.
 """
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from . import context_parallel
+from .conv_lora import effective_conv
 from .kernel_selection import KernelChoice
 from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
 from .norms import GatedRMSNorm
@@ -95,13 +98,19 @@ class GatedDeltaNet(nn.Module):
         g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)
 
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
-        weight = self.conv1d.weight.squeeze(1)
+        conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
         # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
         history = conv_state[..., 1:] if conv_state is not None else None
         if batch.shard is not None:
             history = context_parallel.conv_history(mixed, packed, batch.shard, self.conv_kernel_size)
         q, k, v = causal_conv1d_varlen(
-            mixed, weight, packed, choice, [self.key_dim, self.key_dim, self.value_dim], initial_state=history
+            mixed,
+            conv.weight,
+            packed,
+            choice,
+            [self.key_dim, self.key_dim, self.value_dim],
+            initial_state=history,
+            adapters=conv.adapters,
         )
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)

@@ -11,7 +11,8 @@ per-chunk math, which has no kernel of its own, runs through `torch.compile` on 
 The GDN short conv runs through FLA's `causal_conv1d`, or this project's Triton kernel (`triton_conv.py`: writes q,
 k and v as three contiguous outputs and reads their three gradients, so neither the GDN kernel's contiguous copies
 nor the split's concatenating backward happen), or the boundary-masked formula compiled (`torch.compile`: a few
-fused kernels each way), or that formula eagerly. Every path returns the split outputs.
+fused kernels each way), or that formula eagerly. Every path returns the split outputs. A PEFT LoRA on the conv
+runs `conv_lora.py`'s formula on every path.
 
 Varlen kernels read the boundaries from the PackedSequence, built once per forward: FLA gets the same int64
 cu_seqlens object and a CPU copy in every layer (its index helpers are memoised by tensor identity and would
@@ -22,6 +23,7 @@ the CPU copy: the dispatch reads nothing back from the device in any layer.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +33,14 @@ import torch.nn.functional as F
 from . import kernel_selection as selection
 from . import reference_kernels as reference
 from . import triton_elementwise
+from .conv_lora import adapted_causal_conv1d_varlen
 from .kernel_selection import KernelChoice
 from .reference_kernels import sdpa_one_document, torch_causal_conv1d_varlen, torch_gated_delta_rule_varlen
 from .triton_conv import causal_conv1d_silu_split
 from .triton_gather_sum import gather_sum_rows
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------------------
 # Grouped GEMM (MoE experts)
@@ -145,12 +151,23 @@ def conv_final_state(
     return torch.where(before, history, state)
 
 
-def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, split_sizes, initial_state=None):
+def causal_conv1d_varlen(x, weight, packed, choice: KernelChoice, split_sizes, initial_state=None, adapters=()):
     """Dispatch for the GDN short conv (x [N, C], weight [C, K]); returns the outputs of the channel segments
     `split_sizes` (q | k | v). The Triton kernel writes them as separate contiguous tensors; the other paths split
     their [N, C] output into views. FLA, Triton and the compiled formula serve the stateless training / prefill path;
-    decode steps with a cached state run the eager formula."""
-    if initial_state is not None:
+    decode steps with a cached state run the eager formula. With PEFT LoRA `adapters` on the conv (conv_lora.py)
+    every backend runs conv_lora's formula, said once."""
+    if adapters:
+        log_once(
+            logger,
+            ("conv_lora", choice.conv),
+            "qwen35-packed: PEFT LoRA on the GDN conv: the conv runs the PyTorch formula of conv_lora.py (the base "
+            "taps plus a channel-mixing conv per adapter) instead of the %r conv backend",
+            choice.conv,
+        )
+        doc_index = packed.doc_index() if initial_state is not None else None
+        out = adapted_causal_conv1d_varlen(x, weight, adapters, packed.position_in_doc(), doc_index, initial_state)
+    elif initial_state is not None:
         out = torch_causal_conv1d_varlen(x, weight, packed.position_in_doc(), packed.doc_index(), initial_state)
     elif choice.conv == "triton":
         return causal_conv1d_silu_split(x, weight, packed.position_in_doc(), split_sizes)

@@ -32,13 +32,14 @@ from .checkpoint_keys import (
 )
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .context_parallel import shard_kernels, shard_packed_row  # noqa: F401
+from .conv_lora import effective_conv  # noqa: F401  (gated_deltanet.py's and kernels.py's)
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
 from .kernel_selection import bound_kernels
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): the files the layers need (kernels.py, reference_kernels.py, the triton_*.py
-# kernel files, moe.py's expert_lora.py) are named here too, in the imports marked `noqa: F401`
+# kernel files, moe.py's expert_lora.py, the conv's conv_lora.py) are named here too, in the imports marked `noqa: F401`
 # (tests/conversion/test_remote_code_audit.py checks that nothing is missing).
 from .kernels import varlen_causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401

@@ -41,6 +41,7 @@ from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layou
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .context_parallel import shard_packed_row  # noqa: F401
+from .conv_lora import effective_conv  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .kernel_selection import bound_kernels  # noqa: F401

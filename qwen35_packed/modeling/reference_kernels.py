@@ -49,6 +49,45 @@ def gated_rms_norm(x, gate, weight, eps):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def lagged_input(
+    x: torch.Tensor,
+    lag: int,
+    position_in_doc: torch.Tensor,
+    kernel: int,
+    doc_index: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The conv input `lag` tokens before each token, in fp32 [N, C]: zeros where that reaches before the token's
+    document start, or the document's cached history there when `initial_state` [n_docs, C, kernel-1] is given (then
+    doc_index long [N] says which document a token belongs to)."""
+    shifted = (F.pad(x, (0, 0, lag, 0))[: x.shape[0]] if lag else x).float()
+    if lag == 0:
+        return shifted
+    inside = (position_in_doc >= lag).unsqueeze(-1)
+    if initial_state is None:
+        return shifted * inside
+    # Tokens closer than `lag` to their document start read the cached history instead.
+    hist_pos = (position_in_doc - lag + kernel - 1).clamp(min=0, max=kernel - 2)
+    return torch.where(inside, shifted, initial_state[doc_index, :, hist_pos].float())
+
+
+def causal_conv1d_pre_activation(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    position_in_doc: torch.Tensor,
+    doc_index: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The depthwise causal conv of x [N, C] with taps weight [C, K] on a packed stream, before the SiLU, in fp32
+    [N, C]; the inputs it reads as `lagged_input` gives them."""
+    kernel = weight.shape[-1]
+    out = x.float() * weight[:, kernel - 1].float()
+    for lag in range(1, kernel):
+        tap = weight[:, kernel - 1 - lag].float()
+        out = out + lagged_input(x, lag, position_in_doc, kernel, doc_index, initial_state) * tap
+    return out
+
+
 def torch_causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -63,20 +102,7 @@ def torch_causal_conv1d_varlen(
     x's dtype with fp32 accumulation, like a conv kernel. Without initial_state this is also what
     conv_kernel="compiled" runs, through torch.compile.
     """
-    kernel = weight.shape[-1]
-    out = x.float() * weight[:, kernel - 1].float()
-    for lag in range(1, kernel):
-        shifted = F.pad(x, (0, 0, lag, 0))[: x.shape[0]].float()
-        inside = (position_in_doc >= lag).unsqueeze(-1)
-        if initial_state is not None:
-            # Tokens closer than `lag` to their document start read the cached history instead.
-            hist_pos = (position_in_doc - lag + kernel - 1).clamp(min=0, max=kernel - 2)
-            history = initial_state[doc_index, :, hist_pos].float()
-            shifted = torch.where(inside, shifted, history)
-        else:
-            shifted = shifted * inside
-        out = out + shifted * weight[:, kernel - 1 - lag].float()
-    return F.silu(out).to(x.dtype)
+    return F.silu(causal_conv1d_pre_activation(x, weight, position_in_doc, doc_index, initial_state)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import transformers
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
-from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder
+from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder, tiny_config_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
@@ -206,41 +206,78 @@ def test_text_folder_saved_with_the_files_its_classes_import_passes(dense, tmp_p
 
 
 def test_adapter_folder(dense, moe, tmp_path):
-    """A PEFT adapter folder (what hub_upload.py uploads): the adapter checks, then every check of its local base
-    model; an adapter trained on another model, or one on a module whose LoRA never runs, fails."""
-    from peft import get_peft_model
+    """PEFT adapter folders as PEFT's save_pretrained writes them (what hub_upload.py uploads): the adapter checks,
+    then every check of the local base model. Read without error: Linear factors, the GDN conv's 3-D factors, the
+    fused experts' (target_parameters, nested wrappers) and a second adapter in its subfolder. An adapter trained
+    on another model, one on a module whose LoRA never runs and DoRA on the conv fail."""
+    from peft import LoraConfig, get_peft_model
 
     from qwen35_packed.integrations.lora import lora_config
 
-    def save_adapter(base, out, **kwargs):
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, trust_remote_code=True)
-        get_peft_model(model, lora_config(model, r=4, **kwargs)).save_pretrained(out)
-        return out
+    def load(base):
+        return transformers.AutoModelForCausalLM.from_pretrained(base, trust_remote_code=True)
 
-    adapter = save_adapter(dense, tmp_path / "adapter")
+    model = load(dense)
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, lora_config(model, r=4)).save_pretrained(adapter)
     code, checks, _ = doctor(adapter, tmp_path)
     assert code == 0 and failing(checks) == []
     assert [checks[n]["status"] for n in ("adapter.config", "adapter.base", "adapter.weights")] == ["PASS"] * 3
     assert set(CHECKS) <= set(checks) and checks["numerics.packed_vs_per_document"]["status"] == "PASS"
 
-    moe_adapter = save_adapter(moe, tmp_path / "moe-adapter", targets=("attention", "experts"))
-    config = json.loads((moe_adapter / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = str(dense)  # the MoE adapter put on the dense model
-    (moe_adapter / "adapter_config.json").write_text(json.dumps(config))
+    model = load(moe)
+    first = lora_config(model, r=4, targets=("attention", "conv", "experts"))
+    second = lora_config(model, r=4, targets=("gdn",))
+    both = get_peft_model(model, first)
+    both.add_adapter("second", second)
+    moe_adapter = tmp_path / "moe-adapter"
+    both.save_pretrained(moe_adapter)
+    assert (moe_adapter / "second" / "adapter_config.json").is_file()
     code, checks, _ = doctor(moe_adapter, tmp_path)
+    assert code == 0 and failing(checks) == [], checks
+    detail = checks["adapter.config"]["detail"]
+    assert "adapter 'default': LoRA r=4, 11 adapted modules and the fused experts" in detail
+    assert "the GDN conv in 3 layers" in detail and "adapter 'second': LoRA r=4, 15 adapted modules" in detail
+    # default: 4 attention projections (layer 3), 3 convs, 4 expert modules; second: 5 GDN projections x 3 layers
+    assert checks["adapter.weights"]["detail"] == "all 26 adapted modules exist in the base with fitting shapes"
+
+    for name in ("default", "second"):  # the same adapters recorded as trained on the dense model
+        both.peft_config[name].base_model_name_or_path = str(dense)
+    both.save_pretrained(tmp_path / "moe-on-dense")
+    code, checks, _ = doctor(tmp_path / "moe-on-dense", tmp_path)
     assert code == 1 and failing(checks) == ["adapter.weights"]
-    assert "modules the base lacks: model.layers.0.mlp.experts" in checks["adapter.weights"]["detail"]
+    assert "modules the base lacks: default: model.layers.0.mlp.experts" in checks["adapter.weights"]["detail"]
 
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    config["target_modules"] = ["conv1d", "q_proj"]
-    (adapter / "adapter_config.json").write_text(json.dumps(config))
-    code, checks, _ = doctor(adapter, tmp_path)
-    assert code == 1 and "adapter.config" in failing(checks) and "conv1d" in checks["adapter.config"]["detail"]
-
-    config["base_model_name_or_path"] = "org/not-here"
-    (adapter / "adapter_config.json").write_text(json.dumps(config))
-    code, checks, _ = doctor(adapter, tmp_path)
+    refused = get_peft_model(load(dense), LoraConfig(r=256, target_modules=["q_proj", "lm_head", "conv1d"],
+                                                     use_dora=True))  # fmt: skip
+    refused.peft_config["default"].base_model_name_or_path = "org/not-here"
+    refused.save_pretrained(tmp_path / "refused")
+    code, checks, _ = doctor(tmp_path / "refused", tmp_path)
     assert list(checks) == ["adapter.config", "adapter.base"] and checks["adapter.base"]["status"] == "SKIP"
+    assert code == 1 and "adapts lm_head" in checks["adapter.config"]["detail"]
+    assert "DoRA on the GDN conv" in checks["adapter.config"]["detail"]
+
+
+def test_adapter_of_another_conv_size_does_not_fit(dense, tmp_path):
+    """A conv LoRA PEFT saved on a model with 64 conv channels, against the tiny dense base (256): the 3-D factors
+    are compared with the conv's weight and do not fit."""
+    from peft import LoraConfig, get_peft_model
+
+    from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+    from qwen35_packed.doctor.adapter_checks import check_adapter_against_base
+    from qwen35_packed.doctor.report import DoctorReport
+
+    config = Qwen3_5PackedConfig(**{**tiny_config_kwargs("dense"), "linear_key_head_dim": 16,
+                                    "linear_value_head_dim": 16})  # fmt: skip
+    smaller = get_peft_model(Qwen3_5PackedForCausalLM(config), LoraConfig(r=64, target_modules=["conv1d", "q_proj"]))
+    smaller.save_pretrained(tmp_path / "adapter")
+    report = DoctorReport(str(tmp_path / "adapter"), "cpu")
+    check_adapter_against_base(tmp_path / "adapter", read_folder(dense).headers, report)
+    (entry,) = report.checks
+    assert entry.status == "FAIL" and entry.detail.startswith("3 with shapes that do not fit: ")
+    assert "model.layers.0.linear_attn.conv1d (A [64, 64, 4], B [64, 1, 1], base {'weight': [256, 1, 4]})" in (
+        entry.detail
+    )
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -340,7 +377,7 @@ def test_conv_that_ignores_boundaries_fails(dense, tmp_path, monkeypatch):
     """The GDN short conv run over the stream as one document: a leak of K-1 tokens per boundary."""
     from qwen35_packed.modeling import gated_deltanet, reference_kernels
 
-    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
+    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None, adapters=()):
         n = x.shape[0]
         out = reference_kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
         return torch.split(out, split_sizes, dim=-1)

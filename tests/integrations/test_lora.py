@@ -90,6 +90,8 @@ ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
 DENSE_MLP = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
 SHARED_EXPERT = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"}
 EXPERTS = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}  # 3D parameters, through PEFT's ParamWrapper
+CONV = {"linear_attn.conv1d"}
+CONV_CHANNELS = 256  # 2 * 64 (q, k) + 2 * 64 (v) in the tiny models
 LINEAR_LAYERS, ATTENTION_LAYERS = (0, 1, 2), (3,)
 
 
@@ -100,6 +102,8 @@ def _expected_targets(kind, groups):
         names = set()
         if "gdn" in groups and layer in LINEAR_LAYERS:
             names |= GDN
+        if "conv" in groups and layer in LINEAR_LAYERS:
+            names |= CONV
         if "attention" in groups and layer in ATTENTION_LAYERS:
             names |= ATTENTION
         if "mlp" in groups:
@@ -133,7 +137,8 @@ def _wrapped_targets(peft_model):
         ("dense", ["gdn"]),
         ("dense", ["attention"]),
         ("dense", ["mlp"]),
-        ("dense", None),  # the default: every group the dense model has
+        ("dense", ["gdn", "conv"]),
+        ("dense", None),  # the default: every group the dense model has but the conv
         ("moe", ["gdn"]),
         ("moe", ["attention"]),
         ("moe", ["mlp"]),
@@ -184,7 +189,7 @@ def test_every_group_really_acts(group):
 def test_every_adapted_module_acts_alone(kind):
     """Each LoRA module of the default config, freshly initialised (B = 0, where training starts), gets a gradient
     from the logits: its adapter alone moves the output. One module that the forward bypasses (reading its weight
-    directly, as the GDN conv does) gets none and cannot hide behind the rest of its group."""
+    directly, as the GDN conv once did) gets none and cannot hide behind the rest of its group."""
     model = _model(kind)
     with torch.no_grad():  # decays exp(g) away from 0: a saturated decay (A up to 16) would hide in_proj_a
         for layer in model.model.layers:
@@ -201,6 +206,54 @@ def test_every_adapted_module_acts_alone(kind):
     silent = {m: g for m, g in silent.items() if g <= 1e-3}
     assert not silent, silent
     assert any("experts" in m for m in lora_b) == (kind == "moe")
+
+
+@pytest.mark.parametrize("r, conv_rank", [(4, CONV_CHANNELS), (2 * CONV_CHANNELS, 2 * CONV_CHANNELS)])
+def test_conv_group_gets_a_rank_peft_takes_and_acts(r, conv_rank):
+    """`conv`: the GDN conv gets rank r where r is a multiple of its channels, else the channel count (PEFT takes
+    no other), with the scaling of the other modules; its adapter acts, a disabled one does not, PEFT refuses to
+    merge it and the vLLM weight sync, which merges, refuses it up front."""
+    from qwen35_packed.integrations.vllm_sync import check_adapters_mergeable
+
+    model = _model("moe")
+    ids = _ids()
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+    wrapped = peft.get_peft_model(model, lora_config(model, r=r, targets=["gdn", "conv"]))
+    _randomize_lora_b(wrapped)
+    convs = [m for name, m in wrapped.named_modules() if name.endswith("linear_attn.conv1d")]
+    projections = [m for name, m in wrapped.named_modules() if name.endswith("linear_attn.in_proj_qkv")]
+    assert len(convs) == len(LINEAR_LAYERS)
+    assert {c.r["default"] for c in convs} == {conv_rank} and {m.r["default"] for m in projections} == {r}
+    assert {c.scaling["default"] for c in convs} == {m.scaling["default"] for m in projections} == {2.0}
+    with torch.no_grad():
+        adapted = wrapped(ids, use_cache=False).logits
+        with wrapped.disable_adapter():
+            disabled = wrapped(ids, use_cache=False).logits
+    assert (adapted - base).abs().max().item() > 1e-3
+    assert (disabled - base).abs().max().item() <= 1e-5
+    with pytest.raises(NotImplementedError, match="groups > 1"):
+        wrapped.merge_adapter()
+    wrapped.unmerge_adapter()  # the projections PEFT merged before it reached a conv
+    with pytest.raises(ValueError, match="LoRA on the GDN conv \\(3 modules, base_model.model.model.layers.0"):
+        check_adapters_mergeable(wrapped)
+    check_adapters_mergeable(_adapted("moe")[1])  # no conv target: the sync merges
+
+
+def test_trl_cli_flags_with_the_conv():
+    """TRL's flags have one rank: with `conv` they need r a multiple of the conv's channels, and then build the same
+    adapter; another r raises, naming the channel count."""
+    trl = pytest.importorskip("trl")
+    model = _model("dense")
+    with pytest.raises(ValueError, match=f"multiple of its {CONV_CHANNELS} channels"):
+        trl_cli_args(model, r=16, targets=["gdn", "conv"])
+    args = trl_cli_args(model, r=CONV_CHANNELS, targets=["gdn", "conv"])
+    assert "conv1d" in args
+    (model_args,) = trl.TrlParser((trl.ModelConfig,)).parse_args_into_dataclasses(["--model_name_or_path", "x", *args])
+    from_cli = peft.get_peft_model(_model("dense"), trl.get_peft_config(model_args))
+    from_helper = peft.get_peft_model(model, lora_config(model, r=CONV_CHANNELS, targets=["gdn", "conv"]))
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters() if "lora_" in n}  # noqa: E731
+    assert shapes(from_cli) == shapes(from_helper) and any("conv1d.lora_A" in n for n in shapes(from_helper))
 
 
 def test_packed_forward_with_lora_equals_per_document():
@@ -260,8 +313,7 @@ def test_config_from_a_config_object():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(targets=["conv"]), "conv1d"),
-        (dict(targets=["conv1d"]), "reads conv1d.weight directly"),
+        (dict(targets=["conv1d"]), "unknown LoRA target group 'conv1d'"),
         (dict(targets=["lm_head"]), "lm_head"),
         (dict(targets=["router"]), "router"),
         (dict(targets=["gdn", "embeddings"]), "unknown LoRA target group"),

@@ -140,7 +140,7 @@ def test_no_prediction_across_documents():
     assert abs(crossing.item() - base.item()) > 1e-3
 
 
-def _leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None):
+def _leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None, adapters=()):
     """The GDN conv without document boundaries (what transformers' built-in does with position_ids alone)."""
     out = reference_kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(x.shape[0], device=x.device))
     return torch.split(out, list(split_sizes), dim=-1)
