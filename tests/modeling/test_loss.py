@@ -19,6 +19,7 @@ from qwen35_packed.modeling.loss import (
     chunk_cross_entropy,
     chunked_linear_cross_entropy,
 )
+from qwen35_packed.modeling.projection import RowInvariantLinear, row_invariant_product
 
 # On CUDA, elementwise="triton" sends the chunk math (no kernel of its own) through torch.compile; forced here on
 # CPU, where inductor's C++ backend compiles it.
@@ -159,8 +160,8 @@ def test_chunked_loss_equals_previous_formulation(dtype, chunk_tokens):
     assert grad_hidden.dtype == dtype and grad_weight.dtype == dtype
     # Rows whose target is ignored get no gradient at all.
     assert not grad_hidden[targets == -100].any()
-    # The kept logits are the same per-chunk matmuls, bit for bit.
-    expected = torch.cat([h @ weight.t() for h in hidden.split(chunk_tokens)])
+    # The kept logits are the same per-chunk row-invariant products, bit for bit.
+    expected = torch.cat([row_invariant_product(h, weight) for h in hidden.split(chunk_tokens)])
     assert torch.equal(logits, expected) and logits.dtype == dtype
 
 
@@ -542,7 +543,7 @@ def test_model_loss_is_the_cross_entropy_of_the_written_targets(head, num_items_
     kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
     with torch.no_grad():
         out = model(PACKED_IDS, labels=PACKED_IDS, cu_seqlens=PACKED_CU, **kwargs)
-    assert (head == "plain") == (type(model.lm_head) is torch.nn.Linear)
+    assert (head == "plain") == (type(model.lm_head) is RowInvariantLinear)
     total = F.cross_entropy(out.logits[0], torch.tensor(PACKED_TARGETS), ignore_index=-100, reduction="sum")
     denominator = 5 if num_items_in_batch is None else 13
     torch.testing.assert_close(out.loss, total / denominator, rtol=1e-6, atol=0)
