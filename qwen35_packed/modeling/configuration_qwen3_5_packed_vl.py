@@ -170,12 +170,19 @@ class _TextConfigKnowsItsWriter:
         return super().from_dict(config_dict, **kwargs)
 
 
+def _sub_configs(**classes) -> dict:
+    """`sub_configs_defaults` in the form the installed transformers reads: `SubConfigSpec`s where it has them (5.20
+    to 5.24 call `create_subconfig` on each value; 5.25 also wraps bare classes itself), else the classes."""
+    spec = getattr(transformers.configuration_utils, "SubConfigSpec", None)
+    return {name: spec(config_class=cls) if spec else cls for name, cls in classes.items()}
+
+
 class Qwen3_5PackedVLConfig(_SmallVisionDefault, _TextConfigKnowsItsWriter, _BuiltinConfig):
     """Dense composite config (`model_type` `qwen3_5`): built-in vision config + this project's text config."""
 
     model_type = "qwen3_5"
 
-    sub_configs_defaults = {"vision_config": _BuiltinVisionConfig, "text_config": Qwen3_5PackedConfig}
+    sub_configs_defaults = _sub_configs(vision_config=_BuiltinVisionConfig, text_config=Qwen3_5PackedConfig)
 
     freeze_vision: bool = False
     vision_dummy_pass: bool = False
@@ -186,7 +193,7 @@ class Qwen3_5MoePackedVLConfig(_SmallVisionDefault, _TextConfigKnowsItsWriter, _
 
     model_type = "qwen3_5_moe"
 
-    sub_configs_defaults = {"vision_config": _BuiltinMoeVisionConfig, "text_config": Qwen3_5MoePackedConfig}
+    sub_configs_defaults = _sub_configs(vision_config=_BuiltinMoeVisionConfig, text_config=Qwen3_5MoePackedConfig)
 
     freeze_vision: bool = False
     vision_dummy_pass: bool = False
