@@ -221,19 +221,23 @@ def _vllm_registry(folder: ModelFolder, report: DoctorReport) -> None:
                    "transformers")  # fmt: skip
         return
     plugin = [p for p in importlib.metadata.entry_points(group="vllm.general_plugins") if p.name == "qwen35_packed"]
+    no_vllm = importlib.util.find_spec("vllm") is None  # vLLM may live elsewhere: --vllm checks its engine
     if arch in ARCHITECTURES:
         target = ARCHITECTURES[arch].replace(":", ".")
-        if plugin:
+        if no_vllm:
+            report.add("loading.vllm", SKIP, f"vLLM not installed; where it is, this package's plugin installed next "
+                       f"to it maps {arch} to {target} (--vllm checks the engine in vLLM's environment)")  # fmt: skip
+        elif plugin:
             report.add("loading.vllm", PASS, f"the qwen35_packed plugin maps {arch} to {target}")
-        elif importlib.util.find_spec("vllm") is None:  # vLLM lives elsewhere: its environment needs the plugin
-            report.add("loading.vllm", PASS, f"the qwen35_packed plugin maps {arch} to {target} where this package "
-                       "is installed next to vLLM (no vLLM here; --vllm checks the engine)")  # fmt: skip
         else:
             report.add("loading.vllm", FAIL, f"{arch} needs the qwen35_packed vLLM plugin, whose entry point is not "
                        "installed next to this vLLM", "install this package next to vLLM (`pip install --no-deps -e "
                        f".`) or pass hf_overrides={{'architectures': ['{target.rsplit('.', 1)[1]}']}}")  # fmt: skip
     elif arch in VLLM_NATIVE:
-        report.add("loading.vllm", PASS, f"{arch} is vLLM's native class")
+        if no_vllm:
+            report.add("loading.vllm", SKIP, f"vLLM not installed; where it is, {arch} is its native class")
+        else:
+            report.add("loading.vllm", PASS, f"{arch} is vLLM's native class")
     else:
         native = ("Qwen3_5MoeForConditionalGeneration" if folder.is_moe else "Qwen3_5ForConditionalGeneration") \
             if folder.composite else ("Qwen3_5MoeForCausalLM" if folder.is_moe else "Qwen3_5ForCausalLM")  # fmt: skip

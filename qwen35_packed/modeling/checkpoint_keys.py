@@ -10,17 +10,23 @@ its own classes, never to remote code, so these classes map the keys themselves,
     `save_pretrained` writes) are fused after loading into `experts.gate_up_proj [E, 2I, H]` (gate_up[e] =
     cat(gate_e, up_e)) and `experts.down_proj [E, H, I]`, as transformers' loader does for its own classes;
   * every parameter must come from the checkpoint (weights tied to one that does count as given): a missing one
-    raises ValueError naming it, never leaves random weights behind a load report. Two exceptions, each reported in
-    `missing_keys` and in one warning log line:
+    raises ValueError naming it, never leaves random weights behind a load report. The account is made from the
+    checkpoint files' keys before transformers reads a tensor (`account_before_loading`, which the classes'
+    `_load_pretrained_model` calls), so the refusal comes before transformers' load report, which would announce
+    the tensors as newly initialised. Two exceptions, each reported in `missing_keys` and in one warning log line:
       - a task head a class adds to the backbone (its `new_task_head_modules`, e.g. a reward model's `score` loaded
         from a causal-LM folder): transformers initialises it as a new head;
       - `output_loading_info=True`: the caller asked for transformers' load report (model, info) to inspect it, so
         the missing tensors stay randomly initialised, as transformers leaves them, and `info["missing_keys"]`
         names every one of them, fused experts included.
+  * a checkpoint file that does not read (truncated or damaged: safetensors' own error names no file) is a
+    ValueError naming the file.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 import logging
 import re
@@ -87,9 +93,9 @@ def _hub_kwargs(kwargs: dict) -> dict:
     return {name: kwargs[name] for name in names if kwargs.get(name) is not None}
 
 
-def _checkpoint_files(name_or_path, kwargs: dict) -> dict[str, list[str]]:
-    """{checkpoint file: its keys} of the checkpoint `from_pretrained` just read (empty when not found)."""
-    from transformers.modeling_utils import load_state_dict
+def _checkpoint_paths(name_or_path, kwargs: dict) -> list[str]:
+    """The checkpoint files `from_pretrained` reads for `name_or_path` (empty when not found): the shards an index
+    names, else the single file."""
     from transformers.utils import cached_file
     from transformers.utils.hub import get_checkpoint_shard_files
 
@@ -110,15 +116,31 @@ def _checkpoint_files(name_or_path, kwargs: dict) -> dict[str, list[str]]:
     for index_name, single_name in formats:
         index = found(index_name)
         if index is not None:
-            files, metadata = get_checkpoint_shard_files(name_or_path, index, **hub)
-            by_name: dict[str, list[str]] = {}
-            for key, shard in metadata["weight_map"].items():
-                by_name.setdefault(shard, []).append(key)
-            return {path: by_name.get(path.replace("\\", "/").rsplit("/", 1)[-1], []) for path in files}
+            return list(get_checkpoint_shard_files(name_or_path, index, **hub)[0])
         single = found(single_name)
         if single is not None:
-            return {single: list(load_state_dict(single, map_location="meta"))}
-    return {}
+            return [single]
+    return []
+
+
+def _file_keys(path: str) -> list[str]:
+    """The tensor names of one checkpoint file (its header only, for safetensors)."""
+    from transformers.modeling_utils import load_state_dict
+
+    return list(load_state_dict(path, map_location="meta"))
+
+
+def _damaged_file_error(name_or_path, kwargs: dict) -> ValueError | None:
+    """A ValueError naming the first checkpoint file of `name_or_path` that does not read, None when all do."""
+    for path in _checkpoint_paths(name_or_path, kwargs):
+        try:
+            _file_keys(path)
+        except Exception as exc:  # noqa: BLE001 - any failure to read the file is the finding
+            return ValueError(
+                f"the checkpoint file {path} does not read: it is truncated or damaged ({type(exc).__name__}: "
+                f"{exc}); download or copy it again"
+            )
+    return None
 
 
 class _ModelKeys:
@@ -140,20 +162,24 @@ class _ModelKeys:
         return None
 
     def untied_missing(self, supplied: set[str]) -> set[str]:
-        """The names no checkpoint tensor supplies, leaving out those tied to (the same tensor as) a supplied one."""
-        tensors: dict[int, list[str]] = {}
+        """The names no checkpoint tensor supplies, leaving out those tied to a supplied one: the same tensor, or
+        declared tied (transformers 5's `all_tied_weights_keys`, {target: source}; before loading the model is not
+        tied yet)."""
+        group: dict[str, str] = {}  # name -> the name standing for its tied group
+        first_of_tensor: dict[int, str] = {}
         for name, tensor in self.model.state_dict(keep_vars=True).items():
-            tensors.setdefault(id(tensor), []).append(name)
-        missing = set()
-        for names in tensors.values():
-            if not supplied.intersection(names):
-                missing.update(names)
-        return missing
+            group[name] = first_of_tensor.setdefault(id(tensor), name)
+        for target, source in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
+            if target in group and source in group:
+                old, new = group[target], group[source]
+                group = {name: new if root == old else root for name, root in group.items()}
+        given = {group[name] for name in supplied if name in group}
+        return {name for name, root in group.items() if root not in given}
 
 
-def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[int, str]]], files, where) -> set:
-    """Fuse the per-expert tensors of `groups` ({fused prefix: {proj: {expert: checkpoint key}}}) into the
-    model's fused parameters; returns the names it filled."""
+def _fuse_per_expert(model, groups: dict[str, dict[str, dict[int, str]]], files, where) -> None:
+    """Fuse the per-expert tensors of `groups` (complete: `_account` checked them) into the model's fused
+    parameters."""
     from transformers.modeling_utils import load_state_dict
 
     needed = {key for projs in groups.values() for experts in projs.values() for key in experts.values()}
@@ -163,12 +189,10 @@ def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[i
             shard = load_state_dict(path)
             tensors.update((k, shard[k]) for k in needed.intersection(shard))
             del shard
+    keys = _ModelKeys(model)
     params = dict(model.named_parameters())
-    filled = set()
     for prefix, projs in groups.items():
-        n_experts, absent = missing_per_expert_keys(prefix, projs)
-        if absent:
-            raise ValueError(f"{where} stores the experts of {prefix!r} per expert but lacks {_shown(absent)}")
+        n_experts, _ = missing_per_expert_keys(prefix, projs)
         gates = [tensors[projs["gate_proj"][e]] for e in range(n_experts)]
         ups = [tensors[projs["up_proj"][e]] for e in range(n_experts)]
         fused = {
@@ -190,12 +214,21 @@ def _fuse_per_expert(model, keys: _ModelKeys, groups: dict[str, dict[str, dict[i
                 )
             with torch.no_grad():
                 param.copy_(value)
-            filled.add(name)
-    return filled
 
 
-def _fill_and_account(model, files: dict[str, list[str]], key_mapping: dict, where: str) -> set[str]:
-    """Fuse the checkpoint's per-expert experts into the model; return the parameters it did not supply."""
+@dataclasses.dataclass
+class _Account:
+    """Which checkpoint keys supply which parameters: the per-expert groups to fuse after loading
+    ({fused prefix: {proj: {expert: checkpoint key}}}) and the parameters nothing supplies."""
+
+    files: dict[str, list[str]]  # checkpoint file -> its keys
+    groups: dict[str, dict[str, dict[int, str]]]
+    missing: set[str]
+
+
+def _account(model, files: dict[str, list[str]], key_mapping: dict, where: str) -> _Account:
+    """The account of `files` against the model's parameters, before any tensor is read: raises for experts stored
+    both fused and per expert, or per expert with some missing."""
     keys = _ModelKeys(model)
     supplied: set[str] = set()
     groups: dict[str, dict[str, dict[int, str]]] = {}
@@ -210,9 +243,58 @@ def _fill_and_account(model, files: dict[str, list[str]], key_mapping: dict, whe
     twice = sorted(p for p in groups if {keys.of(f"{p}.gate_up_proj"), keys.of(f"{p}.down_proj")} & supplied)
     if twice:
         raise ValueError(f"{where} stores the experts of {_shown(twice)} both fused and per expert")
-    if groups:
-        supplied |= _fuse_per_expert(model, keys, groups, files, where)
-    return keys.untied_missing(supplied)
+    for prefix, projs in groups.items():
+        _, absent = missing_per_expert_keys(prefix, projs)
+        if absent:
+            raise ValueError(f"{where} stores the experts of {prefix!r} per expert but lacks {_shown(absent)}")
+        supplied |= {keys.of(f"{prefix}.gate_up_proj"), keys.of(f"{prefix}.down_proj")}
+    return _Account(files, groups, keys.untied_missing(supplied))
+
+
+@dataclasses.dataclass
+class _Load:
+    """One `from_official_layout` call in progress: what the account before loading needs, and that account."""
+
+    cls: type
+    where: str
+    key_mapping: dict
+    want_info: bool
+    account: _Account | None = None
+
+
+# The load in progress in this context (from_official_layout sets it around transformers' from_pretrained).
+_LOAD_IN_PROGRESS: contextvars.ContextVar[_Load | None] = contextvars.ContextVar("qwen35_packed_load", default=None)
+
+
+def _refuse_missing(cls, where: str, missing: set[str]) -> None:
+    """Raise for the parameters of `missing` other than a new task head's (see the module docstring)."""
+    backbone = missing - _new_head(cls, missing)
+    if backbone:
+        raise ValueError(
+            f"{where} lacks {len(backbone)} tensors that {cls.__name__} needs: {_shown(backbone)}. They would stay "
+            "randomly initialised. Is this the right class for the folder (text classes read `model.*` or a "
+            "composite folder's `model.language_model.*`; vision-language classes also need `model.visual.*`)?"
+        )
+
+
+def _new_head(cls, missing: set[str]) -> set[str]:
+    """The names of `missing` in a task head the class adds to the backbone (a reward model's `score` from a
+    causal-LM folder): the checkpoint cannot hold them, transformers initialises them as a new head."""
+    return {name for name in missing if name.split(".")[0] in getattr(cls, "new_task_head_modules", ())}
+
+
+def account_before_loading(model, checkpoint_files) -> None:
+    """The checkpoint files' account for the load in progress, made from their keys before transformers reads any
+    tensor (the classes' `_load_pretrained_model` calls this first); raises for a missing tensor unless the caller
+    asked for the load report. Outside `from_official_layout` (and for a later load inside it, such as an adapter's)
+    it does nothing."""
+    load = _LOAD_IN_PROGRESS.get()
+    if load is None or load.account is not None or not checkpoint_files or not isinstance(model, load.cls):
+        return
+    files = {path: _file_keys(path) for path in checkpoint_files}
+    load.account = _account(model, files, load.key_mapping, load.where)
+    if not load.want_info:
+        _refuse_missing(load.cls, load.where, load.account.missing)
 
 
 def from_official_layout(cls, load, name_or_path, args: tuple, kwargs: dict, key_mapping: dict | None):
@@ -224,23 +306,29 @@ def from_official_layout(cls, load, name_or_path, args: tuple, kwargs: dict, key
     key_mapping = kwargs.pop("key_mapping", None) or key_mapping
     if key_mapping:
         kwargs["key_mapping"] = key_mapping
-    model, info = load(name_or_path, *args, output_loading_info=True, **kwargs)
-    files = _checkpoint_files(name_or_path, kwargs)
     where = f"the checkpoint at {name_or_path}"
-    if files:
-        missing = _fill_and_account(model, files, key_mapping or {}, where)
-    else:  # a format whose keys cannot be listed here: transformers' own report (fused experts unchecked)
+    in_progress = _Load(cls, where, key_mapping or {}, want_info)
+    token = _LOAD_IN_PROGRESS.set(in_progress)
+    try:
+        model, info = load(name_or_path, *args, output_loading_info=True, **kwargs)
+    except Exception as exc:
+        damaged = _damaged_file_error(name_or_path, kwargs)  # safetensors' own error names no file
+        if damaged is None:
+            raise
+        raise damaged from exc
+    finally:
+        _LOAD_IN_PROGRESS.reset(token)
+    account = in_progress.account
+    if account is not None:
+        if account.groups:
+            _fuse_per_expert(model, account.groups, account.files, where)
+        missing = account.missing
+    else:  # transformers did not hand the files over: its own report (fused experts unchecked), refused after it
         missing = set(info["missing_keys"])
-    # A task head the class adds to the backbone (a reward model's `score` from a causal-LM folder) cannot be in the
-    # checkpoint: transformers initialised it as a new head; report it, refuse every other missing tensor.
-    new_head = {name for name in missing if name.split(".")[0] in getattr(cls, "new_task_head_modules", ())}
+        if not want_info:
+            _refuse_missing(cls, where, missing)
+    new_head = _new_head(cls, missing)
     backbone = missing - new_head
-    if backbone and not want_info:
-        raise ValueError(
-            f"{where} lacks {len(backbone)} tensors that {cls.__name__} needs: {_shown(backbone)}. They would stay "
-            "randomly initialised. Is this the right class for the folder (text classes read `model.*` or a "
-            "composite folder's `model.language_model.*`; vision-language classes also need `model.visual.*`)?"
-        )
     if backbone:
         # The caller asked for the load report (transformers' contract): report instead of raising, loudly.
         logger.warning(
@@ -269,6 +357,7 @@ __all__ = [
     "IGNORED_UNEXPECTED_EXPERT_KEYS",
     "PER_EXPERT_KEY",
     "TEXT_KEY_MAPPING",
+    "account_before_loading",
     "from_official_layout",
     "fuse_gate_up",
     "rename_key",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import transformers
 from torch import nn
 
-from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS
+from .checkpoint_keys import IGNORED_MISSING_EXPERT_KEYS, account_before_loading
 from .gated_deltanet import FP32_PARAMETERS
 from .numerics import enable_numerics_check
 
@@ -36,6 +36,14 @@ class PackedModelConventions:
         for module in self.modules():
             if hasattr(module, "context_parallel_group"):
                 module.context_parallel_group = group
+
+    @classmethod
+    def _load_pretrained_model(cls, model, state_dict, checkpoint_files, *args, **kwargs):
+        # transformers' step that reads the checkpoint into the model (a staticmethod in 5.x, a classmethod in 4.x;
+        # both take these three first). The checkpoint's keys are accounted for first, so that a missing tensor is
+        # refused before transformers reports it as newly initialised (checkpoint_keys.py).
+        account_before_loading(model, checkpoint_files)
+        return super()._load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

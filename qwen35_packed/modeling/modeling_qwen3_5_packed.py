@@ -199,10 +199,14 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         self.post_init()
 
     def open_batch(self, arguments: dict) -> PackedBatch:
-        """The front door (packed_batch.open_packed_batch) with this model's configuration, mode and context
-        parallelism."""
+        """The front door (packed_batch.open_packed_batch) with this model's configuration, mode, context
+        parallelism and embedding dtype."""
         return open_packed_batch(
-            self.config, arguments, training=self.training, context_parallel_group=self.context_parallel_group
+            self.config,
+            arguments,
+            training=self.training,
+            context_parallel_group=self.context_parallel_group,
+            embedding_dtype=self.embed_tokens.weight.dtype,
         )
 
     def embed(self, batch: PackedBatch, arguments: dict) -> torch.Tensor:

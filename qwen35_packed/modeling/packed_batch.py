@@ -5,7 +5,10 @@ The public forward signatures are declared here once (`public_forward`), paramet
 built-in classes declare them, because transformers, TRL, PEFT and Accelerate read them by inspection (the
 Trainer's dataset columns, `logits_to_keep` support, generate()'s argument check). A forward body receives the
 bound arguments as one mapping and hands it to `open_packed_batch`, which holds the packing, the cache rules and
-their errors, the loss targets and the kernel choice: no internal function takes the packing keywords one by one.
+their errors, the loss targets, the checks of the inputs' values (token ids and targets in the vocabulary,
+`check_token_ranges`; `inputs_embeds` in the embedding's dtype, `check_inputs_embeds`; the attention mask's values
+are checked where the packing reads it) and the kernel choice: no internal function takes the packing keywords one
+by one.
 It also refuses to run under torch's context parallelism (a shard of the sequence: `refuse_context_parallel`).
 """
 
@@ -23,7 +26,8 @@ from . import context_parallel
 from .cache import Qwen3_5PackedCache, as_packed_cache
 from .context_parallel import ShardLayout
 from .kernel_selection import KernelChoice
-from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets
+from .loss import IGNORE_INDEX
+from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets, padding_mask_values
 from .projection import adopt_adapter_products
 from .utils import log_once
 
@@ -211,10 +215,53 @@ def refuse_context_parallel() -> None:
         raise NotImplementedError(CONTEXT_PARALLEL_ERROR)
 
 
-def open_packed_batch(config, arguments: dict, *, training: bool, context_parallel_group=None) -> PackedBatch:
+def check_token_ranges(vocab_size: int, ids: torch.Tensor | None, targets: torch.Tensor | None, labels_name: str):
+    """Refuse token ids outside the vocabulary [0, vocab_size) in `ids` (the packed input_ids: real tokens only) and
+    in the loss `targets` (taken from the caller's `labels_name`), where IGNORE_INDEX also counts as valid: the
+    embedding would fail with an index error (a device-side assert on CUDA), the loss with one that does not mention
+    labels. One reduction per tensor, read on the host together: the one host synchronisation these checks add to a
+    forward."""
+    found = []
+    if ids is not None and ids.numel():
+        found += list(torch.aminmax(ids))
+    if targets is not None:
+        found.append(((targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))).any())
+    if not found:
+        return
+    device = found[0].device
+    values = torch.stack([value.to(device, torch.long) for value in found]).tolist()
+    vocabulary = f"the vocabulary of {vocab_size} tokens (ids 0 to {vocab_size - 1})"
+    if ids is not None and ids.numel() and (values[0] < 0 or values[1] >= vocab_size):
+        bad = values[0] if values[0] < 0 else values[1]
+        raise ValueError(f"input_ids hold token id {bad}, outside {vocabulary}")
+    if targets is not None and values[-1]:
+        bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))][0].item()
+        raise ValueError(
+            f"{labels_name} hold {bad} as a target, outside {vocabulary}; {IGNORE_INDEX} marks a token without target"
+        )
+
+
+def check_inputs_embeds(inputs_embeds: torch.Tensor | None, embedding_dtype: torch.dtype | None) -> None:
+    """`inputs_embeds` must have the embedding's dtype: the layers would run in the embeddings' dtype, not the
+    model's (transformers' built-in raises a dtype mismatch in its first matmul). Under torch.autocast for their
+    device the dtypes may differ, as with the built-in, which autocast makes run."""
+    if inputs_embeds is None or embedding_dtype is None or inputs_embeds.dtype == embedding_dtype:
+        return
+    if torch.is_autocast_enabled(inputs_embeds.device.type):
+        return
+    raise ValueError(
+        f"inputs_embeds are {inputs_embeds.dtype} but the model's embeddings are {embedding_dtype}: cast them "
+        f"(inputs_embeds.to({embedding_dtype})) or run under torch.autocast"
+    )
+
+
+def open_packed_batch(
+    config, arguments: dict, *, training: bool, context_parallel_group=None, embedding_dtype: torch.dtype | None = None
+) -> PackedBatch:
     """Resolve a forward's `arguments` (the dict `public_forward` gives) into its PackedBatch.
 
-    `config` is the text configuration.
+    `config` is the text configuration; `embedding_dtype` the dtype of the model's input embeddings, which
+    `inputs_embeds` must have (`check_inputs_embeds`).
     A filled cache continues every row by its new tokens (one document per row, no packing arguments, only real
     new tokens); otherwise the boundaries come from the packing contract and a cache is made when `use_cache` asks
     for one: None means the config's `use_cache` in eval mode for one document per row. With a
@@ -222,6 +269,7 @@ def open_packed_batch(config, arguments: dict, *, training: bool, context_parall
     row (context_parallel.open_shard). Under torch's context parallelism (Accelerate's cp_size > 1) it raises: the
     inputs are a shard of the sequence the model was not told about."""
     refuse_context_parallel()
+    check_inputs_embeds(arguments.get("inputs_embeds"), embedding_dtype)
     if context_parallel_group is not None:
         return _open_shard_batch(config, arguments, context_parallel_group)
     input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
@@ -244,7 +292,7 @@ def open_packed_batch(config, arguments: dict, *, training: bool, context_parall
                     "with a cache, attention_mask must be a 2D [batch, columns] padding mask covering the new tokens, "
                     f"got shape {tuple(attention_mask.shape)} for {shape[1]} new tokens"
                 )
-            new_real = attention_mask[:, -shape[1] :].bool()
+            new_real = padding_mask_values(attention_mask[:, -shape[1] :])
             new_real = None if bool(new_real.all()) else new_real.to(device)
         packed = cache.decode_sequence(shape[0], shape[1], device, new_real)
         if position_ids is not None and torch.as_tensor(position_ids).dim() == 2:
@@ -274,6 +322,7 @@ def open_packed_batch(config, arguments: dict, *, training: bool, context_parall
 
     labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
     targets = loss_targets(packed, labels, shift_labels) if labels is not None or shift_labels is not None else None
+    _check_token_ranges(config, input_ids, packed, targets, shift_labels)
     return PackedBatch(
         packed=packed,
         cache=cache,
@@ -286,6 +335,12 @@ def open_packed_batch(config, arguments: dict, *, training: bool, context_parall
         output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
         attentions=[] if arguments.get("output_attentions") else None,  # resolved by public_forward
     )
+
+
+def _check_token_ranges(config, input_ids, packed: PackedSequence, targets, shift_labels) -> None:
+    """check_token_ranges on a forward's real input tokens and its targets (named by the argument they came from)."""
+    ids = packed.pack(input_ids) if input_ids is not None else None
+    check_token_ranges(config.vocab_size, ids, targets, "labels" if shift_labels is None else "shift_labels")
 
 
 def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
@@ -313,6 +368,7 @@ def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
         targets = loss_targets(packed, None, shift_labels)
     elif labels is not None:
         targets = context_parallel.shard_targets(loss_targets(packed, labels), layout)
+    _check_token_ranges(config, input_ids, packed, targets, shift_labels)
     return PackedBatch(
         packed=packed,
         cache=None,

@@ -209,6 +209,17 @@ def _as_cu_seqlens(value, name: str, device) -> tuple[torch.Tensor, torch.Tensor
     return given.to(device=device, dtype=torch.int32), host
 
 
+def padding_mask_values(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask of a padding mask given as bool, or as integers or floats that are all 0 or 1; any other value
+    (a 2 would read as True, a 0.5 as well) raises. One reduction read on the host for a mask that is not bool."""
+    if attention_mask.dtype != torch.bool:
+        other = (attention_mask != 0) & (attention_mask != 1)
+        if bool(other.any()):
+            value = attention_mask[other][0].item()
+            raise ValueError(f"attention_mask must hold only 0 and 1 (or True / False), got {value}")
+    return attention_mask.bool()
+
+
 def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, seq_len):
         raise ValueError(
@@ -216,10 +227,7 @@ def _padding_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> tor
             f"{tuple(attention_mask.shape)} (4D or custom masks are not accepted: boundaries come from the packing "
             "contract)"
         )
-    if attention_mask.dtype.is_floating_point:
-        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must contain only 0 and 1")
-    return attention_mask.bool()
+    return padding_mask_values(attention_mask)
 
 
 def _up_to_last_real(valid: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ CHECKS = [
     "versions.vllm", "numerics.packed_vs_per_document",
 ]  # fmt: skip
 CPU_NOT_APPLICABLE = {"kernels.triton", "kernels.tilelang", "kernels.flash_attn"}
+VLLM_CHECKS = {"loading.vllm", "versions.vllm"}  # SKIP where vLLM is not installed
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +90,9 @@ def test_good_tiny_model_passes(kind, dense, moe, tmp_path, capsys):
     code, checks, report = doctor(dense if kind == "dense" else moe, tmp_path)
     assert code == 0
     assert list(checks) == CHECKS
+    vllm_absent = "vllm" not in report["doctor"]["versions"]
     for name, entry in checks.items():
-        expected = "SKIP" if name in CPU_NOT_APPLICABLE or name == "versions.vllm" and "vllm" not in \
-            report["doctor"]["versions"] else "PASS"  # fmt: skip
+        expected = "SKIP" if name in CPU_NOT_APPLICABLE or name in VLLM_CHECKS and vllm_absent else "PASS"
         assert entry["status"] == expected, entry
     assert report["doctor"]["status"] == "PASS"
     numbers = [e for e in report["parity"] if e["check"] == "numerics.packed_vs_per_document"]
@@ -155,6 +156,36 @@ def test_checkpoint_missing_tensors_fails(dense, tmp_path):
     assert "this package's classes refuse to load the folder with a ValueError naming them" in detail
     with pytest.raises(ValueError, match="model.layers.1.linear_attn.A_log"):
         transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("how", ["truncated", "header"])
+def test_damaged_shard_is_named_and_nothing_else_fails(how, dense, tmp_path):
+    """A truncated shard, or one with a damaged header: config.weights names the file; the checks that read what the
+    shards hold skip instead of reporting what the damaged file hides (no spurious "no lm_head.weight")."""
+    folder = edited(dense, tmp_path / "m")
+    shard = folder / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if how == "truncated" else b"\xff" * 8 + data[8:])
+    code, checks, _ = doctor(folder, tmp_path)
+    assert code == 1 and failing(checks) == ["config.weights"], failing(checks)
+    assert checks["config.weights"]["detail"].startswith("model.safetensors: "), checks["config.weights"]
+    for name in ("config.mtp", "config.tie_word_embeddings", "numerics.packed_vs_per_document"):
+        assert checks[name]["status"] == "SKIP", checks[name]
+
+
+def test_vllm_registry_skips_without_vllm(dense, tmp_path, monkeypatch):
+    """Without vLLM installed, loading.vllm cannot check vLLM's registry: SKIP, saying so."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    _, checks, _ = doctor(dense, tmp_path)
+    assert checks["loading.vllm"]["status"] == "SKIP", checks["loading.vllm"]
+    assert checks["loading.vllm"]["detail"].startswith("vLLM not installed")
+    assert (
+        "Qwen3_5PackedForCausalLM to vllm.model_executor.models.qwen3_5.Qwen3_5ForCausalLM"
+        in (checks["loading.vllm"]["detail"])
+    )
 
 
 def test_moe_experts_stored_one_by_one_pass(tmp_path):

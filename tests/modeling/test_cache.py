@@ -146,6 +146,35 @@ def test_a_cached_step_with_masked_new_tokens_equals_one_forward(kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("prompt", ["left-padded", "unpadded"])
+def test_a_cached_step_of_several_tokens_equals_one_uncached_forward(kind, prompt):
+    """A prefill, then 3 real tokens at once with the cache (a chunked prefill, a speculative step's check): their
+    logits are those of one forward over all the tokens, the cache is the one a prefill of all of them makes (keys
+    in their columns, columns consumed, GDN states), and the decode step after it agrees too."""
+    model = packed_model(kind)
+    ids = torch.randint(3, 120, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    if prompt == "left-padded":
+        mask[1, :3] = 0
+    prefill, step = 8, 3
+
+    def masked(columns):  # the mask of the first `columns` columns, as generate() passes it; none when unpadded
+        return {"attention_mask": mask[:, :columns]} if prompt == "left-padded" else {}
+
+    with torch.no_grad():
+        whole = model(ids, **masked(12), use_cache=False).logits
+        expected_cache = model(ids[:, : prefill + step], **masked(prefill + step), use_cache=True).past_key_values
+        cache = model(ids[:, :prefill], **masked(prefill), use_cache=True).past_key_values
+        several = model(ids[:, prefill : prefill + step], **masked(prefill + step), past_key_values=cache)
+        assert several.past_key_values is cache
+        torch.testing.assert_close(several.logits, whole[:, prefill : prefill + step], atol=1e-5, rtol=0)
+        assert torch.equal(cache.real_columns, expected_cache.real_columns)
+        _assert_caches_equal(cache, expected_cache)
+        next_step = model(ids[:, prefill + step :], **masked(12), past_key_values=cache).logits
+    torch.testing.assert_close(next_step, whole[:, prefill + step :], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_row_selection_moves_every_state_of_a_row(kind):
     """batch_select_indices / batch_repeat_interleave / reorder_cache: the next step of a selected row gives the
     logits its source row gives."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,47 @@ def folder_missing_one_tensor(tmp_path):
 def test_missing_tensor_is_named(tmp_path):
     for cls, name in folder_missing_one_tensor(tmp_path)[1]:
         with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
+            cls.from_pretrained(tmp_path)
+
+
+def test_a_missing_tensor_is_refused_before_transformers_reports_it(tmp_path, caplog):
+    """transformers' load report would announce the missing tensor as newly initialised, then the class refuses the
+    folder: the refusal comes first, and transformers reports nothing."""
+    _, classes = folder_missing_one_tensor(tmp_path)
+    library = logging.getLogger("transformers")  # logs through its own handler, not the root logger's
+    library.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="transformers"):
+            for cls, name in classes:
+                with pytest.raises(ValueError, match=rf"lacks 1 tensors that {cls.__name__} needs: {name}\."):
+                    cls.from_pretrained(tmp_path)
+    finally:
+        library.removeHandler(caplog.handler)
+    reports = [r.getMessage() for r in caplog.records if r.name.startswith("transformers")]
+    assert not [m for m in reports if "newly initialized" in m or "LOAD REPORT" in m or name in m], reports
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"\xff" * 8 + data[8:])
+
+
+@pytest.mark.parametrize("how", ["truncated", "header"])
+@pytest.mark.parametrize("layout", ["single file", "shards"])
+def test_a_damaged_checkpoint_file_is_named(layout, how, tmp_path):
+    """safetensors' own error ("incomplete metadata, file not fully covered") names no file: the load names it."""
+    if layout == "single file":
+        packed_model("dense").save_pretrained(tmp_path)
+        damaged = tmp_path / "model.safetensors"
+        classes = (Qwen3_5PackedForCausalLM,)
+    else:
+        saved_composite(tmp_path, kind="dense", per_expert=False)
+        damaged = sorted(tmp_path.glob("*.safetensors"))[1]
+        classes = (Qwen3_5PackedForCausalLM, Qwen3_5PackedForConditionalGeneration)
+    _damage(damaged, how)
+    message = f"checkpoint file {re.escape(str(damaged))} does not read: it is truncated or damaged"
+    for cls in classes:
+        with pytest.raises(ValueError, match=message):
             cls.from_pretrained(tmp_path)
 
 

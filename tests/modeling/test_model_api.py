@@ -56,6 +56,103 @@ def test_shift_labels_give_the_labels_loss_and_respect_document_boundaries():
         model(ids, position_ids=positions, shift_labels=crossing)
 
 
+# ------------------------------------------------------------------------------------------------ input values
+
+VOCAB = 128  # the tiny models' vocabulary
+
+
+@pytest.mark.parametrize("value", [VOCAB, VOCAB + 1000, -1, -5])
+@pytest.mark.parametrize("name", ["labels", "shift_labels"])
+def test_targets_outside_the_vocabulary_are_refused_naming_the_labels(name, value):
+    """The loss would fail with an index error that does not mention the labels; -100 is the one value outside
+    [0, vocab) that is valid (no target)."""
+    model = packed_model("dense")
+    ids, positions = _packed_row()
+    labels = ids.clone()
+    labels[positions == 0] = -100  # no target at a document's first token (as collators mark them)
+    if name == "shift_labels":
+        labels = torch.cat([labels[:, 1:], torch.full((1, 1), -100)], dim=1)
+    labels[0, 3] = -100
+    with torch.no_grad():
+        model(ids, position_ids=positions, **{name: labels})
+        labels[0, 4] = value
+        with pytest.raises(ValueError, match=rf"^{name} hold {value} as a target, outside the vocabulary of {VOCAB}"):
+            model(ids, position_ids=positions, **{name: labels})
+
+
+def test_a_label_that_is_no_target_is_not_checked():
+    """Unshifted labels at a document's first token are no target of any token (the built-in's loss never reads
+    them either): any value there leaves the loss unchanged."""
+    model = packed_model("dense")
+    ids, positions = _packed_row()
+    labels = ids.clone()
+    with torch.no_grad():
+        expected = model(ids, position_ids=positions, labels=labels).loss
+        labels[0, [0, DOCS[0], DOCS[0] + DOCS[1]]] = VOCAB + 7
+        assert torch.equal(model(ids, position_ids=positions, labels=labels).loss, expected)
+
+
+@pytest.mark.parametrize("value", [VOCAB, -1])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_input_ids(value):
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(1))
+    bad = ids.clone()
+    bad[1, 5] = value
+    message = rf"^input_ids hold token id {value}, outside the vocabulary of {VOCAB} tokens \(ids 0 to {VOCAB - 1}\)"
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=message):
+            model(bad)
+        cache = model(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=message):  # a cached step
+            model(bad[:, 5:6], past_key_values=cache)
+        # padding is never embedded: what a pad column holds is not read
+        mask = torch.ones_like(ids)
+        mask[1, :6] = 0
+        expected = model(ids, attention_mask=mask).logits
+        assert torch.equal(model(bad, attention_mask=mask).logits, expected)
+
+
+def test_inputs_embeds_of_another_dtype_are_refused_outside_autocast():
+    """The layers would run in the embeddings' dtype, not the model's; transformers' built-in fails in its first
+    matmul there. Under autocast both run, returning the autocast dtype."""
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(1))
+    embeds = model.get_input_embeddings()(ids).detach()
+    with torch.no_grad():
+        for given in (torch.bfloat16, torch.float16, torch.float64):
+            with pytest.raises(ValueError, match=rf"^inputs_embeds are {given} but the model's embeddings are "
+                               r"torch.float32"):  # fmt: skip
+                model(inputs_embeds=embeds.to(given))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(inputs_embeds=embeds.bfloat16()).logits
+        assert logits.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match=r"^inputs_embeds are torch.float32 but the model's embeddings are "):
+            model.bfloat16()(inputs_embeds=embeds)
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.5])
+def test_attention_mask_values_other_than_0_and_1_are_refused(value):
+    """A mask of 2s would read as 1 (and 0.5 as 1 too): only 0 and 1 (bool, integer or float) are padding masks."""
+    model = packed_model("dense")
+    ids = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    bad = mask.to(torch.float32 if isinstance(value, float) else torch.long, copy=True)
+    bad[1, 4] = value
+    message = rf"^attention_mask must hold only 0 and 1 \(or True / False\), got {value}"
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        for dtype in (torch.bool, torch.int32, torch.float32, torch.bfloat16):
+            assert torch.equal(model(ids, attention_mask=mask.to(dtype)).logits, expected), dtype
+        with pytest.raises(ValueError, match=message):
+            model(ids, attention_mask=bad)
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1).to(bad.dtype)
+        step[1, -1] = value
+        with pytest.raises(ValueError, match=message):  # a cached step's new columns
+            model(ids[:, :1], attention_mask=step, past_key_values=cache)
+
+
 # ------------------------------------------------------------------------------------------------ generate()
 
 

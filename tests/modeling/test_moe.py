@@ -381,3 +381,30 @@ def test_router_logits_backward_under_autocast():
     assert grad_x.dtype == x.dtype and grad_weight.dtype == weight.dtype
     assert (grad_x - grad_x_ref).abs().max() <= 2e-2 * grad_x_ref.abs().max()
     assert (grad_weight - grad_weight_ref).abs().max() <= 2e-2 * grad_weight_ref.abs().max()
+
+
+def test_shared_expert_and_its_gate_do_not_depend_on_what_runs_with_them():
+    """The MoE block's shared expert (gate_proj, up_proj, down_proj) and its [hidden -> 1] gate give each document
+    the rows it gets alone, bit for bit. In fp32 the CPU BLAS blocks a plain product by its row count and rounds
+    some rows differently alone and packed: an nn.Linear in place of any of the four fails here."""
+    from qwen35_packed.modeling.moe import SparseMoeBlock
+
+    config = types.SimpleNamespace(
+        hidden_size=512, shared_expert_intermediate_size=256, hidden_act="silu", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    block = SparseMoeBlock(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for projection in (block.shared_expert_gate, *block.shared_expert.children()):
+            if isinstance(projection, torch.nn.Linear):
+                projection.weight.normal_(0, 0.05)
+    lengths = [700, 1030, 1, 37, 500, 64, 3, 211, 129, 90]
+    x = torch.randn(sum(lengths), config.hidden_size, generator=torch.Generator().manual_seed(1))
+    modules = {"shared_expert": block.shared_expert, "shared_expert_gate": block.shared_expert_gate}
+    with torch.no_grad():
+        for name, module in modules.items():
+            packed = module(x)
+            for start, length in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths):
+                alone = module(x[start : start + length])
+                assert torch.equal(alone, packed[start : start + length]), (name, start, length)
