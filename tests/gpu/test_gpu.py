@@ -434,8 +434,12 @@ def test_host_syncs_do_not_grow_with_depth():
     RESULTS["host_syncs_per_step_2_and_8_layers"] = counts
     print(counts)
     # FlashQLA (the auto GDN backend where it is installed) adds a fixed few of its own per step (measured on the
-    # H200: 6 at 2 layers, 5 at 8); what must not happen is a sync per layer.
-    allowed = 6 if kernel_selection.select_kernels(model.config, ids.device, torch.bfloat16).gdn == "flash_qla" else 4
+    # H200: 6 at 2 layers, 5 at 8, before the input check); the check of the token ids and targets against the
+    # vocabulary reads one value back per forward (packed_batch.check_token_ranges). What must not happen is a sync
+    # per layer.
+    allowed = (
+        6 if kernel_selection.select_kernels(model.config, ids.device, torch.bfloat16).gdn == "flash_qla" else 4
+    ) + 1
     assert counts[8] <= counts[2] <= allowed, counts
 
 
