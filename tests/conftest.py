@@ -14,6 +14,12 @@ import transformers
 
 from qwen35_packed.tiny import TINY_DENSE, TINY_ROPE  # noqa: F401 (one definition for all tiny models)
 
+# One intra-op thread per test process (and its subprocesses): the suite's models are tiny, so a second thread buys
+# nothing, while two threads per process on a busy 2-core machine spin against each other (a tiny forward measured
+# 25x slower than with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 # transformers' built-in Qwen3.5 (the parity reference) exists from transformers 5 on; on 4.x the references are
 # this project's own unpacked path and the pure-PyTorch per-document model of tests/reference_model.py.
 HAS_BUILTIN_QWEN35 = hasattr(transformers, "Qwen3_5ForCausalLM")
