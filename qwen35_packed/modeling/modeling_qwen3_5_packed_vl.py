@@ -16,6 +16,8 @@ of packing.py, every entry form), then:
      of image tokens, so features land on their own documents);
   4. runs the packed text decoder (`Qwen3_5PackedTextModel.run_layers`) on the embeddings with those positions
      and boundaries, and computes logits / loss per document.
+The outputs carry the vision tower's outputs as the built-in's do (`image_outputs` / `video_outputs`: vision.py
+says which fields; `pooler_output` split per image / video), None where the forward encoded none.
 Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py for `freeze_vision` and
 `vision_dummy_pass` (the FSDP-symmetric vision pass on ranks without images).
 """
@@ -27,6 +29,7 @@ import logging
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import context_parallel  # called through the module: tests swap its functions for planted faults
 
@@ -81,16 +84,38 @@ Qwen3_5PackedVLModelOutput = output_class(
     "Qwen3_5PackedVLModelOutput",
     "Decoder output in the caller's layout (pad positions are zeros), router_logits included; rope_position_ids: "
     "the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
-    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
-    ["last_hidden_state", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py); "
+    "image_outputs / video_outputs: the vision tower's outputs for the images / videos encoded (vision.py).",
+    [
+        "last_hidden_state",
+        CACHE_FIELD,
+        "hidden_states",
+        "attentions",
+        "router_logits",
+        "rope_position_ids",
+        "image_outputs",
+        "video_outputs",
+    ],
     __name__,
 )
 Qwen3_5PackedVLCausalLMOutput = output_class(
     "Qwen3_5PackedVLCausalLMOutput",
     "Causal-LM output in the caller's layout; aux_loss is set when router logits were requested. "
     "rope_position_ids: the 3D positions used, [3, batch, seq] (zeros at pad positions); `attentions`: the attention "
-    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py).",
-    ["loss", "aux_loss", "logits", CACHE_FIELD, "hidden_states", "attentions", "router_logits", "rope_position_ids"],
+    "probabilities of the text layers (one per full-attention layer, with output_attentions; attention_probabilities.py); "
+    "image_outputs / video_outputs: the vision tower's outputs for the images / videos encoded (vision.py).",
+    [
+        "loss",
+        "aux_loss",
+        "logits",
+        CACHE_FIELD,
+        "hidden_states",
+        "attentions",
+        "router_logits",
+        "rope_position_ids",
+        "image_outputs",
+        "video_outputs",
+    ],
     __name__,
 )
 
@@ -144,13 +169,21 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         self.config.freeze_vision = bool(frozen)
         self.visual.requires_grad_(not frozen)
 
-    def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """All images (or videos) of the batch in one vision-tower call: [placeholder tokens, text hidden]."""
+    def encode_vision(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> BaseModelOutputWithPooling:
+        """All images (or videos) of the batch in one vision-tower call; `pooler_output`: [placeholder tokens,
+        text hidden]."""
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        arguments = (pixel_values, grid_thw, self.config.text_config, output_hidden_states, output_attentions)
         if getattr(self.config, "freeze_vision", False):
             with torch.no_grad():
-                return self.visual(pixel_values, grid_thw, self.config.text_config)
-        return self.visual(pixel_values, grid_thw, self.config.text_config)
+                return self.visual(*arguments)
+        return self.visual(*arguments)
 
     def placeholder_ids(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """long [...] for embeddings [..., H]: the image / video token id where an embedding equals that token's
@@ -167,7 +200,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         merge = self.visual.spatial_merge_size
         grid = torch.tensor([[1, merge, merge]], device=device)
         pixels = torch.zeros(merge * merge, self.visual.patch_embed.patch_dim, device=device)
-        return self.encode_vision(pixels, grid)
+        return self.encode_vision(pixels, grid).pooler_output
 
     def run(self, arguments: dict) -> DecoderRun:
         """A forward's decoder part: the front door (the text model's: without use_cache, a cache in eval mode for
@@ -248,15 +281,27 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         if position_ids is not None and torch.as_tensor(position_ids).ndim == 3:  # the caller's 3D positions
             positions = batch.rope_positions
 
-        for pixels, grid, modality in (
-            (pixel_values, image_grid_thw, IMAGE),
-            (pixel_values_videos, video_grid_thw, VIDEO),
+        # The tower records its hidden states / attention outputs when the forward records the text layers' or
+        # the vision config asks (the built-in's tower reads the forward's switches, else its own config).
+        vision_config = self.config.vision_config
+        record_hidden = batch.output_hidden_states or bool(getattr(vision_config, "output_hidden_states", False))
+        record_attentions = arguments["output_attentions"] or bool(getattr(vision_config, "output_attentions", False))
+        encoder_outputs = {}
+        for pixels, grid, modality, name in (
+            (pixel_values, image_grid_thw, IMAGE, "image"),
+            (pixel_values_videos, video_grid_thw, VIDEO, "video"),
         ):
             if pixels is None:
                 continue
             # Under context parallelism every rank encodes all the row's images and keeps the features of its
             # shard's placeholders (the vision tower is small next to the decoder).
-            features = self.encode_vision(pixels, torch.as_tensor(grid, device=pixels.device))
+            grid = torch.as_tensor(grid, device=pixels.device)
+            encoded = self.encode_vision(pixels, grid, record_hidden, record_attentions)
+            features = encoded.pooler_output
+            # The caller sees the features per image / video, as the built-in splits them (views, no copy).
+            tokens_per_item = (grid.prod(-1) // self.visual.spatial_merge_size**2).tolist()
+            encoded.pooler_output = torch.split(features, tokens_per_item)
+            encoder_outputs[name] = encoded
             slots = torch.nonzero(kind == modality).flatten()
             if shard is not None:
                 slots, features = context_parallel.shard_slots(slots, features, shard, packed.num_tokens)
@@ -270,6 +315,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
         # at most once), with the 3D rope positions.
         run = text.run_layers(embeds, dataclasses.replace(batch, rope_positions=positions))
+        run.encoder_outputs = encoder_outputs
         if batch.cache is not None:
             # Text after the prompt continues at its largest position + 1.
             last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
@@ -284,6 +330,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         output = Qwen3_5PackedVLModelOutput(
             last_hidden_state=run.batch.packed.unpack(run.hidden),
             rope_position_ids=_unpack_positions(run.batch),
+            image_outputs=run.encoder_outputs.get("image"),
+            video_outputs=run.encoder_outputs.get("video"),
             **run.caller_outputs(),
         )
         return output if returns_dict(self.config, arguments) else output.to_tuple()
@@ -382,6 +430,8 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
             aux_loss=aux_loss,
             logits=logits,
             rope_position_ids=_unpack_positions(run.batch),
+            image_outputs=run.encoder_outputs.get("image"),
+            video_outputs=run.encoder_outputs.get("video"),
             **run.caller_outputs(),
         )
         return output if returns_dict(self.config, arguments) else output.to_tuple()

@@ -24,9 +24,20 @@ CACHE_FIELD = (
 
 def output_class(name: str, doc: str, field_names: list[str], module: str):
     """A ModelOutput dataclass whose cache field carries the name the installed transformers uses (newer
-    releases alias `past_key_values` to `cache` and warn on the old name)."""
+    releases alias `past_key_values` to `cache` and warn on the old name). Its tuple form turns a nested output
+    (the vision-language forwards' `image_outputs` / `video_outputs`) into a tuple too, as transformers'
+    multimodal outputs do."""
+
+    def to_tuple(self) -> tuple:
+        return tuple(
+            value.to_tuple() if isinstance(value, ModelOutput) else value for value in (self[k] for k in self.keys())
+        )
+
     cls = dataclasses.make_dataclass(
-        name, [(f, Any, dataclasses.field(default=None)) for f in field_names], bases=(ModelOutput,)
+        name,
+        [(f, Any, dataclasses.field(default=None)) for f in field_names],
+        bases=(ModelOutput,),
+        namespace={"to_tuple": to_tuple},
     )
     cls.__doc__, cls.__module__ = doc, module  # the modeling file that names it, for pickling
     return cls
@@ -50,6 +61,8 @@ class DecoderRun:
     batch: PackedBatch
     all_hidden: list | None  # [B, S, H] per layer input, then the final one, when requested (in the graph)
     router_logits: list | None  # [N, E] per MoE layer, when requested
+    # The vision tower's outputs by modality ("image", "video") for the images / videos this forward encoded.
+    encoder_outputs: dict = dataclasses.field(default_factory=dict)
 
     def caller_outputs(self) -> dict:
         """The output fields every forward returns in the caller's layout: hidden states, attention probabilities

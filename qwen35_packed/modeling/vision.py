@@ -8,8 +8,12 @@ mlp.linear_fc1, mlp.linear_fc2}`, `merger.{norm, linear_fc1, linear_fc2}`), so a
 Input: `pixel_values` [num_patches, C * T * P * P] with the patches of every image (or video) in order and, inside
 one image, in the processor's layout (spatial-merge blocks of merge x merge neighbouring patches are consecutive),
 and `grid_thw` [num_images, 3] in patches. Attention is bidirectional inside each frame of each image and never
-crosses frames or images (varlen over `cu_seqlens` of h * w patches per frame). Output: [num_patches / merge^2,
-out_hidden_size], one row per image placeholder token.
+crosses frames or images (varlen over `cu_seqlens` of h * w patches per frame). Output: transformers'
+`BaseModelOutputWithPooling` as the built-in tower returns it: `pooler_output` [num_patches / merge^2,
+out_hidden_size] (one row per image placeholder token), `last_hidden_state` [num_patches, hidden] before the
+merger, and on request `hidden_states` (the embedded patches, then every block's output) and `attentions` (every
+block's attention sub-layer output, [num_patches, hidden]: what transformers' recorder captures from the built-in
+tower, whose attention module returns no probabilities).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .kernel_selection import bound_kernels
 from .kernels import varlen_bidirectional_attention
@@ -107,8 +112,10 @@ class Qwen3_5PackedVisionBlock(nn.Module):
         self.mlp = VisionMLP(config)
 
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin, attention_kernel):
-        x = x + self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin, attention_kernel)
-        return x + self.mlp(self.norm2(x))
+        """(the block's output, its attention sub-layer's output): the second is what `attentions` records."""
+        attention = self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin, attention_kernel)
+        x = x + attention
+        return x + self.mlp(self.norm2(x)), attention
 
 
 class VisionPatchMerger(nn.Module):
@@ -128,7 +135,8 @@ class VisionPatchMerger(nn.Module):
 
 
 class Qwen3_5PackedVisionModel(PreTrainedModel):
-    """The vision tower (`model.visual`). `forward(pixel_values, grid_thw)` -> merged features [tokens, out]."""
+    """The vision tower (`model.visual`). `forward(pixel_values, grid_thw)` -> `BaseModelOutputWithPooling` whose
+    `pooler_output` holds the merged features [tokens, out]."""
 
     config_class = getattr(transformers, "Qwen3_5VisionConfig", transformers.PretrainedConfig)
     base_model_prefix = "visual"
@@ -210,10 +218,17 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
                 f"{expected}"
             )
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kernel_config=None) -> torch.Tensor:
-        """Patch features [patches, out_hidden] of all images of `grid_thw`; attention through the kernel that
-        `kernel_config` (the composite's text configuration) binds for the tower's device and dtype, SDPA without
-        one."""
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        kernel_config=None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> BaseModelOutputWithPooling:
+        """The tower's output for all images of `grid_thw` (the module docstring says which fields); attention
+        through the kernel that `kernel_config` (the composite's text configuration) binds for the tower's device
+        and dtype, SDPA without one."""
         grid_thw = torch.as_tensor(grid_thw).long()
         self.check_inputs(pixel_values, grid_thw)
         grid_cpu = grid_thw.cpu()
@@ -224,12 +239,23 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         max_seqlen = int((grid_cpu[:, 1] * grid_cpu[:, 2]).max())
         kernel = "sdpa" if kernel_config is None else bound_kernels(kernel_config, x.device, x.dtype).attention
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        hidden_states = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
         for block in self.blocks:
             if checkpointing:
-                x = self._gradient_checkpointing_func(block, x, cu, max_seqlen, cos, sin, kernel)
+                x, attention = self._gradient_checkpointing_func(block, x, cu, max_seqlen, cos, sin, kernel)
             else:
-                x = block(x, cu, max_seqlen, cos, sin, kernel)
-        return self.merger(x)
+                x, attention = block(x, cu, max_seqlen, cos, sin, kernel)
+            if hidden_states is not None:
+                hidden_states.append(x)
+            if attentions is not None:
+                attentions.append(attention)
+        return BaseModelOutputWithPooling(
+            last_hidden_state=x,
+            pooler_output=self.merger(x),
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+        )
 
 
 def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,6 +98,71 @@ def test_logits_match_builtin_with_videos():
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+def _images_and_videos_row(gen):
+    """One row with a video, an image and another video, and the forward's vision inputs."""
+    videos, image = [[2, 4, 2], [1, 2, 4]], [1, 4, 4]
+    ids = torch.tensor(
+        [3, 4] + video_tokens(videos[0], gen) + [5] + image_tokens(image) + [6] + video_tokens(videos[1], gen) + [7, 8]
+    ).unsqueeze(0)
+    return dict(
+        input_ids=ids,
+        pixel_values=pixels_for([image], gen),
+        image_grid_thw=grid_tensor([image]),
+        pixel_values_videos=pixels_for(videos, gen),
+        video_grid_thw=grid_tensor(videos),
+        mm_token_type_ids=token_types(ids),
+    )
+
+
+def test_vision_outputs_equal_the_builtin(kind):
+    """`image_outputs` / `video_outputs` hold what the built-in's hold (transformers >= 5.25 returns them): the tower's
+    last hidden state, its merged features split per image / video, and on request every block's hidden state and
+    attention sub-layer output; a forward without images has none."""
+    ref, ours = builtin_vl_pair(kind)
+    inputs = _images_and_videos_row(torch.Generator().manual_seed(2))
+    ref.set_attn_implementation("eager")  # the built-in records vision attention outputs eagerly only
+    with torch.no_grad():
+        expected = ref(**inputs, use_cache=False, output_hidden_states=True, output_attentions=True)
+        got = ours(**inputs, output_hidden_states=True, output_attentions=True)
+        plain = ours.model(**inputs)
+        text_only = ours(input_ids=inputs["input_ids"][:, :2])
+    if getattr(expected, "image_outputs", None) is None:
+        pytest.skip(f"transformers {transformers.__version__}'s built-in returns no image_outputs")
+    for name, items in (("image_outputs", 1), ("video_outputs", 2)):
+        want, have = getattr(expected, name), getattr(got, name)
+        assert len(have.pooler_output) == len(want.pooler_output) == items
+        pairs = [(have.last_hidden_state, want.last_hidden_state)]
+        for field in ("pooler_output", "hidden_states", "attentions"):
+            assert len(getattr(have, field)) == len(getattr(want, field)), (name, field)
+            pairs += list(zip(getattr(have, field), getattr(want, field)))
+        for mine, theirs in pairs:
+            assert mine.shape == theirs.shape and (mine - theirs).abs().max().item() <= 1e-5, name
+        unrecorded = getattr(plain, name)
+        assert unrecorded.hidden_states is None and unrecorded.attentions is None
+        assert torch.equal(unrecorded.last_hidden_state, have.last_hidden_state)
+    assert text_only.image_outputs is None and text_only.video_outputs is None
+
+
+def test_vision_outputs_hold_the_features_the_decoder_reads():
+    """The merged features in `image_outputs` / `video_outputs`, written onto the placeholder tokens' embeddings and
+    run with the 3D positions the forward used, give the forward's logits: they are the features, in the order,
+    that the decoder read. The tuple form holds them as tuples (as transformers' multimodal outputs do)."""
+    model = packed_vl_model("dense")
+    inputs = _images_and_videos_row(torch.Generator().manual_seed(5))
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        out = model(**inputs)
+        embeds = model.get_input_embeddings()(ids)
+        for token, name in ((IMAGE, "image_outputs"), (VIDEO, "video_outputs")):
+            features = torch.cat(getattr(out, name).pooler_output)
+            embeds[ids == token] = features
+        rebuilt = model(inputs_embeds=embeds, position_ids=out.rope_position_ids).logits
+        as_tuple = model(**inputs, return_dict=False)
+    assert (rebuilt - out.logits).abs().max().item() <= 1e-5
+    image_tuple = as_tuple[-2]
+    assert isinstance(image_tuple, tuple) and torch.equal(image_tuple[0], out.image_outputs.last_hidden_state)
+
+
 def _processor():
     """The real Qwen3VLProcessor: its image processor built from the reference preprocessor_config.json (patch
     size and pixel limits scaled down to the tiny vision tower), and a tiny local word-level tokenizer with the
