@@ -2,8 +2,8 @@
 
 q_proj holds, per head, [q | gate] (2 x head_dim rows per head) when `attn_output_gate` is set (all official
 checkpoints); q and k get a zero-centred RMSNorm over head_dim, then partial MRoPE; the attention output is
-multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary; under context parallelism
-it crosses shard boundaries within a document (context_parallel.py).
+multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary; it runs through the
+batch's kernel set (which, on a context-parallel shard, also reads the earlier shards of a document).
 """
 
 from __future__ import annotations
@@ -11,18 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import context_parallel
 from .attention_probabilities import (
     cached_attention_probabilities,
     on_the_output_path,
     stream_attention_probabilities,
 )
-from .kernels import sigmoid_gate, varlen_causal_attention
 from .norms import ZeroCenteredRMSNorm
 from .packed_batch import PackedBatch
 from .projection import RowInvariantLinear
 from .recompute import remember
-from .reference_kernels import sdpa_one_document
 from .rope import apply_rotary
 
 
@@ -44,9 +41,10 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """hidden_states [N, hidden] (the packed stream of `batch`)."""
-        n, choice = hidden_states.shape[0], batch.kernels
+    def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [N, hidden] (the packed stream of `batch`) -> (output [N, hidden], the attention
+        probabilities when the batch asks for them, else None)."""
+        n, kernels = hidden_states.shape[0], batch.kernels
         # head counts from the projections' outputs, not the config: under a tensor-parallel plan each rank holds
         # a slice of the heads
         q = self.q_proj(hidden_states)
@@ -54,44 +52,28 @@ class GatedAttention(nn.Module):
         if self.output_gate:
             q, gate = q.view(n, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
-        q = self.q_norm(q.reshape(n, -1, self.head_dim), choice)
-        k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), choice)
+        q = self.q_norm(q.reshape(n, -1, self.head_dim), kernels)
+        k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), kernels)
         v = self.v_proj(hidden_states).view(n, -1, self.head_dim)
         cos, sin = batch.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if batch.shard is not None:
-            out = context_parallel.attention_across_shards(q, k, v, batch.packed, self.scaling, choice, batch.shard)
-        elif batch.cache is None:
-            out = varlen_causal_attention(q, k, v, batch.packed, self.scaling, choice)
+        if batch.cache is None:
+            out = kernels.attention(q, k, v, batch.packed, self.scaling)
         else:
-            out = self._attend_with_cache(q, k, v, batch.packed, batch.cache)
-        if batch.attentions is not None:  # the slow reference path, only when asked; `out` is the kernel's
+            out = kernels.cached_attention(q, k, v, batch.packed, batch.cache.layers[self.layer_idx], self.scaling)
+        probabilities = None
+        if batch.output_attentions:  # the slow reference path, only when asked; `out` is the kernel's
             if batch.continues_cache:
                 key_rows = batch.cache.layers[self.layer_idx].key_rows
-                batch.attentions.append(
-                    cached_attention_probabilities(q, key_rows, batch.packed, batch.cache.real_columns, self.scaling)
+                probabilities = cached_attention_probabilities(
+                    q, key_rows, batch.packed, batch.cache.real_columns, self.scaling
                 )
             else:
                 probabilities = stream_attention_probabilities(q, k, batch.packed, self.scaling)
-                batch.attentions.append(probabilities)
                 if out.requires_grad:
                     out = on_the_output_path(out, probabilities, v, batch.packed)
         out = out.reshape(n, -1)
         if gate is not None:
-            out = remember(sigmoid_gate(out, gate, choice), sigmoid_gate, out, gate, choice)
-        return self.o_proj(out)
-
-    def _attend_with_cache(self, q, k, v, packed, cache):
-        """Generation: each document of the stream is one batch row continuing its cached keys/values."""
-        rows = cache.layers[self.layer_idx]
-        keys, values = rows.key_rows, rows.value_rows
-        outs = []
-        bounds = packed.cu_seqlens_cpu().tolist()
-        for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            k_row = torch.cat([keys[row], k[start:end]]) if keys[row] is not None else k[start:end]
-            v_row = torch.cat([values[row], v[start:end]]) if values[row] is not None else v[start:end]
-            keys[row], values[row] = k_row, v_row
-            # Causal with an offset: query i sees every cached key plus new keys up to itself.
-            outs.append(sdpa_one_document(q[start:end], k_row, v_row, self.scaling, causal=True))
-        return torch.cat(outs)
+            out = remember(kernels.sigmoid_gate(out, gate), kernels.sigmoid_gate, out, gate)
+        return self.o_proj(out), probabilities

@@ -1,5 +1,7 @@
 """Context parallelism: one packed row split into contiguous shards over a process group, every rank running the
-model on its shard, with the result of the unsharded row.
+model on its shard, with the result of the unsharded row. It enters a forward in two places only: the front door
+(`open_shard`: the shard's boundaries, positions and targets) and the kernel set of the shard
+(kernel_set.shard_kernel_set: the conv, delta rule and attention below); the layers do not know they run on a shard.
 
 Turned on with `model.set_context_parallel(group)` (any torch.distributed group: gloo on CPU, NCCL on GPUs). Each
 rank then passes its shard of the row, in rank order: `input_ids` (or `inputs_embeds`) [1, n_rank] and, sharded
@@ -39,18 +41,13 @@ the gradients; a hand-written loop does the same (or sums the gradients over the
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.distributed as dist
 
-from .kernel_selection import KernelChoice
-from .kernels import gated_delta_rule_varlen, varlen_causal_attention
 from .packing import PackedSequence, build_packed_sequence
 from .reference_kernels import sdpa_one_document
-from .utils import log_once
 
-logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
@@ -252,21 +249,6 @@ def open_shard(group, arguments: dict, device) -> tuple[PackedSequence, torch.Te
     return packed, rope_positions, layout
 
 
-def shard_kernels(choice: KernelChoice) -> KernelChoice:
-    """The kernels a shard runs: FLA's Triton delta rule where FlashQLA was chosen (a shard's first document
-    starts from a state carrying a gradient, and the state maps run with value dim Dk + Dv, which FlashQLA's
-    kernels do not take), said once."""
-    if choice.gdn != "flash_qla":
-        return choice
-    log_once(
-        logger,
-        "context-parallel-gdn",
-        "context parallelism: the GDN layers run FLA's Triton delta rule instead of FlashQLA (initial states with "
-        "gradients and state maps of value dim Dk + Dv)",
-    )
-    return dataclasses.replace(choice, gdn="fla")
-
-
 def shard_targets(targets: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """Next-token targets from unshifted labels: the shard's last token predicts the next shard's first label when
     its document goes on there (the targets of packing.shift_labels_within_documents end every shard instead)."""
@@ -309,7 +291,22 @@ def _last_document(packed: PackedSequence) -> tuple[int, PackedSequence]:
     return packed._derived["last_document"]
 
 
-def incoming_state(q, k, v, g, beta, packed: PackedSequence, choice, layout: ShardLayout) -> torch.Tensor:
+def conv_across_shards(x, weight, packed, split_sizes, initial_state=None, adapters=(), *, conv, layout: ShardLayout):
+    """The kernel set's `conv` on a shard: `conv` continuing the row's inputs before the shard (conv_history)."""
+    history = conv_history(x, packed, layout, weight.shape[-1])
+    return conv(x, weight, packed, split_sizes, initial_state=history, adapters=adapters)
+
+
+def delta_rule_across_shards(
+    q, k, v, g, beta, packed, initial_state=None, output_final_state=False, *, delta_rule, layout: ShardLayout
+):
+    """The kernel set's `delta_rule` on a shard: `delta_rule` from the states the shard's documents start from
+    (incoming_state)."""
+    state = incoming_state(q, k, v, g, beta, packed, delta_rule, layout)
+    return delta_rule(q, k, v, g, beta, packed, initial_state=state, output_final_state=output_final_state)
+
+
+def incoming_state(q, k, v, g, beta, packed: PackedSequence, delta_rule, layout: ShardLayout) -> torch.Tensor:
     """The GDN states the shard's documents start from [n_docs, Hv, Dk, Dv] fp32: for the first one, the state the
     row reaches at the shard's start within that document; zeros for the others.
 
@@ -321,14 +318,13 @@ def incoming_state(q, k, v, g, beta, packed: PackedSequence, choice, layout: Sha
     stretch = slice(start, None)
     values = torch.cat([v.new_zeros(v.shape[0] - start, heads, dk), v[stretch]], dim=-1)
     identity = torch.eye(dk, dk + dv, device=v.device, dtype=torch.float32).expand(1, heads, dk, dk + dv)
-    _, maps = gated_delta_rule_varlen(
+    _, maps = delta_rule(
         q[stretch],
         k[stretch],
         values,
         g[stretch],
         beta[stretch],
         last,
-        choice,
         initial_state=identity.contiguous(),
         output_final_state=True,
     )
@@ -343,10 +339,11 @@ def incoming_state(q, k, v, g, beta, packed: PackedSequence, choice, layout: Sha
     return _in_graph(states, maps)
 
 
-def attention_across_shards(q, k, v, packed: PackedSequence, scale: float, choice, layout: ShardLayout):
-    """Causal attention within each document of the row for the shard's queries: its documents attend to
-    themselves; the first one also to its tokens on earlier ranks (the gathered keys and values)."""
-    out = varlen_causal_attention(q, k, v, packed, scale, choice)
+def attention_across_shards(q, k, v, packed: PackedSequence, scale: float, *, attention, layout: ShardLayout):
+    """The kernel set's `attention` on a shard: causal attention within each document of the row for the shard's
+    queries: its documents attend to themselves (`attention`); the first one also to its tokens on earlier ranks
+    (the gathered keys and values)."""
+    out = attention(q, k, v, packed, scale)
     keys, values = layout.gather(k), layout.gather(v)
     if layout.prefix == 0:
         return _in_graph(out, keys, values)

@@ -36,9 +36,10 @@ Cost per adapted tensor and layer, M = tokens x top-k expert rows, base frozen:
 grouped_mm needs 16-byte aligned strides, so the rank is zero-padded to a multiple of RANK_ALIGNMENT there (the
 padded rows and columns contribute exact zeros).
 
-`moe_lora_kernel` (config, via KernelChoice.expert_lora): "auto" as above on every device (in bf16 on the GPU the
-products are as close to PEFT's fp32 path as PEFT's own bf16 path: tests/gpu/test_gpu.py); "low_rank" raises where
-"auto" would fall back for a reason it states; "peft" always runs PEFT's forward (the comparison).
+`moe_lora_kernel` (config; the kernel set binds its `expert_lora` to `low_rank_plan` or `peft_plan`): "auto" as
+above on every device (in bf16 on the GPU the products are as close to PEFT's fp32 path as PEFT's own bf16 path:
+tests/gpu/test_gpu.py); "low_rank" (`forced=True`) raises where "auto" would fall back for a reason it states;
+"peft" always runs PEFT's forward (the comparison).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernel_selection import KernelChoice
 from .kernels import grouped_linear
 from .utils import first_time, log_once
 
@@ -90,13 +90,16 @@ class ExpertWeight:
         return out.add_(grouped_linear(low, lora_b.contiguous(), offsets))
 
 
-def low_rank_plan(experts: torch.nn.Module, choice: KernelChoice | None = None):
+def peft_plan(experts: torch.nn.Module) -> None:
+    """No plan: `experts` (PEFT's wrappers, if any) run their own forward."""
+    return None
+
+
+def low_rank_plan(experts: torch.nn.Module, forced: bool = False):
     """(bare experts, {tensor name: (lora_a, lora_b, scaling)}) when `experts` is PEFT's ParamWrapper chain in the
-    state the low-rank products cover, else None: call `experts` itself (see the module docstring)."""
+    state the low-rank products cover, else None: call `experts` itself (see the module docstring). `forced`: a
+    chain the products do not cover raises instead."""
     if not _is_param_wrapper(experts):
-        return None
-    mode = choice.expert_lora if choice is not None else "auto"
-    if mode == "peft":
         return None
     factors, module = {}, experts
     while _is_param_wrapper(module):
@@ -106,7 +109,7 @@ def low_rank_plan(experts: torch.nn.Module, choice: KernelChoice | None = None):
         adapters = [a for a in module.active_adapters if a in module.lora_A]
         found, why_not = _wrapper_factors(module, adapters)
         if why_not is not None:
-            if mode == "low_rank":
+            if forced:
                 raise RuntimeError(f"moe_lora_kernel='low_rank' was forced but experts.{name} {why_not}")
             log_once(
                 logger,

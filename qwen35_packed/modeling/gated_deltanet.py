@@ -5,9 +5,9 @@ Projections (keys as in the official checkpoints): in_proj_qkv -> short causal d
 (fp32); gated delta rule with qk l2-norm; gated RMSNorm with in_proj_z; out_proj.
 
 Document boundaries: the conv and the recurrence both restart at every document of the PackedSequence. Masked
-tokens between real ones (an attention mask with holes) are zero inputs here, as in the built-in. Under
-context parallelism the shard's first document continues from the earlier ranks: the conv reads their last inputs
-and the recurrence starts from the state they reach (context_parallel.py).
+tokens between real ones (an attention mask with holes) are zero inputs here, as in the built-in. The conv and the
+recurrence run through the batch's kernel set (which, on a context-parallel shard, continues the first document
+from the earlier shards).
 The conv reads its taps, and the factors of a PEFT LoRA around conv1d, through conv_lora.effective_conv: the layer
 never calls the conv module, so PEFT's forward of it cannot run (conv_lora.py applies what it would compute).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import context_parallel
 from .conv_lora import effective_conv
-from .kernel_selection import KernelChoice
-from .kernels import causal_conv1d_varlen, conv_final_state, gated_delta_rule_varlen, gdn_gates
+from .kernel_set import REFERENCE_KERNELS, KernelSet
+from .kernels import conv_final_state
 from .norms import GatedRMSNorm
 from .packed_batch import PackedBatch
 from .projection import RowInvariantLinear
@@ -79,8 +78,8 @@ class GatedDeltaNet(nn.Module):
 
         return super()._apply(keep_fp32, *args, **kwargs)
 
-    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor, choice: KernelChoice | None = None):
-        return gdn_gates(a, b, self.A_log, self.dt_bias, choice)
+    def decay_and_beta(self, a: torch.Tensor, b: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS):
+        return kernels.gdn_gates(a, b, self.A_log, self.dt_bias)
 
     def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """hidden_states [N, hidden] (the packed stream of `batch`); reads and advances `batch.cache` if any."""
@@ -92,22 +91,19 @@ class GatedDeltaNet(nn.Module):
 
     def _run(self, hidden_states: torch.Tensor, packed, batch: PackedBatch) -> torch.Tensor:
         """The layer on the stream `packed` (the batch's own, or its RecurrentSpans' stream)."""
-        n, choice, cache = hidden_states.shape[0], batch.kernels, batch.cache
+        n, kernels, cache = hidden_states.shape[0], batch.kernels, batch.cache
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states)
-        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), choice)
+        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), kernels)
 
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
         # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
         history = conv_state[..., 1:] if conv_state is not None else None
-        if batch.shard is not None:
-            history = context_parallel.conv_history(mixed, packed, batch.shard, self.conv_kernel_size)
-        q, k, v = causal_conv1d_varlen(
+        q, k, v = kernels.conv(
             mixed,
             conv.weight,
             packed,
-            choice,
             [self.key_dim, self.key_dim, self.value_dim],
             initial_state=history,
             adapters=conv.adapters,
@@ -115,15 +111,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)
-        if batch.shard is not None:
-            recurrent_state = context_parallel.incoming_state(q, k, v, g, beta, packed, choice, batch.shard)
-
-        core, final_state = gated_delta_rule_varlen(
-            q, k, v, g, beta, packed, choice, initial_state=recurrent_state, output_final_state=cache is not None
+        core, final_state = kernels.delta_rule(
+            q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None
         )
         if cache is not None:
             # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
             conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
             cache.store_linear_states(self.layer_idx, conv_state, final_state)
 
-        return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, choice))
+        return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_elementwise
+from .configuration_qwen3_5_packed import KERNEL_FIELDS
 from .triton_conv import TRITON_CONV_AVAILABLE
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE
 from .utils import first_time
@@ -94,7 +95,34 @@ LONG_DOCUMENT_TOKENS = 16384
 
 
 @dataclass(frozen=True)
+class KernelSettings:
+    """What the selection reads of a config: its kernel fields (configuration_qwen3_5_packed.KERNEL_FIELDS) and the
+    shapes that decide whether a backend runs. A model binds its kernels once per (device, dtype) and these
+    settings, so a setting changed on the config (set_attn_implementation) binds anew."""
+
+    fields: tuple[tuple[str, str], ...]  # (kernel field, value), in KERNEL_FIELDS' order
+    is_moe: bool
+    linear_key_head_dim: int | None
+    linear_value_head_dim: int | None
+
+    @classmethod
+    def of(cls, config) -> KernelSettings:
+        return cls(
+            fields=tuple((name, getattr(config, name, "auto")) for name in KERNEL_FIELDS),
+            is_moe=bool(getattr(config, "is_moe", False)),
+            linear_key_head_dim=getattr(config, "linear_key_head_dim", None),
+            linear_value_head_dim=getattr(config, "linear_value_head_dim", None),
+        )
+
+    def __getitem__(self, name: str) -> str:
+        return dict(self.fields)[name]
+
+
+@dataclass(frozen=True)
 class KernelChoice:
+    """The names of the kernels chosen (the log line, the doctor and the result files read them); `kernel_set.py`
+    binds the callables they name."""
+
     gdn: str  # "flash_qla" | "fla" | "torch"
     attention: str  # "flash_attn" | "torch_varlen" | "sdpa"
     # "varlen" | "sdpa": documents of at least LONG_DOCUMENT_TOKENS run alone through SDPA when "sdpa" and the
@@ -109,9 +137,29 @@ class KernelChoice:
     expert_lora: str = "auto"
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Backends per kernel field, fastest first; each with the check that says why it cannot run here (None: it can).
+# "auto" takes the first whose check (and, where given, its stricter auto check) passes; a forced one that
+# fails its check raises with the reason.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _cuda(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else f"it needs a CUDA device, not {device.type}"
+
+
+def _half(dtype: torch.dtype) -> str | None:
+    return None if dtype in (torch.float16, torch.bfloat16) else f"it runs in bf16 / fp16, not {dtype}"
+
+
+def _first(*reasons: str | None) -> str | None:
+    return next((reason for reason in reasons if reason is not None), None)
+
+
 def flash_qla_refusal(config, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why FlashQLA cannot run this model here, or None when it can. It comes with FLA (the gated norm and conv
     stay FLA's), runs on Hopper and Blackwell data-centre GPUs in bf16 / fp16, with key and value head dims 128."""
+    settings = config if isinstance(config, KernelSettings) else KernelSettings.of(config)
     if not FLASH_QLA_AVAILABLE:
         return "flash-qla is not importable"
     if not FLA_AVAILABLE:
@@ -120,177 +168,176 @@ def flash_qla_refusal(config, device: torch.device, dtype: torch.dtype) -> str |
         return "FlashQLA runs its forward and backward on sm_90 / sm_100 / sm_103 GPUs only"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"FlashQLA runs in bf16 / fp16, not {dtype}"
-    if config.linear_key_head_dim != 128 or config.linear_value_head_dim != 128:
+    if settings.linear_key_head_dim != 128 or settings.linear_value_head_dim != 128:
         return (
-            f"FlashQLA needs key and value head dims of 128, not {config.linear_key_head_dim} / "
-            f"{config.linear_value_head_dim}"
+            f"FlashQLA needs key and value head dims of 128, not {settings.linear_key_head_dim} / "
+            f"{settings.linear_value_head_dim}"
         )
     return None
 
 
-def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
-    """Pick the kernels for `device` and activation `dtype`, honouring the config's forced choices; log each new
-    choice once. Flash-style varlen attention exists for fp16/bf16 only; fp32 attention runs SDPA per document."""
-    on_cuda = device.type == "cuda"
-    half = dtype in (torch.float16, torch.bfloat16)
-    gdn = config.gdn_kernel
-    if gdn == "auto":
-        if flash_qla_refusal(config, device, dtype) is None:
-            gdn = "flash_qla"
-        else:
-            gdn = "fla" if (on_cuda and FLA_AVAILABLE) else "torch"
-    elif gdn == "flash_qla" and (why := flash_qla_refusal(config, device, dtype)) is not None:
-        raise RuntimeError(f"gdn_kernel='flash_qla' was forced but {why}")
-    elif gdn == "fla" and not (on_cuda and FLA_AVAILABLE):
-        raise RuntimeError(
-            "gdn_kernel='fla' was forced but flash-linear-attention "
-            + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
-        )
+def _fla_refusal(settings, device, dtype, chosen) -> str | None:
+    return _first(None if FLA_AVAILABLE else "flash-linear-attention is not importable", _cuda(device))
 
-    attention = config.attention_kernel
-    if attention == "auto":
-        if on_cuda and half and FLASH_ATTN_AVAILABLE:
-            attention = "flash_attn"
-        elif on_cuda and half and TORCH_VARLEN_AVAILABLE:
-            attention = "torch_varlen"
-        else:
-            attention = "sdpa"
-    elif attention == "flash_attn" and not (on_cuda and half and FLASH_ATTN_AVAILABLE):
-        raise RuntimeError(f"attention_kernel='flash_attn' was forced but flash-attn is not usable here ({dtype})")
-    elif attention == "torch_varlen" and not (on_cuda and half and TORCH_VARLEN_AVAILABLE):
-        raise RuntimeError(f"attention_kernel='torch_varlen' was forced but varlen_attn is not usable here ({dtype})")
 
+def _runs(settings, device, dtype, chosen) -> str | None:
+    return None
+
+
+def _triton_elementwise(settings, device, dtype, chosen) -> str | None:
+    available = triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE
+    return _first(None if available else "Triton is not importable", _cuda(device))
+
+
+def _triton_conv(settings, device, dtype, chosen) -> str | None:
+    return _first(None if TRITON_CONV_AVAILABLE else "Triton >= 3.6 is not importable", _cuda(device))
+
+
+def _fla_conv_in_auto(settings, device, dtype, chosen) -> str | None:
+    # FLA's conv is taken by "auto" only beside an FLA delta rule, whose package it comes with
+    return None if chosen.get("gdn_kernel") in ("fla", "flash_qla") else "the GDN layer does not run FLA"
+
+
+def _compiled(settings, device, dtype, chosen) -> str | None:
+    if device.type == "cuda" and not TRITON_AVAILABLE:
+        return "torch.compile needs Triton on CUDA"
+    return None
+
+
+def _compiled_in_auto(settings, device, dtype, chosen) -> str | None:
+    return _cuda(device)  # on CPU the eager formula: compiling costs more than it saves at CPU sizes
+
+
+def _flash_attn(settings, device, dtype, chosen) -> str | None:
+    return _first(None if FLASH_ATTN_AVAILABLE else "flash-attn is not importable", _cuda(device), _half(dtype))
+
+
+def _torch_varlen(settings, device, dtype, chosen) -> str | None:
+    available = TORCH_VARLEN_AVAILABLE
+    return _first(None if available else "this torch has no varlen_attn", _cuda(device), _half(dtype))
+
+
+def _grouped_mm(settings, device, dtype, chosen) -> str | None:
+    if grouped_mm_usable(device, dtype):
+        return None
+    return f"torch's grouped_mm does not run on {device.type} with {dtype} here" + (
+        "" if GROUPED_MM is not None else " (this torch has none)"
+    )
+
+
+def _triton_combine(settings, device, dtype, chosen) -> str | None:
+    return _first(None if TRITON_GATHER_SUM_AVAILABLE else "Triton is not importable", _cuda(device))
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    refusal: object  # (settings, device, dtype, chosen so far) -> reason it cannot run, or None
+    auto_refusal: object = None  # a further reason "auto" passes it by (it may still be forced)
+
+
+BACKENDS = {
+    "gdn_kernel": (
+        Backend("flash_qla", lambda s, d, t, c: flash_qla_refusal(s, d, t)),
+        Backend("fla", _fla_refusal),
+        Backend("torch", _runs),
+    ),
+    "conv_kernel": (
+        Backend("triton", _triton_conv),
+        Backend("fla", _fla_refusal, _fla_conv_in_auto),
+        Backend("compiled", _compiled, _compiled_in_auto),
+        Backend("torch", _runs),
+    ),
+    "attention_kernel": (
+        Backend("flash_attn", _flash_attn),
+        Backend("torch_varlen", _torch_varlen),
+        Backend("sdpa", _runs),
+    ),
+    "elementwise_kernel": (Backend("triton", _triton_elementwise), Backend("eager", _runs)),
+    # the per-expert loop is the reference and the CPU default: "auto" takes grouped_mm on CUDA only
+    "moe_kernel": (Backend("grouped_mm", _grouped_mm, lambda s, d, t, c: _cuda(d)), Backend("loop", _runs)),
+    "moe_combine_kernel": (Backend("triton", _triton_combine), Backend("eager", _runs)),
+}
+# Fields read by MoE models only; a dense model keeps their first backend-free value.
+_MOE_ONLY = {"moe_kernel": "loop", "moe_combine_kernel": "eager"}
+
+
+def _pick(field: str, settings: KernelSettings, device, dtype, chosen: dict) -> tuple[str, list[tuple[str, str]]]:
+    """(the backend for `field`, [(faster backend, why not)]); a forced backend that cannot run raises."""
+    requested = settings[field]
+    passed = []
+    for backend in BACKENDS[field]:
+        why = backend.refusal(settings, device, dtype, chosen)
+        if requested == backend.name:
+            if why is not None:
+                raise RuntimeError(f"{field}={requested!r} was forced but {why}")
+            return backend.name, passed
+        if requested != "auto":
+            continue
+        if why is None and backend.auto_refusal is not None:
+            why = backend.auto_refusal(settings, device, dtype, chosen)
+        if why is None:
+            return backend.name, passed
+        passed.append((backend.name, why))
+    raise AssertionError(f"no backend for {field}={requested!r}")  # the last backend of every field always runs
+
+
+def kernel_refusals(config, device: torch.device, dtype: torch.dtype) -> dict[str, list[tuple[str, str]]]:
+    """For each kernel field, the faster backends "auto" passed by here and why (empty where the fastest runs or
+    the field is forced): what the log line and the doctor report."""
+    return _select(KernelSettings.of(config), device, dtype)[1]
+
+
+def _select(settings: KernelSettings, device, dtype) -> tuple[KernelChoice, dict]:
+    chosen, refused = {}, {}
+    for field in BACKENDS:
+        if field in _MOE_ONLY and not settings.is_moe:
+            chosen[field] = _MOE_ONLY[field]
+            continue
+        chosen[field], refused[field] = _pick(field, settings, device, dtype, chosen)
+    attention = chosen["attention_kernel"]
     # Long documents alone through SDPA (cuDNN's flash attention on Hopper) wherever a varlen kernel runs the rest:
     # packed == per-document holds bitwise for it on the GPU (tests/gpu/test_gpu.py) and it is the faster kernel
     # for one long document at head_dim 256 (results/gpu/, results/benchmarks/ workload files).
-    long_documents = getattr(config, "long_document_attention", "auto")
+    long_documents = settings["long_document_attention"]
     if long_documents == "auto":
         long_documents = "sdpa" if attention in ("flash_attn", "torch_varlen") else "varlen"
+    choice = KernelChoice(
+        gdn=chosen["gdn_kernel"],
+        attention=attention,
+        long_documents=long_documents,
+        elementwise=chosen["elementwise_kernel"],
+        conv=chosen["conv_kernel"],
+        moe=chosen["moe_kernel"],
+        combine=chosen["moe_combine_kernel"],
+        expert_lora=settings["moe_lora_kernel"] if settings.is_moe else "auto",
+    )
+    return choice, {field: reasons for field, reasons in refused.items() if reasons}
 
-    elementwise = getattr(config, "elementwise_kernel", "auto")
-    if elementwise == "auto":
-        elementwise = "triton" if (on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE) else "eager"
-    elif elementwise == "triton" and not (on_cuda and triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE):
-        raise RuntimeError(
-            "elementwise_kernel='triton' was forced but "
-            + (
-                "Triton is not importable"
-                if not triton_elementwise.TRITON_ELEMENTWISE_AVAILABLE
-                else "the Triton kernels need a CUDA device"
-            )
-        )
 
-    conv = getattr(config, "conv_kernel", "auto")
-    if conv == "auto":
-        # Fastest first (forward + backward of the RL batch on an H200): Triton, then FLA with the copies of its
-        # q | k | v views (results/benchmarks/2026-11-30-conv.json times both), then the compiled formula.
-        if on_cuda and TRITON_CONV_AVAILABLE:
-            conv = "triton"
-        elif gdn in ("fla", "flash_qla"):
-            conv = "fla"
-        else:
-            conv = "compiled" if (on_cuda and TRITON_AVAILABLE) else "torch"
-    elif conv == "fla" and not (on_cuda and FLA_AVAILABLE):
-        raise RuntimeError(
-            "conv_kernel='fla' was forced but flash-linear-attention "
-            + ("is not importable" if not FLA_AVAILABLE else "needs a CUDA device")
-        )
-    elif conv == "triton" and not (on_cuda and TRITON_CONV_AVAILABLE):
-        raise RuntimeError(
-            "conv_kernel='triton' was forced but "
-            + (
-                "Triton >= 3.6 is not importable"
-                if not TRITON_CONV_AVAILABLE
-                else "the Triton conv kernel needs a CUDA device"
-            )
-        )
-    elif conv == "compiled" and on_cuda and not TRITON_AVAILABLE:
-        raise RuntimeError("conv_kernel='compiled' was forced but torch.compile needs Triton on CUDA")
-
-    is_moe = bool(getattr(config, "is_moe", False))
-    moe = getattr(config, "moe_kernel", "auto") if is_moe else "loop"
-    if moe == "auto":
-        moe = "grouped_mm" if (on_cuda and grouped_mm_usable(device, dtype)) else "loop"
-    elif moe == "grouped_mm" and not grouped_mm_usable(device, dtype):
-        raise RuntimeError(
-            f"moe_kernel='grouped_mm' was forced but torch's grouped_mm does not run on {device.type} "
-            f"with {dtype} here" + ("" if GROUPED_MM is not None else " (this torch has none)")
-        )
-
-    combine = getattr(config, "moe_combine_kernel", "auto") if is_moe else "eager"
-    if combine == "auto":
-        combine = "triton" if (on_cuda and TRITON_GATHER_SUM_AVAILABLE) else "eager"
-    elif combine == "triton" and not (on_cuda and TRITON_GATHER_SUM_AVAILABLE):
-        raise RuntimeError(
-            "moe_combine_kernel='triton' was forced but "
-            + (
-                "Triton is not importable"
-                if not TRITON_GATHER_SUM_AVAILABLE
-                else "the Triton kernel needs a CUDA device"
-            )
-        )
-
-    expert_lora = getattr(config, "moe_lora_kernel", "auto") if is_moe else "auto"
-    choice = KernelChoice(gdn, attention, long_documents, elementwise, conv, moe, combine, expert_lora)
-    key = (device.type, dtype, choice)
-    if first_time(key):
-        slow = (
-            " (pure PyTorch: exact, but slow on GPU; install flash-linear-attention)"
-            if (on_cuda and gdn == "torch")
-            else ""
-        )
-        if on_cuda and gdn == "fla":
-            slow += (
-                f" (FlashQLA not used: {flash_qla_refusal(config, device, dtype) or 'gdn_kernel=fla was asked for'})"
-            )
-        if on_cuda and is_moe and moe == "loop":
-            why = (
-                "moe_kernel='loop' was asked for"
-                if getattr(config, "moe_kernel", "auto") == "loop"
-                else f"torch's grouped_mm does not run here with {dtype}"
-            )
-            slow += f" (MoE experts in a per-expert loop with a host sync per layer: {why})"
+def select_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """Pick the kernels for `device` and activation `dtype`, honouring the config's forced choices; log each new
+    choice once, with the faster backends passed by on a GPU and why. Flash-style varlen attention exists for
+    fp16/bf16 only; fp32 attention runs SDPA per document."""
+    settings = config if isinstance(config, KernelSettings) else KernelSettings.of(config)
+    choice, refused = _select(settings, device, dtype)
+    if first_time((device.type, dtype, choice)):
+        passed_by = "; ".join(f"{name} not used: {why}" for reasons in refused.values() for name, why in reasons)
         logger.warning(
             "qwen35-packed kernels on %s (%s): GDN=%s, conv=%s, attention=%s%s, elementwise=%s%s%s",
             device.type,
             dtype,
-            gdn,
-            conv,
-            attention,
-            f" (documents of >= {LONG_DOCUMENT_TOKENS} tokens: sdpa)" if long_documents == "sdpa" else "",
-            elementwise,
-            f", moe={moe}, combine={combine}" + (f", expert_lora={expert_lora}" if expert_lora != "auto" else "")
-            if is_moe
+            choice.gdn,
+            choice.conv,
+            choice.attention,
+            f" (documents of >= {LONG_DOCUMENT_TOKENS} tokens: sdpa)" if choice.long_documents == "sdpa" else "",
+            choice.elementwise,
+            f", moe={choice.moe}, combine={choice.combine}"
+            + (f", expert_lora={choice.expert_lora}" if choice.expert_lora != "auto" else "")
+            if settings.is_moe
             else "",
-            slow,
+            f" ({passed_by})" if passed_by and device.type == "cuda" else "",
         )
-    return choice
-
-
-# What select_kernels reads of a config: a model's kernels are bound once per (device, dtype) and these values.
-_KERNEL_CONFIG_FIELDS = (
-    "gdn_kernel",
-    "conv_kernel",
-    "attention_kernel",
-    "long_document_attention",
-    "elementwise_kernel",
-    "moe_kernel",
-    "moe_combine_kernel",
-    "moe_lora_kernel",
-    "is_moe",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-)
-_BOUND: dict[tuple, KernelChoice] = {}
-
-
-def bound_kernels(config, device: torch.device, dtype: torch.dtype) -> KernelChoice:
-    """select_kernels, run once per (device, dtype) and kernel settings of the config: every later forward reads
-    the bound choice (a setting changed later, e.g. by set_attn_implementation, binds anew)."""
-    key = (device.type, device.index, dtype, *(getattr(config, name, None) for name in _KERNEL_CONFIG_FIELDS))
-    choice = _BOUND.get(key)
-    if choice is None:
-        choice = _BOUND[key] = select_kernels(config, device, dtype)
     return choice
 
 

@@ -7,9 +7,9 @@ of floating-point sums.
 
 Per chunk, `chunk_cross_entropy` computes the fp32 log-softmax (logit - logsumexp) once and derives both the loss
 (-log_softmax[target]) and the logits' gradient (its exp minus onehot(target)) from it. Ignored targets are masked
-with gather / where, never selected with `nonzero`, so the loop runs without a device-to-host sync. When the kernel
-choice fuses the elementwise chains (`KernelChoice.elementwise == "triton"`, the CUDA default) it goes through
-`torch.compile` (kernels.elementwise; it has no kernel of its own): the fp32 temporaries then live in registers,
+with gather / where, never selected with `nonzero`, so the loop runs without a device-to-host sync. Where the kernel
+set fuses the elementwise chains (the CUDA default) it goes through `torch.compile` (its `loss_chunk`,
+kernels.compiled_chain; it has no kernel of its own): the fp32 temporaries then live in registers,
 not in [chunk x vocab] buffers. The returned logits (hidden dtype, detached) are written chunk by chunk into one
 preallocated tensor, optionally straight into the caller's padded layout, so they are never copied again.
 
@@ -25,8 +25,6 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .kernel_selection import KernelChoice
-from .kernels import elementwise
 from .projection import row_invariant_product
 
 IGNORE_INDEX = -100
@@ -222,7 +220,7 @@ def chunked_linear_cross_entropy(
     keep_logits: bool = True,
     logits_index: torch.Tensor | None = None,
     logits_rows: int | None = None,
-    choice: KernelChoice | None = None,
+    chunk_loss: Callable | None = None,
 ):
     """Token-weighted fp32 cross-entropy of `hidden @ weight.T` against `targets` (ignore_index -100).
 
@@ -230,8 +228,8 @@ def chunked_linear_cross_entropy(
     Trainer's gradient accumulation), else by the number of targets. Returns (loss, logits in the hidden dtype,
     detached, or None when `keep_logits` is False). The logits are [N, V]; with `logits_index` (long [N]) they are
     [logits_rows, V] instead, token i in row logits_index[i] and zeros elsewhere (a caller's padded layout,
-    filled without a second copy). `choice` (see kernel_selection.select_kernels) decides whether the per-chunk
-    cross-entropy runs compiled (elementwise "triton") or eagerly ("eager", or None).
+    filled without a second copy). `chunk_loss` is the per-chunk cross-entropy as the kernel set binds it (its
+    `loss_chunk`: compiled with the fused elementwise kernels), `chunk_cross_entropy` eagerly by default.
     """
     targets = targets.to(hidden.device)
     if num_items_in_batch is not None:
@@ -243,7 +241,7 @@ def chunked_linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     options = _PassOptions(
         chunk_tokens=chunk_tokens,
-        chunk_loss=elementwise(chunk_cross_entropy, choice),
+        chunk_loss=chunk_loss or chunk_cross_entropy,
         keep_logits=keep_logits,
         logits_rows=logits_rows,
         grad_hidden=grad_on and hidden.requires_grad,

@@ -13,7 +13,6 @@ remote class named like a built-in one would silently be replaced by the built-i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import torch
@@ -31,17 +30,19 @@ from .checkpoint_keys import (
     from_official_layout,
 )
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
-from .context_parallel import shard_kernels, shard_packed_row  # noqa: F401
+from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401  (gated_deltanet.py's and kernels.py's)
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
-from .kernel_selection import bound_kernels
+from .generation import PackedGeneration
+from .kernel_selection import KernelSettings, select_kernels
+from .kernel_set import KernelSet, kernel_set, shard_kernel_set
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines (not what those import): the files the layers need (kernels.py, reference_kernels.py, the triton_*.py
 # kernel files, moe.py's expert_lora.py, the conv's conv_lora.py) are named here too, in the imports marked `noqa: F401`
 # (tests/conversion/test_remote_code_audit.py checks that nothing is missing).
-from .kernels import varlen_causal_attention  # noqa: F401
+from .kernels import causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights, weight_init
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter
@@ -49,17 +50,15 @@ from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
 from .packed_batch import (
-    CAUSAL_LM_PARAMETERS,
-    SEQUENCE_CLASSIFICATION_PARAMETERS,
-    TEXT_MODEL_PARAMETERS,
     PackedBatch,
+    check_extra_arguments,
     open_packed_batch,
-    public_forward,
     returns_dict,
+    wants_attentions,
     wants_router_logits,
 )
 from .packing import PackedSequence
-from .projection import RowInvariantLinear
+from .projection import RowInvariantLinear, adopt_adapter_products
 from .recompute import RecomputedActivations, recompute_enabled
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
@@ -68,7 +67,8 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401
-from .utils import TRANSFORMERS_MAJOR, log_once
+from .utils import TRANSFORMERS_MAJOR, TransformersKwargs, Unpack, log_once
+from .vision_layout import VisionInputs  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -111,23 +111,24 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, batch: PackedBatch, routed_experts=None):
-        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None); `routed_experts` [N, k]:
-        the experts to replay in this layer's MoE block (routing_replay.py)."""
-        choice = batch.kernels
-        normed = self.input_layernorm(hidden_states, choice)
+        """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None, attention probabilities or
+        None); `routed_experts` [N, k]: the experts to replay in this layer's MoE block (routing_replay.py)."""
+        kernels = batch.kernels
+        normed = self.input_layernorm(hidden_states, kernels)
+        probabilities = None
         if self.layer_type == "linear_attention":
             mixed = self.linear_attn(normed, batch)
         else:
-            mixed = self.self_attn(normed, batch)
+            mixed, probabilities = self.self_attn(normed, batch)
         # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
         # backward recomputes the normed input of the MLP exactly (recompute.py).
         residual = hidden_states + mixed
-        normed = self.post_attention_layernorm(residual, choice)
-        mlp_out = self.mlp(normed, choice, routed_experts) if routed_experts is not None else self.mlp(normed, choice)
+        normed = self.post_attention_layernorm(residual, kernels)
+        mlp_out = self.mlp(normed, kernels, routed_experts) if routed_experts is not None else self.mlp(normed, kernels)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
-        return residual + mlp_out, router_logits
+        return residual + mlp_out, router_logits, probabilities
 
 
 class Qwen3_5PackedPreTrainedModel(PackedModelConventions, PreTrainedModel):
@@ -178,6 +179,8 @@ class Qwen3_5PackedPreTrainedModel(PackedModelConventions, PreTrainedModel):
         for module in self.modules():  # the name transformers reads back, on every config a submodel holds
             if isinstance(module, PreTrainedModel):
                 module.config._attn_implementation = requested
+            if isinstance(module, Qwen3_5PackedTextModel):
+                module.kernel_sets.clear()
         log_once(
             logger,
             ("attn-implementation", requested),
@@ -196,35 +199,50 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         self.rotary_emb = MRotaryEmbedding(config)
         # The process group of context parallelism, set by `set_context_parallel` (None: off).
         self.context_parallel_group = None
+        # The kernel sets bound so far, by (device, dtype, kernel settings) (`kernels_for`), and a set injected with
+        # `use_kernels`.
+        self.kernel_sets: dict[tuple, KernelSet] = {}
+        self.injected_kernels: KernelSet | None = None
         self.post_init()
 
-    def open_batch(self, arguments: dict) -> PackedBatch:
-        """The front door (packed_batch.open_packed_batch) with this model's configuration, mode, context
-        parallelism and embedding dtype."""
-        return open_packed_batch(
-            self.config,
-            arguments,
-            training=self.training,
-            context_parallel_group=self.context_parallel_group,
-            embedding_dtype=self.embed_tokens.weight.dtype,
-        )
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half() / a device move: the kernels are bound anew for the new device and dtype
+        self.kernel_sets = {}
+        return super()._apply(fn, *args, **kwargs)
 
-    def embed(self, batch: PackedBatch, arguments: dict) -> torch.Tensor:
+    def kernels_for(self, device: torch.device, dtype: torch.dtype, shard=None) -> KernelSet:
+        """The kernel set of a stream on `device` in `dtype`: selected once per (device, dtype) and kernel settings
+        of the config (kernel_selection.select_kernels), then read from the instance; a set injected with
+        `use_kernels` instead. On a context-parallel `shard`, the shard's set (kernel_set.shard_kernel_set)."""
+        kernels = self.injected_kernels
+        if kernels is None:
+            settings = KernelSettings.of(self.config)
+            key = (device.type, device.index, dtype, settings)
+            kernels = self.kernel_sets.get(key)
+            if kernels is None:
+                kernels = self.kernel_sets[key] = kernel_set(select_kernels(settings, device, dtype))
+        return kernels if shard is None else shard_kernel_set(kernels.choice, shard)
+
+    def use_kernels(self, kernels: KernelSet | None) -> None:
+        """Run every forward with `kernels` (kernel_set.kernel_set(KernelChoice(...)), or a set of one's own: a
+        test's reference kernels), whatever the device and dtype; None goes back to the selection."""
+        self.injected_kernels = kernels
+
+    def open_batch(self, **inputs) -> PackedBatch:
+        """The front door (packed_batch.open_packed_batch) with this model's configuration, mode, embedding, rope,
+        kernels and context parallelism; `inputs` are the public forwards' arguments, by name."""
+        return open_packed_batch(self, **inputs)
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
         """The packed stream's embeddings [N, H]: of its token ids, or the caller's inputs_embeds packed."""
-        if arguments.get("inputs_embeds") is None:
-            return self.embed_tokens(batch.packed.pack(arguments["input_ids"]))
-        return batch.packed.pack(arguments["inputs_embeds"])
+        if batch.inputs_embeds is None:
+            return self.embed_tokens(batch.token_ids)
+        return batch.inputs_embeds
 
     def run_layers(self, hidden: torch.Tensor, batch: PackedBatch) -> DecoderRun:
-        """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `batch`: the kernels
-        are bound for the stream's device and dtype, rope is taken at `batch.rope_positions`, a cache advances by
-        the stream and the caller's columns, MoE layers replay `batch.routed_experts` (routing_replay.py)."""
-        kernels = bound_kernels(self.config, hidden.device, hidden.dtype)
-        if batch.shard is not None:
-            kernels = shard_kernels(kernels)
-        batch = dataclasses.replace(
-            batch, kernels=kernels, rope=self.rotary_emb.cos_sin(batch.rope_positions, hidden.dtype)
-        )
+        """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `batch`: a cache
+        advances by the stream and the caller's columns, MoE layers replay `batch.routed_experts`
+        (routing_replay.py)."""
         replay = None
         if batch.routed_experts is not None:
             stream = routed_experts_stream(batch.routed_experts, batch.packed, self.config, hidden.device)
@@ -232,6 +250,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
 
         all_hidden = [] if batch.output_hidden_states else None
         router_logits = [] if batch.output_router_logits else None
+        attentions = [] if batch.output_attentions else None
         checkpointing = (
             self.training and torch.is_grad_enabled() and any(layer.gradient_checkpointing for layer in self.layers)
         )
@@ -243,24 +262,42 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 if all_hidden is not None:
                     hidden = _record_hidden(hidden, batch, all_hidden)
                 routed = next(replay) if replay is not None and isinstance(layer.mlp, SparseMoeBlock) else None
-                hidden, logits = layer(hidden, batch=batch, routed_experts=routed)
+                hidden, logits, probabilities = layer(hidden, batch=batch, routed_experts=routed)
                 if router_logits is not None and logits is not None:
                     router_logits.append(logits)
+                if attentions is not None and probabilities is not None:
+                    attentions.append(probabilities)
         hidden = self.norm(hidden, batch.kernels)
         if all_hidden is not None:
             hidden = _record_hidden(hidden, batch, all_hidden)
         if batch.cache is not None:
             batch.cache.advance(batch.packed, batch.columns)
-        return DecoderRun(hidden, batch, all_hidden, router_logits)
+        return DecoderRun(hidden, batch, all_hidden, router_logits, attentions)
 
-    def run(self, arguments: dict) -> DecoderRun:
-        """A forward's decoder part: the front door, the embeddings and the layers."""
-        batch = self.open_batch(arguments)
-        return self.run_layers(self.embed(batch, arguments), batch)
-
-    @public_forward(TEXT_MODEL_PARAMETERS)
-    def forward(self, arguments: dict):
-        if wants_router_logits(self.config, arguments["output_router_logits"]) and self.config.router_aux_loss_coef:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen3_5PackedCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cache: Qwen3_5PackedCache | None = None,
+        return_dict: bool | None = None,
+        routed_experts: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Qwen3_5PackedModelOutput | tuple:
+        check_extra_arguments(kwargs)
+        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        if wants_router_logits(self.config, output_router_logits) and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
             log_once(
                 logger,
@@ -270,9 +307,29 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 "for RL",
                 self.config.router_aux_loss_coef,
             )
-        run = self.run(arguments)
+        batch = self.open_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=None,
+            shift_labels=kwargs.get("shift_labels"),
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_attentions=wants_attentions(self.config, kwargs.get("output_attentions")),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+        )
+        run = self.run_layers(self.embed(batch), batch)
         output = Qwen3_5PackedModelOutput(last_hidden_state=run.batch.packed.unpack(run.hidden), **run.caller_outputs())
-        return output if returns_dict(self.config, arguments) else output.to_tuple()
+        return output if returns_dict(self.config, return_dict) else output.to_tuple()
 
 
 def _record_hidden(hidden: torch.Tensor, batch: PackedBatch, all_hidden: list) -> torch.Tensor:
@@ -290,7 +347,7 @@ class Qwen3_5MoePackedTextModel(Qwen3_5PackedTextModel):
     config_class = Qwen3_5MoePackedConfig
 
 
-class Qwen3_5PackedForCausalLM(PackedCausalLMHead, Qwen3_5PackedPreTrainedModel, GenerationMixin):
+class Qwen3_5PackedForCausalLM(PackedCausalLMHead, PackedGeneration, Qwen3_5PackedPreTrainedModel, GenerationMixin):
     config_class = Qwen3_5PackedConfig
     # transformers 5 declares tied weights as {target: source}; 4.x as a list of the tied keys.
     _tied_weights_keys = (
@@ -316,12 +373,57 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, Qwen3_5PackedPreTrainedModel,
     def get_decoder(self):
         return self.model
 
-    @public_forward(CAUSAL_LM_PARAMETERS)
-    def forward(self, arguments: dict):
-        run = self.model.run(arguments)
-        loss, aux_loss, logits = self.lm_head_outputs(run, arguments)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen3_5PackedCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cache: Qwen3_5PackedCache | None = None,
+        return_dict: bool | None = None,
+        routed_experts: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Qwen3_5PackedCausalLMOutput | tuple:
+        check_extra_arguments(kwargs)
+        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        batch = self.model.open_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            shift_labels=kwargs.get("shift_labels"),
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_attentions=wants_attentions(self.config, kwargs.get("output_attentions")),
+            logits_to_keep=logits_to_keep,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+        )
+        run = self.model.run_layers(self.model.embed(batch), batch)
+        loss, aux_loss, logits = self.lm_head_outputs(run)
         output = Qwen3_5PackedCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=logits, **run.caller_outputs())
-        return output if returns_dict(self.config, arguments) else output.to_tuple()
+        return output if returns_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedForCausalLM(Qwen3_5PackedForCausalLM, GenerationMixin):
@@ -338,17 +440,18 @@ Qwen3_5PackedSequenceClassifierOutput = output_class(
 )
 
 
-def document_score_index(packed: PackedSequence, input_ids, pad_token_id) -> torch.Tensor:
+def document_score_index(packed: PackedSequence, token_ids, pad_token_id) -> torch.Tensor:
     """The stream index [num_docs] of the token each document is scored at: its last real token, or with
-    `pad_token_id` set and `input_ids` given, its last token whose id is not the pad id (its first token if all are).
+    `pad_token_id` set and `token_ids` (the stream's, [N]) given, its last token whose id is not the pad id (its
+    first token if all are).
 
     This is the built-in's rule (the rightmost non-pad token of a row) applied to each document: the same
     position as the built-in for any row whose pad positions hold the pad id, and for a packed row the position the
     built-in picks for each document alone. No host synchronisation."""
     starts = packed.cu_seqlens[:-1].long()
-    if pad_token_id is None or input_ids is None:
+    if pad_token_id is None or token_ids is None:
         return packed.cu_seqlens[1:].long() - 1
-    ids = packed.pack(input_ids)
+    ids = token_ids
     stream = torch.arange(ids.numel(), device=ids.device)
     candidates = torch.where(ids != pad_token_id, stream, starts[packed.doc_index()])
     return starts.scatter_reduce(0, packed.doc_index(), candidates, "amax", include_self=True)
@@ -374,15 +477,56 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
         self.score = RowInvariantLinear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    @public_forward(SEQUENCE_CLASSIFICATION_PARAMETERS)
-    def forward(self, arguments: dict):
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen3_5PackedCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cache: Qwen3_5PackedCache | None = None,
+        return_dict: bool | None = None,
+        routed_experts: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Qwen3_5PackedSequenceClassifierOutput | tuple:
         """`labels`: one per document ([documents] or [documents, num_labels]), in the order of `logits`."""
-        labels = arguments["labels"]
-        run = self.model.run({**arguments, "labels": None})  # document labels, not token targets
-        if run.batch.shard is not None:  # a document's score token may sit on another rank
+        check_extra_arguments(kwargs)
+        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        batch = self.model.open_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=None,  # document labels, not token targets
+            shift_labels=kwargs.get("shift_labels"),
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_attentions=wants_attentions(self.config, kwargs.get("output_attentions")),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+        )
+        if batch.shard is not None:  # a document's score token may sit on another rank
             raise ValueError("sequence classification is not available under context parallelism")
-        packed = run.batch.packed
-        scored = document_score_index(packed, arguments["input_ids"], self.config.get_text_config().pad_token_id)
+        run = self.model.run_layers(self.model.embed(batch), batch)
+        packed = batch.packed
+        scored = document_score_index(packed, batch.token_ids, self.config.get_text_config().pad_token_id)
         logits = self.score(run.hidden.index_select(0, scored))
         loss = None
         if labels is not None:
@@ -393,7 +537,7 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
                 )
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
         output = Qwen3_5PackedSequenceClassifierOutput(loss=loss, logits=logits, **run.caller_outputs())
-        return output if returns_dict(self.config, arguments) else output.to_tuple()
+        return output if returns_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedForSequenceClassification(Qwen3_5PackedForSequenceClassification):

@@ -24,14 +24,11 @@ Text-only batches need no pixel values. See configuration_qwen3_5_packed_vl.py f
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-from . import context_parallel  # called through the module: tests swap its functions for planted faults
 
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
@@ -47,26 +44,21 @@ from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
-from .kernel_selection import bound_kernels  # noqa: F401
-from .kernels import varlen_causal_attention  # noqa: F401
+from .generation import PackedGeneration
+from .kernel_selection import select_kernels  # noqa: F401
+from .kernel_set import kernel_set  # noqa: F401
+from .kernels import causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights
 from .modeling_qwen3_5_packed import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
 from .moe import SparseMoeBlock  # noqa: F401
-from .mrope_positions import IMAGE, TEXT, VIDEO, modality_of_tokens, packed_mrope_positions
+from .mrope_positions import IMAGE, VIDEO, modality_of_tokens
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
-from .packed_batch import (
-    VISION_ARGUMENTS,
-    VL_CAUSAL_LM_PARAMETERS,
-    VL_MODEL_PARAMETERS,
-    PackedBatch,
-    public_forward,
-    returns_dict,
-)
+from .packed_batch import VISION_ARGUMENTS, PackedBatch, check_extra_arguments, returns_dict, wants_attentions
 from .packing import PackedSequence  # noqa: F401
-from .projection import RowInvariantLinear
+from .projection import RowInvariantLinear, adopt_adapter_products
 from .recompute import recompute_enabled  # noqa: F401
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
@@ -75,8 +67,9 @@ from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401
-from .utils import TRANSFORMERS_MAJOR, log_once
+from .utils import TRANSFORMERS_MAJOR, TransformersKwargs, Unpack
 from .vision import Qwen3_5PackedVisionModel
+from .vision_layout import VisionInputs, placeholder_ids, scatter_features
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +172,9 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         """All images (or videos) of the batch in one vision-tower call; `pooler_output`: [placeholder tokens,
         text hidden]."""
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        arguments = (pixel_values, grid_thw, self.config.text_config, output_hidden_states, output_attentions)
+        # the text model's kernel set for the tower's device and dtype: its varlen attention runs the images
+        attention = self.language_model.kernels_for(pixel_values.device, pixel_values.dtype).varlen_attention
+        arguments = (pixel_values, grid_thw, attention, output_hidden_states, output_attentions)
         if getattr(self.config, "freeze_vision", False):
             with torch.no_grad():
                 return self.visual(*arguments)
@@ -188,12 +183,9 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
     def placeholder_ids(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """long [...] for embeddings [..., H]: the image / video token id where an embedding equals that token's
         embedding, -1 elsewhere (enough to locate images and videos and compute their positions)."""
-        table = self.get_input_embeddings()
-        ids = torch.full(inputs_embeds.shape[:-1], -1, dtype=torch.long, device=inputs_embeds.device)
-        for token in (self.config.image_token_id, self.config.video_token_id):
-            embedding = table(torch.tensor(token, device=inputs_embeds.device)).to(inputs_embeds.dtype)
-            ids[(inputs_embeds == embedding).all(-1)] = token
-        return ids
+        return placeholder_ids(
+            self.get_input_embeddings(), inputs_embeds, self.config.image_token_id, self.config.video_token_id
+        )
 
     def dummy_vision_output(self, device) -> torch.Tensor:
         """The vision tower on one all-zero image of merge x merge patches (the FSDP-symmetric pass)."""
@@ -202,139 +194,127 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         pixels = torch.zeros(merge * merge, self.visual.patch_embed.patch_dim, device=device)
         return self.encode_vision(pixels, grid).pooler_output
 
-    def run(self, arguments: dict) -> DecoderRun:
-        """A forward's decoder part: the front door (the text model's: without use_cache, a cache in eval mode for
-        one document per row, as the built-in makes one by its config's use_cache), then
-        a generation step's new text tokens, or the prefill's embeddings with the vision features and 3D rope."""
+    def open_batch(
+        self,
+        *,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        mm_token_type_ids=None,
+        **inputs,
+    ) -> PackedBatch:
+        """The text model's front door with the vision inputs laid out (vision_layout.py): which tokens show which
+        image or video, the 3D rope positions. Without use_cache a cache is made in eval mode for one document per
+        row, as the built-in makes one by its config's use_cache."""
+        vision = VisionInputs(
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
+            image_token_id=self.config.image_token_id,
+            video_token_id=self.config.video_token_id,
+            spatial_merge_size=self.visual.spatial_merge_size,
+        )
+        return self.language_model.open_batch(**inputs, vision=vision)
+
+    def run(self, batch: PackedBatch) -> DecoderRun:
+        """A forward's decoder part on its batch: the embeddings with the encoded images and videos written onto
+        their placeholder tokens, then the text decoder with the 3D rope positions."""
         text = self.language_model
-        batch = text.open_batch(arguments)
-        pixel_values, pixel_values_videos = arguments["pixel_values"], arguments["pixel_values_videos"]
-        if batch.continues_cache:
-            if pixel_values is not None or pixel_values_videos is not None:
-                raise ValueError("images and videos go into the prefill; a cached step takes new text tokens only")
-            positions = batch.packed.position_ids.unsqueeze(0).expand(3, -1)  # text: one position on every axis
-            batch = dataclasses.replace(batch, rope_positions=positions)
-            return text.run_layers(text.embed(batch, arguments), batch)
-
-        image_grid_thw, video_grid_thw = arguments["image_grid_thw"], arguments["video_grid_thw"]
-        for pixels, grid, what in (
-            (pixel_values, image_grid_thw, "image"),
-            (pixel_values_videos, video_grid_thw, "video"),
-        ):
-            pixel_name = "pixel_values" if what == "image" else "pixel_values_videos"
-            if (pixels is None) != (grid is None):
-                given, missing = (pixel_name, f"{what}_grid_thw") if grid is None else (f"{what}_grid_thw", pixel_name)
-                raise ValueError(f"{given} was given without {missing}; {what}s need both")
-        has_vision = pixel_values is not None or pixel_values_videos is not None
-        input_ids, inputs_embeds = arguments["input_ids"], arguments["inputs_embeds"]
-        # Without input_ids the placeholder tokens are found by their embedding, as the built-in does; the 3D
-        # positions are then computed from them exactly as from input_ids.
-        layout_ids = input_ids if input_ids is not None or not has_vision else self.placeholder_ids(inputs_embeds)
-        packed, shard = batch.packed, batch.shard
-        ids = packed.pack(layout_ids) if layout_ids is not None else None
-        # the token ids packed once: for the embeddings and for the layout
-        embeds = text.embed_tokens(ids) if input_ids is not None else packed.pack(inputs_embeds)
-        if ids is not None:
-            types = None
-            if arguments["mm_token_type_ids"] is not None:
-                mm = torch.as_tensor(arguments["mm_token_type_ids"], device=ids.device)
-                if tuple(mm.shape) != packed.batch_shape:
-                    raise ValueError(
-                        f"mm_token_type_ids must have the shape of input_ids {packed.batch_shape}, got "
-                        f"{tuple(mm.shape)}"
-                    )
-                types = packed.pack(mm)
-            row_cu_seqlens = packed.cu_seqlens
-            if shard is not None:
-                # Under context parallelism the layout (modalities, 3D positions, which image a placeholder shows)
-                # is the whole row's: computed on the gathered row, then this shard's part is taken.
-                ids, types, row_cu_seqlens = context_parallel.gather_row_tokens(ids, types, packed, shard)
-            # Which tokens are vision tokens: a placeholder id typed text by mm_token_type_ids is a text token.
-            kind = modality_of_tokens(ids, self.config.image_token_id, self.config.video_token_id, types)
-            if image_grid_thw is None and video_grid_thw is None and bool((kind != TEXT).any()):
-                # No images or videos given: the built-in embeds placeholder tokens as the text tokens they are and
-                # positions them as text; so do we, and say so once.
-                log_once(
-                    logger,
-                    "placeholders-as-text",
-                    "image / video placeholder tokens without pixel inputs (no image_grid_thw / video_grid_thw) are "
-                    "embedded and positioned as text tokens, as transformers' Qwen3.5 does",
-                )
-                kind = torch.full_like(kind, TEXT)
-            # Also the check that image/video token runs match the grids one to one, in order.
-            positions = packed_mrope_positions(
-                ids,
-                row_cu_seqlens,
-                image_grid_thw,
-                video_grid_thw,
-                image_token_id=self.config.image_token_id,
-                video_token_id=self.config.video_token_id,
-                spatial_merge_size=self.visual.spatial_merge_size,
-                mm_token_type_ids=kind,
-            )
-            if shard is not None:
-                positions = positions[:, shard.offset : shard.offset + packed.num_tokens]
-        else:
-            text_positions = batch.rope_positions  # the row's positions under context parallelism too
-            positions = text_positions.unsqueeze(0).expand(3, -1) if text_positions.dim() == 1 else None
-        position_ids = arguments["position_ids"]
-        if position_ids is not None and torch.as_tensor(position_ids).ndim == 3:  # the caller's 3D positions
-            positions = batch.rope_positions
-
+        embeds = text.embed(batch)
         # The tower records its hidden states / attention outputs when the forward records the text layers' or
         # the vision config asks (the built-in's tower reads the forward's switches, else its own config).
         vision_config = self.config.vision_config
         record_hidden = batch.output_hidden_states or bool(getattr(vision_config, "output_hidden_states", False))
-        record_attentions = arguments["output_attentions"] or bool(getattr(vision_config, "output_attentions", False))
+        record_attentions = batch.output_attentions or bool(getattr(vision_config, "output_attentions", False))
         encoder_outputs = {}
-        for pixels, grid, modality, name in (
-            (pixel_values, image_grid_thw, IMAGE, "image"),
-            (pixel_values_videos, video_grid_thw, VIDEO, "video"),
-        ):
-            if pixels is None:
-                continue
-            # Under context parallelism every rank encodes all the row's images and keeps the features of its
-            # shard's placeholders (the vision tower is small next to the decoder).
-            grid = torch.as_tensor(grid, device=pixels.device)
+        for pixels, grid, modality, name in batch.vision.items:
             encoded = self.encode_vision(pixels, grid, record_hidden, record_attentions)
             features = encoded.pooler_output
             # The caller sees the features per image / video, as the built-in splits them (views, no copy).
             tokens_per_item = (grid.prod(-1) // self.visual.spatial_merge_size**2).tolist()
             encoded.pooler_output = torch.split(features, tokens_per_item)
             encoder_outputs[name] = encoded
-            slots = torch.nonzero(kind == modality).flatten()
-            if shard is not None:
-                slots, features = context_parallel.shard_slots(slots, features, shard, packed.num_tokens)
-            if slots.numel() != features.shape[0]:  # guaranteed by the checks above; a last line of defence
-                raise ValueError(f"{slots.numel()} placeholder tokens but {features.shape[0]} vision features")
-            embeds = embeds.index_copy(0, slots, features.to(device=embeds.device, dtype=embeds.dtype))
-        if not has_vision and getattr(self.config, "vision_dummy_pass", False):
+            embeds = scatter_features(embeds, batch.vision, modality, features, batch.packed, batch.shard)
+        if not batch.vision.items and not batch.continues_cache and getattr(self.config, "vision_dummy_pass", False):
             dummy = self.dummy_vision_output(embeds.device)
             embeds = embeds + (dummy.sum() * 0.0).to(embeds.dtype)
 
-        # The text decoder runs on this forward's packing directly (one packing step, boundaries copied to the host
-        # at most once), with the 3D rope positions.
-        run = text.run_layers(embeds, dataclasses.replace(batch, rope_positions=positions))
+        run = text.run_layers(embeds, batch)
         run.encoder_outputs = encoder_outputs
-        if batch.cache is not None:
+        if batch.cache is not None and not batch.continues_cache:
             # Text after the prompt continues at its largest position + 1.
+            packed, positions = batch.packed, batch.rope_positions
             last = torch.zeros(packed.num_docs, dtype=positions.dtype, device=positions.device).scatter_reduce(
                 0, packed.doc_index(), positions.amax(dim=0), reduce="amax"
             )
             batch.cache.position_offset = last + 1 - packed.doc_lengths().to(last.dtype)
         return run
 
-    @public_forward(VL_MODEL_PARAMETERS)
-    def forward(self, arguments: dict):
-        run = self.run(arguments)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen3_5PackedCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.FloatTensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.IntTensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        cache: Qwen3_5PackedCache | None = None,
+        routed_experts: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Qwen3_5PackedVLModelOutput | tuple:
+        check_extra_arguments(kwargs)
+        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        batch = self.open_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=None,
+            shift_labels=kwargs.get("shift_labels"),
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_attentions=wants_attentions(self.config, kwargs.get("output_attentions")),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
+        )
+        run = self.run(batch)
         output = Qwen3_5PackedVLModelOutput(
-            last_hidden_state=run.batch.packed.unpack(run.hidden),
-            rope_position_ids=_unpack_positions(run.batch),
+            last_hidden_state=batch.packed.unpack(run.hidden),
+            rope_position_ids=_unpack_positions(batch),
             image_outputs=run.encoder_outputs.get("image"),
             video_outputs=run.encoder_outputs.get("video"),
             **run.caller_outputs(),
         )
-        return output if returns_dict(self.config, arguments) else output.to_tuple()
+        return output if returns_dict(self.config, return_dict) else output.to_tuple()
 
 
 class Qwen3_5MoePackedVLModel(Qwen3_5PackedVLModel):
@@ -380,7 +360,9 @@ def _unpack_positions(batch: PackedBatch) -> torch.Tensor:
 
 # GenerationMixin: generate() with this model's own cache (the prefill encodes the images, later steps add text);
 # TRL's GRPOTrainer also reads the `generation_config` transformers gives only to models that can generate.
-class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLPreTrainedModel, GenerationMixin):
+class Qwen3_5PackedForConditionalGeneration(
+    PackedCausalLMHead, PackedGeneration, Qwen3_5PackedVLPreTrainedModel, GenerationMixin
+):
     config_class = Qwen3_5PackedVLConfig
     _tied_weights_keys = (
         {"lm_head.weight": "model.language_model.embed_tokens.weight"}
@@ -421,20 +403,75 @@ class Qwen3_5PackedForConditionalGeneration(PackedCausalLMHead, Qwen3_5PackedVLP
     def get_decoder(self):
         return self.model.language_model
 
-    @public_forward(VL_CAUSAL_LM_PARAMETERS)
-    def forward(self, arguments: dict):
-        run = self.model.run(arguments)
-        loss, aux_loss, logits = self.lm_head_outputs(run, arguments)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen3_5PackedCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.FloatTensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.IntTensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        cache: Qwen3_5PackedCache | None = None,
+        routed_experts: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Qwen3_5PackedVLCausalLMOutput | tuple:
+        check_extra_arguments(kwargs)
+        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        batch = self.model.open_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            shift_labels=kwargs.get("shift_labels"),
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_attentions=wants_attentions(self.config, kwargs.get("output_attentions")),
+            logits_to_keep=logits_to_keep,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            cu_seqlens=cu_seqlens,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
+            routed_experts=routed_experts,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
+        )
+        run = self.model.run(batch)
+        loss, aux_loss, logits = self.lm_head_outputs(run)
         output = Qwen3_5PackedVLCausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            rope_position_ids=_unpack_positions(run.batch),
+            rope_position_ids=_unpack_positions(batch),
             image_outputs=run.encoder_outputs.get("image"),
             video_outputs=run.encoder_outputs.get("video"),
             **run.caller_outputs(),
         )
-        return output if returns_dict(self.config, arguments) else output.to_tuple()
+        return output if returns_dict(self.config, return_dict) else output.to_tuple()
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         # generate() repeats batch-first tensors per beam / returned sequence (row i becomes rows i*k .. i*k+k-1);

@@ -24,9 +24,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .expert_lora import ExpertWeight, low_rank_plan
-from .kernel_selection import KernelChoice
-from .kernels import gather_sum, swiglu, weighted_swiglu
+from .expert_lora import ExpertWeight
+from .kernel_set import REFERENCE_KERNELS, KernelSet
 from .projection import RowInvariantLinear, RowInvariantProduct
 from .recompute import remember
 from .routing_replay import replayed_top_k
@@ -43,10 +42,10 @@ class SwiGLUMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.is_swiglu = config.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.is_swiglu:  # down_proj keeps its input for the weight gradient: recomputed instead (recompute.py)
-            hidden = remember(swiglu(gate, up, choice), swiglu, gate, up, choice)
+            hidden = remember(kernels.swiglu(gate, up), kernels.swiglu, gate, up)
         else:
             hidden = self.act_fn(gate) * up
         return self.down_proj(hidden)
@@ -88,13 +87,13 @@ class FusedExperts(nn.Module):
         x: torch.Tensor,
         top_index: torch.Tensor,
         top_weights: torch.Tensor,
-        choice: KernelChoice | None = None,
+        kernels: KernelSet = REFERENCE_KERNELS,
         lora: dict | None = None,
     ) -> torch.Tensor:
         """x [N, H]; top_index [N, k] expert ids; top_weights [N, k] fp32 -> [N, H] in x's dtype. `lora`: LoRA
         factors per tensor name (expert_lora.low_rank_plan), applied on the expert rows."""
-        if choice is not None and choice.moe == "grouped_mm":
-            return self.grouped(x, top_index, top_weights, choice, lora)
+        if kernels.grouped_experts:
+            return self.grouped(x, top_index, top_weights, kernels, lora)
         return self.looped(x, top_index, top_weights, lora)
 
     def expert_weight(self, name: str, lora: dict | None) -> ExpertWeight:
@@ -118,14 +117,14 @@ class FusedExperts(nn.Module):
         routed = torch.cat(outputs) * top_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
-    def grouped(self, x, top_index, top_weights, choice, lora=None):
+    def grouped(self, x, top_index, top_weights, kernels: KernelSet, lora=None):
         n, top_k = top_index.shape
         flat_expert = top_index.reshape(-1)
         # order: the (token, slot) pairs sorted by expert = which pair each expert row holds; slot_of: the row each
         # pair went to (the inverse permutation).
         order = torch.argsort(flat_expert, stable=True)
         slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows_of = ExpertRows(order, slot_of, top_k, choice)
+        rows_of = ExpertRows(order, slot_of, top_k, kernels.combine)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32)
         )
@@ -136,7 +135,8 @@ class FusedExperts(nn.Module):
         gate_up = self.expert_weight("gate_up_proj", lora).grouped_linear(rows, offsets)
         weight = rows_of.permute(top_weights.reshape(-1).float())
         if self.is_swiglu:
-            hidden = remember(weighted_swiglu(gate_up, weight, choice), weighted_swiglu, gate_up, weight, choice)
+            swiglu = kernels.weighted_swiglu
+            hidden = remember(swiglu(gate_up, weight), swiglu, gate_up, weight)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
@@ -155,9 +155,9 @@ class ExpertRows:
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
     indices and accumulate in an order of their own)."""
 
-    def __init__(self, order, slot_of, top_k, choice=None):
+    def __init__(self, order, slot_of, top_k, combine):
         self.token_of_row = order // top_k
-        self.order, self.slot_of, self.top_k, self.choice = order, slot_of, top_k, choice
+        self.order, self.slot_of, self.top_k, self.gather_sum = order, slot_of, top_k, combine
 
     def expand(self, x):
         return _Move.apply(x, self._to_rows, self._sum_rows)
@@ -172,7 +172,7 @@ class ExpertRows:
         return x[self.token_of_row]
 
     def _sum_rows(self, rows):
-        return gather_sum(rows, self.slot_of, self.top_k, self.choice)
+        return self.gather_sum(rows, self.slot_of, self.top_k)
 
     def _permute(self, values):
         return values[self.order]
@@ -205,16 +205,18 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = RowInvariantLinear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None, routed_experts: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS, routed_experts: torch.Tensor | None = None
+    ):
         """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
         logits, top_weights, top_index = self.gate(x, routed_experts)
-        plan = low_rank_plan(self.experts, choice)  # PEFT LoRA on the experts: the bare experts and its factors
+        plan = kernels.expert_lora(self.experts)  # PEFT LoRA on the experts: the bare experts and its factors
         if plan is None:
-            routed = self.experts(x, top_index, top_weights, choice)
+            routed = self.experts(x, top_index, top_weights, kernels)
         else:
             experts, lora = plan
-            routed = experts(x, top_index, top_weights, choice, lora)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, choice)
+            routed = experts(x, top_index, top_weights, kernels, lora)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, kernels)
         return routed + shared, logits
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernel_selection import KernelChoice
-from .kernels import gated_rms_norm, zero_centred_rms_norm
+from .kernel_set import REFERENCE_KERNELS, KernelSet
 from .recompute import remember
 
 
@@ -19,15 +18,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor, choice: KernelChoice | None = None) -> torch.Tensor:
-        return remember(
-            zero_centred_rms_norm(x, self.weight, self.eps, choice),
-            zero_centred_rms_norm,
-            x,
-            self.weight,
-            self.eps,
-            choice,
-        )
+    def forward(self, x: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS) -> torch.Tensor:
+        norm = kernels.rms_norm
+        return remember(norm(x, self.weight, self.eps), norm, x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -42,10 +35,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
-        return remember(self._normed(x, gate, choice), self._normed, x, gate, choice)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS) -> torch.Tensor:
+        return remember(self._normed(x, gate, kernels.gated_norm), self._normed, x, gate, kernels.gated_norm)
 
-    def _normed(self, x: torch.Tensor, gate: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+    def _normed(self, x: torch.Tensor, gate: torch.Tensor, gated_norm) -> torch.Tensor:
         dim = self.weight.shape[0]
-        normed = gated_rms_norm(x.reshape(-1, dim), gate.reshape(-1, dim), self.weight, self.eps, choice)
-        return normed.reshape(x.shape)
+        return gated_norm(x.reshape(-1, dim), gate.reshape(-1, dim), self.weight, self.eps).reshape(x.shape)

@@ -54,20 +54,21 @@ def router_logits_in_caller_layout(router_logits, packed: PackedSequence):
 
 @dataclasses.dataclass
 class DecoderRun:
-    """What the decoder gives a forward's head: the final hidden states of the packed stream and the batch they
-    were computed for (its kernels and rope bound, its cache advanced)."""
+    """What the decoder gives a forward's head: the final hidden states of the packed stream, the batch they were
+    computed for (its cache advanced) and what the layers returned."""
 
     hidden: torch.Tensor  # [N, H] after the final norm
     batch: PackedBatch
     all_hidden: list | None  # [B, S, H] per layer input, then the final one, when requested (in the graph)
     router_logits: list | None  # [N, E] per MoE layer, when requested
+    attentions: list | None  # the attention probabilities per full-attention layer, when requested
     # The vision tower's outputs by modality ("image", "video") for the images / videos this forward encoded.
     encoder_outputs: dict = dataclasses.field(default_factory=dict)
 
     def caller_outputs(self) -> dict:
         """The output fields every forward returns in the caller's layout: hidden states, attention probabilities
         (one per full-attention layer, as the built-in records them), router logits, cache."""
-        packed, attentions = self.batch.packed, self.batch.attentions
+        packed, attentions = self.batch.packed, self.attentions
         return {
             "hidden_states": tuple(self.all_hidden) if self.all_hidden is not None else None,
             "attentions": tuple(attentions) if attentions is not None else None,

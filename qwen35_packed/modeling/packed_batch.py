@@ -1,35 +1,39 @@
-"""The front door of every forward: the public arguments, in any form of the packing contract, resolved once into a
-`PackedBatch` that every layer reads.
+"""The front door of every forward: the inputs, in any form of the packing contract, resolved once into one
+complete, immutable `PackedBatch` that the layers and the head read; nothing after the door reads the caller's
+inputs.
 
-The public forward signatures are declared here once (`public_forward`), parameter by parameter as transformers'
-built-in classes declare them, because transformers, TRL, PEFT and Accelerate read them by inspection (the
-Trainer's dataset columns, `logits_to_keep` support, generate()'s argument check). A forward body receives the
-bound arguments as one mapping and hands it to `open_packed_batch`, which holds the packing, the cache rules and
-their errors, the loss targets, the checks of the inputs' values (token ids and targets in the vocabulary,
-`check_token_ranges`; `inputs_embeds` in the embedding's dtype, `check_inputs_embeds`; the attention mask's values
-are checked where the packing reads it) and the kernel choice: no internal function takes the packing keywords one
-by one.
-It also refuses to run under torch's context parallelism (a shard of the sequence: `refuse_context_parallel`).
+A public forward (written out in the modeling files, parameter by parameter as transformers' built-in classes write
+theirs) checks its extra keyword arguments (`check_extra_arguments`) and calls its model's `open_batch` with named
+arguments, which calls `open_packed_batch` here. The door holds the packing, the cache rules and their errors, the
+loss targets, the checks of the inputs' values (token ids and targets in the vocabulary, `check_token_ranges`;
+`inputs_embeds` in the embedding's dtype, `check_inputs_embeds`; the attention mask's values are checked where the
+packing reads it), the rope positions (the vision-language layout's 3D positions decided here too,
+vision_layout.py) and their (cos, sin) tables, what the head needs, and the kernel set bound for the stream's device
+and dtype (kernel_set.py).
+
+Its entry forms: a stream of documents (packing.py's contract), a generation step continuing a cache, and, with the
+model's context parallelism on, a rank's shard of one packed row (context_parallel.open_shard; the shard's kernel
+set does the rest). It refuses to run under torch's context parallelism (a shard of the sequence the model was not
+told about: `refuse_context_parallel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import sys
+from typing import NamedTuple
 
 import torch
 
 from . import context_parallel
 from .cache import Qwen3_5PackedCache, as_packed_cache
 from .context_parallel import ShardLayout
-from .kernel_selection import KernelChoice
+from .kernel_set import KernelSet
 from .loss import IGNORE_INDEX
 from .packing import PackedSequence, build_packed_sequence, input_shape, loss_targets, padding_mask_values
-from .projection import adopt_adapter_products
 from .utils import log_once
+from .vision_layout import VisionInputs, VisionLayout, lay_out_vision
 
 logger = logging.getLogger(__name__)
 
@@ -44,76 +48,8 @@ IGNORED_ARGUMENTS = frozenset({"cache_position", "output_attentions"})
 # contains "label" would join the Trainer's `label_names` (from the signature), and its evaluation would then find
 # no labels in batches without that key (no eval_loss, no compute_metrics).
 LOSS_ARGUMENTS = frozenset({"num_items_in_batch", "shift_labels"})
-
-# The first five are positional in the built-in classes, with the cache fourth ("cache" in transformers >= 5.2x,
-# "past_key_values" before; both are accepted by name).
-_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds")
 # The vision-language inputs (generate() passes them to the prefill only).
 VISION_ARGUMENTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids")
-_OUTPUTS = ("output_hidden_states", "output_router_logits")
-_TEXT_TAIL = (*PACKING_ARGUMENTS, "cache", "return_dict", "routed_experts")
-_VL_TAIL = (*PACKING_ARGUMENTS, "use_cache", "return_dict", "cache", "routed_experts")
-
-# The public parameter lists, in the built-in classes' order where they share names.
-TEXT_MODEL_PARAMETERS = (*_INPUTS, "use_cache", *_OUTPUTS, *_TEXT_TAIL)
-CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, "logits_to_keep", *_TEXT_TAIL)
-SEQUENCE_CLASSIFICATION_PARAMETERS = (*_INPUTS, "labels", "use_cache", *_OUTPUTS, *_TEXT_TAIL)
-VL_MODEL_PARAMETERS = (*_INPUTS, *VISION_ARGUMENTS, *_OUTPUTS, *_VL_TAIL)
-VL_CAUSAL_LM_PARAMETERS = (*_INPUTS, "labels", *VISION_ARGUMENTS, *_OUTPUTS, "logits_to_keep", *_VL_TAIL)
-
-_DEFAULTS = {"logits_to_keep": 0}
-# **kwargs annotated as the built-in's (`Unpack[TransformersKwargs]`): tools read which keyword arguments a forward
-# takes through it (output_attentions, the loss and packing kwargs); absent from older transformers.
-try:
-    from transformers.processing_utils import Unpack
-    from transformers.utils import TransformersKwargs
-
-    _KWARGS_ANNOTATION = Unpack[TransformersKwargs]
-except ImportError:
-    _KWARGS_ANNOTATION = inspect.Parameter.empty
-_ANNOTATIONS = {"logits_to_keep": "int | torch.Tensor"}
-
-
-def public_forward(parameters: tuple[str, ...]):
-    """Give `forward(self, arguments)` the public signature `parameters` (then **kwargs): positional and keyword
-    calls bind as they would to the written-out signature, extra keyword arguments are checked
-    (`check_extra_arguments`), and the body receives every parameter (defaults filled) and the extras in one
-    dict."""
-    signature = inspect.Signature(
-        [
-            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(
-                inspect.Parameter(
-                    name,
-                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                    default=_DEFAULTS.get(name),
-                    annotation=_ANNOTATIONS.get(name, inspect.Parameter.empty),
-                )
-                for name in parameters
-            ),
-            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=_KWARGS_ANNOTATION),
-        ]
-    )
-
-    def decorate(body):
-        @functools.wraps(body)
-        def forward(self, *args, **kwargs):
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            arguments = dict(bound.arguments)
-            del arguments["self"]
-            extra = arguments.pop("kwargs")
-            check_extra_arguments(extra)
-            arguments.update(extra)
-            # resolved here, with the forward's own config (wants_attentions)
-            arguments["output_attentions"] = wants_attentions(self.config, extra.get("output_attentions"))
-            adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
-            return body(self, arguments)
-
-        forward.__signature__ = signature
-        return forward
-
-    return decorate
 
 
 def check_extra_arguments(extra: dict) -> None:
@@ -125,26 +61,28 @@ def check_extra_arguments(extra: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """One forward's inputs as the layers read them: the packed stream of real tokens, the cache it reads and
-    advances, the kernels bound for its device and dtype, rope positions, loss targets and the output switches."""
+    """One forward's inputs as the layers and the head read them: the packed stream of real tokens, its token ids or
+    embeddings, the cache it reads and advances, rope positions and tables, the kernels bound for its device and
+    dtype, loss targets and the head's settings, and the output switches."""
 
     packed: PackedSequence
+    kernels: KernelSet
+    rope_positions: torch.Tensor  # long [N], or [3, N] for multimodal rope
+    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at rope_positions, in the stream's dtype
+    token_ids: torch.Tensor | None  # long [N]: the stream's input_ids (None when the caller gave inputs_embeds)
+    inputs_embeds: torch.Tensor | None  # [N, H]: the caller's inputs_embeds packed
     cache: Qwen3_5PackedCache | None
     continues_cache: bool  # a generation step after the prefill (the cache held state on entry)
     columns: int  # the caller's sequence length: a cache advances by it
-    rope_positions: torch.Tensor  # long [N], or [3, N] for multimodal rope
     targets: torch.Tensor | None  # long [N] next-token targets on the stream; None without labels
+    num_items_in_batch: torch.Tensor | int | None  # the loss denominator the Trainer gives
+    logits_to_keep: int | torch.Tensor
     routed_experts: torch.Tensor | None  # experts to replay, in the caller's layout (routing_replay.py)
     output_hidden_states: bool
     output_router_logits: bool
-    # Bound where the layers run, for the embedded stream's device and dtype: the kernels (kernel_selection
-    # .bound_kernels) and (cos, sin) at rope_positions.
-    kernels: KernelChoice | None = None
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # output_attentions: the full-attention layers append their probabilities (attention_probabilities.py)
-    attentions: list | None = None
-    # Under context parallelism (context_parallel.py): where this rank's shard sits in the row.
-    shard: ShardLayout | None = None
+    output_attentions: bool  # the full-attention layers return their probabilities (attention_probabilities.py)
+    vision: VisionLayout | None = None  # the vision-language models' images and videos, and where they go
+    shard: ShardLayout | None = None  # under context parallelism: where this rank's shard sits in the row
 
 
 def _switch(config, name: str, requested, default: bool = False) -> bool:
@@ -160,9 +98,9 @@ def wants_attentions(config, requested) -> bool:
     return bool(getattr(config, "output_attentions", False) or getattr(text_config, "output_attentions", False))
 
 
-def returns_dict(config, arguments: dict) -> bool:
+def returns_dict(config, return_dict) -> bool:
     """return_dict=False (or the config's return_dict) gives a plain tuple of the output's set fields."""
-    return _switch(config, "return_dict", arguments.get("return_dict"), default=True)
+    return _switch(config, "return_dict", return_dict, default=True)
 
 
 def wants_router_logits(config, requested) -> bool:
@@ -255,102 +193,175 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor | None, embedding_dtype: tor
     )
 
 
-def open_packed_batch(
-    config, arguments: dict, *, training: bool, context_parallel_group=None, embedding_dtype: torch.dtype | None = None
-) -> PackedBatch:
-    """Resolve a forward's `arguments` (the dict `public_forward` gives) into its PackedBatch.
+class _Stream(NamedTuple):
+    """The packing part of a batch, from one entry form."""
 
-    `config` is the text configuration; `embedding_dtype` the dtype of the model's input embeddings, which
-    `inputs_embeds` must have (`check_inputs_embeds`).
+    packed: PackedSequence
+    cache: Qwen3_5PackedCache | None
+    continues_cache: bool
+    positions: torch.Tensor
+    targets: torch.Tensor | None
+    shard: ShardLayout | None = None
+
+
+def open_packed_batch(
+    model,
+    *,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    output_hidden_states: bool | None = None,
+    output_router_logits: bool | None = None,
+    output_attentions: bool = False,
+    logits_to_keep: int | torch.Tensor = 0,
+    num_items_in_batch=None,
+    cu_seqlens=None,
+    cu_seq_lens_q=None,
+    cu_seq_lens_k=None,
+    max_length_q=None,
+    max_length_k=None,
+    seq_idx=None,
+    routed_experts: torch.Tensor | None = None,
+    vision: VisionInputs | None = None,
+) -> PackedBatch:
+    """The PackedBatch of a forward of the text backbone `model` (its config, mode, embedding, rope and kernel
+    sets; `Qwen3_5PackedTextModel.open_batch`) on the caller's inputs, named as in the public forwards.
+
     A filled cache continues every row by its new tokens (one document per row, no packing arguments, only real
     new tokens); otherwise the boundaries come from the packing contract and a cache is made when `use_cache` asks
-    for one: None means the config's `use_cache` in eval mode for one document per row. With a
-    `context_parallel_group` (the model's `set_context_parallel`) the inputs are this rank's shard of one packed
-    row (context_parallel.open_shard). Under torch's context parallelism (Accelerate's cp_size > 1) it raises: the
-    inputs are a shard of the sequence the model was not told about."""
+    for one: None means the config's `use_cache` in eval mode for one document per row. With the model's context
+    parallelism on, the inputs are this rank's shard of one packed row (context_parallel.open_shard). Under torch's
+    context parallelism (Accelerate's cp_size > 1) it raises: the inputs are a shard of the sequence the model was
+    not told about. `vision`: the vision-language inputs, laid out here (vision_layout.py)."""
+    config = model.config
     refuse_context_parallel()
-    check_inputs_embeds(arguments.get("inputs_embeds"), embedding_dtype)
-    if context_parallel_group is not None:
-        return _open_shard_batch(config, arguments, context_parallel_group)
-    input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    embedding_dtype = model.embed_tokens.weight.dtype
+    check_inputs_embeds(inputs_embeds, embedding_dtype)
     shape = input_shape(input_ids, inputs_embeds)
     device = (input_ids if input_ids is not None else inputs_embeds).device
-    attention_mask, position_ids = arguments.get("attention_mask"), arguments.get("position_ids")
-    cache = arguments.get("cache")
-    cache = as_packed_cache(cache if cache is not None else arguments.get("past_key_values"))
-    use_cache = arguments.get("use_cache")
-    continues_cache = cache is not None and cache.has_state
-    if continues_cache:
-        if any(arguments.get(name) is not None for name in BOUNDARY_ARGUMENTS):
-            raise ValueError(
-                "packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache"
-            )
-        new_real = None
-        if attention_mask is not None:
-            if attention_mask.ndim != 2 or attention_mask.shape[1] < shape[1]:
-                raise ValueError(
-                    "with a cache, attention_mask must be a 2D [batch, columns] padding mask covering the new tokens, "
-                    f"got shape {tuple(attention_mask.shape)} for {shape[1]} new tokens"
-                )
-            new_real = padding_mask_values(attention_mask[:, -shape[1] :])
-            new_real = None if bool(new_real.all()) else new_real.to(device)
-        packed = cache.decode_sequence(shape[0], shape[1], device, new_real)
-        if position_ids is not None and torch.as_tensor(position_ids).dim() == 2:
-            if not torch.equal(packed.pack(position_ids).to(packed.position_ids), packed.position_ids):
-                raise ValueError("position_ids contradict the cache: generation positions continue per row")
+    cache = as_packed_cache(cache)
+    boundaries = {
+        "cu_seqlens": cu_seqlens,
+        "cu_seq_lens_q": cu_seq_lens_q,
+        "cu_seq_lens_k": cu_seq_lens_k,
+        "max_length_q": max_length_q,
+        "max_length_k": max_length_k,
+        "seq_idx": seq_idx,
+    }
+    output_router_logits = wants_router_logits(config, output_router_logits)
+    if model.context_parallel_group is not None:
+        _refuse_on_a_shard(config, cache, use_cache, output_attentions, output_router_logits)
+        stream = _shard_stream(
+            model.context_parallel_group, device, shape, input_ids, inputs_embeds, attention_mask, position_ids,
+            labels, shift_labels, boundaries,
+        )  # fmt: skip
+    elif cache is not None and cache.has_state:
+        stream = _continued_stream(cache, device, shape, attention_mask, position_ids, boundaries)
     else:
-        packed = build_packed_sequence(
-            shape, device, attention_mask, position_ids, *(arguments.get(name) for name in PACKING_ARGUMENTS)
+        stream = _new_stream(
+            config, model.training, cache, use_cache, device, shape, attention_mask, position_ids, boundaries
         )
-        if packed.spans is not None and position_ids is None:
-            log_once(
-                logger,
-                "holes-positions",
-                "attention_mask with holes: the positions count each row's real tokens, as generate() gives them "
-                "(transformers' built-in text classes count columns, holes included, in a forward without "
-                "position_ids); pass position_ids to set them",
-            )
-        # A cache holds one document per row: of the cache given, else of the batch.
-        one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
-        if use_cache is None:
-            use_cache = bool(config.use_cache) and not training and one_doc_per_row
-        if use_cache and not one_doc_per_row:
-            raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
-        cache = (
-            (cache if cache is not None else Qwen3_5PackedCache(config.layer_types, shape[0])) if use_cache else None
-        )
+    packed = stream.packed
+    targets = stream.targets
+    if stream.shard is None and (labels is not None or shift_labels is not None):
+        targets = loss_targets(packed, labels, shift_labels)
+    token_ids = packed.pack(input_ids) if input_ids is not None else None
+    check_token_ranges(config.vocab_size, token_ids, targets, "labels" if shift_labels is None else "shift_labels")
+    packed_embeds = packed.pack(inputs_embeds) if inputs_embeds is not None else None
 
-    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
-    targets = loss_targets(packed, labels, shift_labels) if labels is not None or shift_labels is not None else None
-    _check_token_ranges(config, input_ids, packed, targets, shift_labels)
+    positions, vision_layout = stream.positions, None
+    if vision is not None:
+        positions, vision_layout = lay_out_vision(
+            vision,
+            packed,
+            token_ids,
+            packed_embeds,
+            model.embed_tokens,
+            stream.shard,
+            positions,
+            continues_cache=stream.continues_cache,
+            given_3d_positions=position_ids is not None and torch.as_tensor(position_ids).ndim == 3,
+        )
+    dtype = inputs_embeds.dtype if inputs_embeds is not None else embedding_dtype
     return PackedBatch(
         packed=packed,
-        cache=cache,
-        continues_cache=continues_cache,
+        kernels=model.kernels_for(device, dtype, stream.shard),
+        rope_positions=positions,
+        rope=model.rotary_emb.cos_sin(positions, dtype),
+        token_ids=token_ids,
+        inputs_embeds=packed_embeds,
+        cache=stream.cache,
+        continues_cache=stream.continues_cache,
         columns=shape[1],
-        rope_positions=packed.position_ids,
         targets=targets,
-        routed_experts=arguments.get("routed_experts"),
-        output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
-        output_router_logits=wants_router_logits(config, arguments.get("output_router_logits")),
-        attentions=[] if arguments.get("output_attentions") else None,  # resolved by public_forward
+        num_items_in_batch=num_items_in_batch,
+        logits_to_keep=logits_to_keep,
+        routed_experts=routed_experts,
+        output_hidden_states=_switch(config, "output_hidden_states", output_hidden_states),
+        output_router_logits=output_router_logits,
+        output_attentions=bool(output_attentions),
+        vision=vision_layout,
+        shard=stream.shard,
     )
 
 
-def _check_token_ranges(config, input_ids, packed: PackedSequence, targets, shift_labels) -> None:
-    """check_token_ranges on a forward's real input tokens and its targets (named by the argument they came from)."""
-    ids = packed.pack(input_ids) if input_ids is not None else None
-    check_token_ranges(config.vocab_size, ids, targets, "labels" if shift_labels is None else "shift_labels")
+def _continued_stream(cache, device, shape, attention_mask, position_ids, boundaries) -> _Stream:
+    """A generation step: every row continues its cached document by its new tokens."""
+    if any(boundaries[name] is not None for name in BOUNDARY_ARGUMENTS):
+        raise ValueError("packing kwargs (cu_seqlens / cu_seq_lens_q/k / seq_idx) cannot be used with a filled cache")
+    new_real = None
+    if attention_mask is not None:
+        if attention_mask.ndim != 2 or attention_mask.shape[1] < shape[1]:
+            raise ValueError(
+                "with a cache, attention_mask must be a 2D [batch, columns] padding mask covering the new tokens, "
+                f"got shape {tuple(attention_mask.shape)} for {shape[1]} new tokens"
+            )
+        new_real = padding_mask_values(attention_mask[:, -shape[1] :])
+        new_real = None if bool(new_real.all()) else new_real.to(device)
+    packed = cache.decode_sequence(shape[0], shape[1], device, new_real)
+    if position_ids is not None and torch.as_tensor(position_ids).dim() == 2:
+        if not torch.equal(packed.pack(position_ids).to(packed.position_ids), packed.position_ids):
+            raise ValueError("position_ids contradict the cache: generation positions continue per row")
+    return _Stream(packed, cache, True, packed.position_ids, None)
 
 
-def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
-    """open_packed_batch for a rank's shard of a row under context parallelism (context_parallel.py)."""
-    cache = arguments.get("cache") if arguments.get("cache") is not None else arguments.get("past_key_values")
-    if cache is not None or arguments.get("use_cache"):
+def _new_stream(config, training, cache, use_cache, device, shape, attention_mask, position_ids, boundaries):
+    """A stream of documents (the packing contract), with a new cache where one is asked for."""
+    packed = build_packed_sequence(
+        shape, device, attention_mask, position_ids, *(boundaries[name] for name in PACKING_ARGUMENTS)
+    )
+    if packed.spans is not None and position_ids is None:
+        log_once(
+            logger,
+            "holes-positions",
+            "attention_mask with holes: the positions count each row's real tokens, as generate() gives them "
+            "(transformers' built-in text classes count columns, holes included, in a forward without "
+            "position_ids); pass position_ids to set them",
+        )
+    # A cache holds one document per row: of the cache given, else of the batch.
+    one_doc_per_row = packed.num_docs == (cache.batch_size if cache is not None else shape[0])
+    if use_cache is None:
+        use_cache = bool(config.use_cache) and not training and one_doc_per_row
+    if use_cache and not one_doc_per_row:
+        raise ValueError("use_cache=True needs one document per row; packed documents cannot be continued")
+    if not use_cache:
+        cache = None
+    elif cache is None:
+        cache = Qwen3_5PackedCache(config.layer_types, shape[0])
+    return _Stream(packed, cache, False, packed.position_ids, None)
+
+
+def _refuse_on_a_shard(config, cache, use_cache, output_attentions, output_router_logits) -> None:
+    """What a rank's shard under context parallelism cannot do."""
+    if cache is not None or use_cache:
         raise ValueError("context parallelism runs training and scoring forwards: no cache (use_cache=False)")
-    if arguments.get("output_attentions"):
+    if output_attentions:
         raise ValueError("output_attentions is not available under context parallelism")
-    output_router_logits = wants_router_logits(config, arguments.get("output_router_logits"))
     if output_router_logits and getattr(config, "router_aux_loss_coef", 0):
         raise ValueError(
             "router logits with router_aux_loss_coef > 0 under context parallelism: the MoE load-balancing loss "
@@ -358,26 +369,23 @@ def _open_shard_batch(config, arguments: dict, group) -> PackedBatch:
             "add it computed on the shard. Set router_aux_loss_coef=0 (or do not request router logits: "
             "output_router_logits=False, also in the config)"
         )
-    input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
-    shape = input_shape(input_ids, inputs_embeds)
-    device = (input_ids if input_ids is not None else inputs_embeds).device
-    packed, rope_positions, layout = context_parallel.open_shard(group, arguments, device)
-    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+
+
+def _shard_stream(group, device, shape, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                  shift_labels, boundaries) -> _Stream:  # fmt: skip
+    """A rank's shard of one packed row under the model's context parallelism (context_parallel.py)."""
+    shard_inputs = {
+        "input_ids": input_ids,
+        "inputs_embeds": inputs_embeds,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "labels": labels,
+        **boundaries,
+    }
+    packed, positions, layout = context_parallel.open_shard(group, shard_inputs, device)
     targets = None
     if shift_labels is not None:  # already shifted over the row: used as given
         targets = loss_targets(packed, None, shift_labels)
     elif labels is not None:
         targets = context_parallel.shard_targets(loss_targets(packed, labels), layout)
-    _check_token_ranges(config, input_ids, packed, targets, shift_labels)
-    return PackedBatch(
-        packed=packed,
-        cache=None,
-        continues_cache=False,
-        columns=shape[1],
-        rope_positions=rope_positions,
-        targets=targets,
-        routed_experts=arguments.get("routed_experts"),
-        output_hidden_states=_switch(config, "output_hidden_states", arguments.get("output_hidden_states")),
-        output_router_logits=output_router_logits,
-        shard=layout,
-    )
+    return _Stream(packed, None, False, positions, targets, layout)

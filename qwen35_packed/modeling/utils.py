@@ -15,6 +15,19 @@ import transformers
 # The installed transformers' major version: the remote-code files switch on it where 4.x and 5.x differ.
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
+# The annotation of the built-in forwards' **kwargs (`Unpack[TransformersKwargs]`), where tools look up which keyword
+# arguments a forward takes (output_attentions, the loss and packing kwargs); an empty TypedDict where the installed
+# transformers has none.
+try:
+    from transformers.processing_utils import Unpack
+    from transformers.utils import TransformersKwargs
+except ImportError:
+    from typing import TypedDict, Unpack
+
+    class TransformersKwargs(TypedDict, total=False):
+        pass
+
+
 _logged_once: set = set()
 
 
@@ -45,4 +58,4 @@ def same_value(a, b) -> bool:
     return a == b
 
 
-__all__ = ["TRANSFORMERS_MAJOR", "first_time", "log_once", "same_value"]
+__all__ = ["TRANSFORMERS_MAJOR", "TransformersKwargs", "Unpack", "first_time", "log_once", "same_value"]

@@ -26,8 +26,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .kernel_selection import bound_kernels
-from .kernels import varlen_bidirectional_attention
+from .kernels import attention_sdpa
 from .model_conventions import init_dense_weights, weight_init
 from .mrope_positions import check_grid_thw
 from .projection import RowInvariantLinear, row_invariant_linear
@@ -78,11 +77,12 @@ class VisionAttention(nn.Module):
         self.qkv = RowInvariantLinear(self.dim, self.dim * 3, bias=True)
         self.proj = RowInvariantLinear(self.dim, self.dim)
 
-    def forward(self, x, cu_seqlens, max_seqlen, cos, sin, attention_kernel: str):
+    def forward(self, x, cu_seqlens, max_seqlen, cos, sin, varlen_attention):
+        """`varlen_attention`: a kernel set's (kernel_set.py), run bidirectionally within each image."""
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = varlen_bidirectional_attention(q, k, v, cu_seqlens, max_seqlen, self.scaling, attention_kernel)
+        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scaling, False)
         return self.proj(out.reshape(n, self.dim))
 
 
@@ -111,9 +111,9 @@ class Qwen3_5PackedVisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cu_seqlens, max_seqlen, cos, sin, attention_kernel):
+    def forward(self, x, cu_seqlens, max_seqlen, cos, sin, varlen_attention):
         """(the block's output, its attention sub-layer's output): the second is what `attentions` records."""
-        attention = self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin, attention_kernel)
+        attention = self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin, varlen_attention)
         x = x + attention
         return x + self.mlp(self.norm2(x)), attention
 
@@ -222,13 +222,13 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         grid_thw: torch.Tensor,
-        kernel_config=None,
+        varlen_attention=None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> BaseModelOutputWithPooling:
         """The tower's output for all images of `grid_thw` (the module docstring says which fields); attention
-        through the kernel that `kernel_config` (the composite's text configuration) binds for the tower's device
-        and dtype, SDPA without one."""
+        through `varlen_attention` (the kernel set's that the vision-language model binds for the tower's device and
+        dtype), SDPA per image without one."""
         grid_thw = torch.as_tensor(grid_thw).long()
         self.check_inputs(pixel_values, grid_thw)
         grid_cpu = grid_thw.cpu()
@@ -237,15 +237,15 @@ class Qwen3_5PackedVisionModel(PreTrainedModel):
         cos, sin = self.rotary(grid_cpu)
         cu = vision_cu_seqlens(grid_cpu).to(x.device)
         max_seqlen = int((grid_cpu[:, 1] * grid_cpu[:, 2]).max())
-        kernel = "sdpa" if kernel_config is None else bound_kernels(kernel_config, x.device, x.dtype).attention
+        attend = varlen_attention or attention_sdpa
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         for block in self.blocks:
             if checkpointing:
-                x, attention = self._gradient_checkpointing_func(block, x, cu, max_seqlen, cos, sin, kernel)
+                x, attention = self._gradient_checkpointing_func(block, x, cu, max_seqlen, cos, sin, attend)
             else:
-                x, attention = block(x, cu, max_seqlen, cos, sin, kernel)
+                x, attention = block(x, cu, max_seqlen, cos, sin, attend)
             if hidden_states is not None:
                 hidden_states.append(x)
             if attentions is not None:

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_packed.modeling import kernel_selection, kernels, reference_kernels
+from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.packing import PackedSequence
 
 
@@ -92,7 +94,7 @@ def test_sdpa_per_document_attention_matches_masked_reference():
     q = torch.randn(n, heads, d, generator=gen)
     k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
     packed = _packed(lengths)
-    out = kernels.varlen_causal_attention(q, k, v, packed, d**-0.5, kernel_selection.KernelChoice("torch", "sdpa"))
+    out = kernel_set(KernelChoice("torch", "sdpa")).attention(q, k, v, packed, d**-0.5)
     doc = packed.doc_index()
     allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -116,7 +118,7 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
     def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
         assert cu_q is cu_k and window_size == (-1, 0)
         calls.append((cu_q.tolist(), max_q, q.shape[0]))
-        return kernels.varlen_attention(q, k, v, cu_q, max_q, scale, "sdpa", True)
+        return kernels.attention_sdpa(q, k, v, cu_q, max_q, scale, True)
 
     monkeypatch.setattr(kernel_selection, "torch_varlen_attn", reference_varlen, raising=False)
     monkeypatch.setattr(kernel_selection, "LONG_DOCUMENT_TOKENS", 9)
@@ -128,7 +130,7 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
 
     def run(choice, lens):
         q, k, v = (t[: sum(lens)].clone().requires_grad_() for t in (q0, k0, v0))
-        out = kernels.varlen_causal_attention(q, k, v, _packed(lens), d**-0.5, choice)
+        out = kernel_set(choice).attention(q, k, v, _packed(lens), d**-0.5)
         out.mul(cotangent[: sum(lens)]).sum().backward()
         return out, q.grad, k.grad, v.grad
 
@@ -194,7 +196,7 @@ def _conv_inputs(lengths, channels, kernel, dtype, seed):
 
 def _conv_with_grads(choice, lengths, x, weight, cotangent):
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = torch.cat(kernels.causal_conv1d_varlen(x, weight, _packed(lengths), choice, [x.shape[1]]), dim=-1)
+    out = torch.cat(kernel_set(choice).conv(x, weight, _packed(lengths), [x.shape[1]]), dim=-1)
     out.float().mul(cotangent).sum().backward()
     return out, x.grad, weight.grad
 
@@ -219,12 +221,10 @@ def test_compiled_conv_equals_eager_conv_and_per_document():
             torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol, msg=f"{dtype} {name}")
 
     x, weight = _conv_inputs(lengths, channels, kernel, torch.float32, seed=5)
-    (packed_out,) = kernels.causal_conv1d_varlen(x, weight, _packed(lengths), compiled, [channels])
+    (packed_out,) = kernel_set(compiled).conv(x, weight, _packed(lengths), [channels])
     start = 0
     for length in lengths:
-        (alone,) = kernels.causal_conv1d_varlen(
-            x[start : start + length], weight, _packed([length]), compiled, [channels]
-        )
+        (alone,) = kernel_set(compiled).conv(x[start : start + length], weight, _packed([length]), [channels])
         torch.testing.assert_close(packed_out[start : start + length], alone, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(alone, naive_conv(x[start : start + length], weight)[0], atol=1e-5, rtol=1e-5)
         start += length
@@ -276,7 +276,7 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
 
     monkeypatch.setattr(kernel_selection, "fla_causal_conv1d", fake_conv, raising=False)
     monkeypatch.setattr(kernel_selection, "fla_chunk_gated_delta_rule", fake_gdn, raising=False)
-    choice = kernel_selection.KernelChoice(gdn="fla", attention="sdpa", conv="fla")
+    fla = kernel_set(KernelChoice(gdn="fla", attention="sdpa", conv="fla"))
 
     gen = torch.Generator().manual_seed(6)
     lengths = [3, 1, 70, 2]
@@ -287,11 +287,9 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
     hidden = torch.randn(n, 3 * heads * d, generator=gen, requires_grad=True)
     mixed = hidden
     for _ in range(3):  # three GDN layers on one stream
-        q, k, v = (
-            t.view(n, heads, d) for t in kernels.causal_conv1d_varlen(mixed, weight, packed, choice, [heads * d] * 3)
-        )
+        q, k, v = (t.view(n, heads, d) for t in fla.conv(mixed, weight, packed, [heads * d] * 3))
         g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
-        o, _ = kernels.gated_delta_rule_varlen(q, k, v, g, beta, packed, choice)
+        o, _ = fla.delta_rule(q, k, v, g, beta, packed)
         mixed = mixed + o.repeat(1, 3, 1).reshape(n, -1)
     mixed.sum().backward()
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import packed_model, tiny_kwargs
 
-from qwen35_packed.modeling import kernel_selection, kernels
-from qwen35_packed.modeling import loss as loss_module
+from qwen35_packed.modeling import causal_lm_head, kernels
 from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.loss import (
     LogitsNotKept,
     LogitsNotKeptError,
@@ -23,7 +23,8 @@ from qwen35_packed.modeling.projection import RowInvariantLinear, row_invariant_
 
 # On CUDA, elementwise="triton" sends the chunk math (no kernel of its own) through torch.compile; forced here on
 # CPU, where inductor's C++ backend compiles it.
-COMPILED = KernelChoice(gdn="torch", attention="sdpa", elementwise="triton")
+# the chunk math as a kernel set with the fused elementwise kernels binds it: through torch.compile
+COMPILED = kernel_set(KernelChoice(gdn="torch", attention="sdpa", elementwise="triton")).loss_chunk
 
 
 def _previous_chunk_math(logits, targets):
@@ -138,7 +139,7 @@ def test_all_ignored_chunk_and_batch_give_zero():
 
 def test_bad_target_raises():
     """A target that is neither in [0, V) nor ignore_index fails like F.cross_entropy, it is never clamped."""
-    for chunk_math in (chunk_cross_entropy, kernels.elementwise(chunk_cross_entropy, COMPILED)):
+    for chunk_math in (chunk_cross_entropy, kernels.compiled_chain(chunk_cross_entropy)):
         for bad in (-1, 9):
             targets = torch.tensor([1, bad, -100])
             with pytest.raises((RuntimeError, IndexError)):
@@ -208,7 +209,7 @@ def test_compiled_chunk_math_equals_eager(dtype):
     and gradients agree to fp32 rounding (bf16: to the rounding of the logits' gradient)."""
     hidden, weight, targets = _inputs(dtype)
     eager = _run(hidden, weight, targets, chunk_tokens=7)
-    compiled = _run(hidden, weight, targets, chunk_tokens=7, choice=COMPILED)
+    compiled = _run(hidden, weight, targets, chunk_tokens=7, chunk_loss=COMPILED)
     assert torch.equal(compiled[1], eager[1])
     assert abs(compiled[0].item() - eager[0].item()) <= 1e-6 * eager[0].item()
     tol = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: one rounding step of the logits' gradient
@@ -217,20 +218,22 @@ def test_compiled_chunk_math_equals_eager(dtype):
 
 
 def test_models_kernel_choice_reaches_the_loss(monkeypatch):
-    """The chunk math gets the kernel choice the model selected for its device and dtype (on CUDA "triton", which
-    compiles it; here "eager"), never None."""
+    """The chunk math is the kernel set's the model bound for its device and dtype (on CUDA the compiled one; here
+    the eager chunk_cross_entropy), never a default."""
     seen = []
+    chunked = causal_lm_head.chunked_linear_cross_entropy
 
-    def spy(fn, choice):
-        seen.append((fn, choice))
-        return kernels.elementwise(fn, choice)
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("chunk_loss"))
+        return chunked(*args, **kwargs)
 
-    monkeypatch.setattr(loss_module, "elementwise", spy)
+    monkeypatch.setattr(causal_lm_head, "chunked_linear_cross_entropy", spy)
     model = packed_model("dense")
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         model(ids, labels=ids)
-    assert seen == [(chunk_cross_entropy, kernel_selection.select_kernels(model.config, ids.device, torch.float32))]
+    bound = model.model.kernels_for(ids.device, torch.float32).loss_chunk
+    assert seen == [bound] and bound is chunk_cross_entropy
 
 
 def _model_loss_and_grads(model, **inputs):

@@ -10,13 +10,10 @@ import torch.nn.functional as F
 from conftest import builtin_pair, tiny_kwargs
 
 from qwen35_packed import Qwen3_5MoePackedConfig
-from qwen35_packed.modeling.kernel_selection import KernelChoice
-from qwen35_packed.modeling.kernels import gated_rms_norm, zero_centred_rms_norm
+from qwen35_packed.modeling.kernel_set import REFERENCE_KERNELS
 from qwen35_packed.modeling.loss import chunked_linear_cross_entropy
 from qwen35_packed.modeling.moe import TopKRouter
 from qwen35_packed.modeling.numerics import NonFiniteError
-
-TORCH_PATH = KernelChoice(gdn="torch", attention="sdpa")
 
 
 def _hooks(model) -> int:
@@ -126,7 +123,7 @@ def test_gated_rms_norm_of_large_half_inputs(dtype, magnitude):
     x = _large((40, 2, 64), magnitude, dtype)
     gate = _large((40, 2, 64), 1e3, dtype, seed=1)
     weight = (1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(2))).to(dtype)
-    out = gated_rms_norm(x, gate, weight, 1e-6, TORCH_PATH)
+    out = REFERENCE_KERNELS.gated_norm(x, gate, weight, 1e-6)
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     xd = x.double()
     normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).double()
@@ -141,7 +138,7 @@ def test_gated_rms_norm_of_large_half_inputs(dtype, magnitude):
 def test_zero_centred_rms_norm_of_large_half_inputs(dtype, magnitude):
     x = _large((40, 64), magnitude, dtype)
     weight = (0.1 * torch.randn(64, generator=torch.Generator().manual_seed(2))).to(dtype)
-    out = zero_centred_rms_norm(x, weight, 1e-6, TORCH_PATH)
+    out = REFERENCE_KERNELS.rms_norm(x, weight, 1e-6)
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     xd = x.double()
     reference = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.double())

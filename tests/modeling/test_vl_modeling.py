@@ -589,7 +589,7 @@ def test_generate_with_images_equals_the_builtin():
 def test_one_packing_step_per_forward(monkeypatch):
     """A vision-language forward resolves the packing once: the text decoder runs on the same PackedSequence (no
     second validation of the boundaries, no second host copy of them), for the prefill of generate() too."""
-    from qwen35_packed.modeling import causal_lm_head, packed_batch, packing
+    from qwen35_packed.modeling import generation, packed_batch, packing
 
     model = packed_vl_model("dense", seed=5)
     docs, pixels = _documents(6, [1, 0, 2])
@@ -600,7 +600,7 @@ def test_one_packing_step_per_forward(monkeypatch):
         calls.append(args[0])
         return packing.build_packed_sequence(*args, **kwargs)
 
-    for module in (packed_batch, causal_lm_head):
+    for module in (packed_batch, generation):
         monkeypatch.setattr(module, "build_packed_sequence", counting)
     with torch.no_grad():
         model(

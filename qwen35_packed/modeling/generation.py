@@ -1,0 +1,157 @@
+"""generate() for the packed causal-LM classes (text and vision-language), with this model's own cache: one
+document per row, continued by its new tokens (cache.py). Packed rows and transformers' other caches are refused,
+prompts ending in padding are continued from their last real token, and the cached steps take only the columns
+the cache has not consumed."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import GenerationMixin
+
+from .cache import Qwen3_5PackedCache, as_packed_cache
+from .outputs import CACHE_FIELD
+from .packed_batch import BOUNDARY_ARGUMENTS
+from .packing import build_packed_sequence
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
+
+
+def refuse_packed_generation(args: tuple, kwargs: dict) -> None:
+    """generate() would silently drop packing kwargs; boundaries inside a row (cu_seqlens, cu_seq_lens_q/k,
+    seq_idx, or position_ids that restart within a row) raise instead."""
+    given = [name for name in BOUNDARY_ARGUMENTS if kwargs.get(name) is not None]
+    position_ids = kwargs.get("position_ids")
+    if not given and position_ids is not None and torch.as_tensor(position_ids).ndim == 2:
+        ids = (
+            args[0]
+            if args
+            else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds") if kwargs.get(k) is not None), None)
+        )
+        if ids is not None:
+            packed = build_packed_sequence(tuple(ids.shape[:2]), ids.device, kwargs.get("attention_mask"), position_ids)
+            if packed.num_docs != ids.shape[0]:
+                given = ["position_ids that restart within a row"]
+    if given:
+        raise ValueError(
+            f"generate() got packed document boundaries ({', '.join(given)}); generation continues one document "
+            "per row: pass one document per row instead (left-padded, with attention_mask)"
+        )
+
+
+def new_columns(input_ids, attention_mask, inputs_embeds, cache: Qwen3_5PackedCache) -> int:
+    """How many of the caller's last columns a cached generation step has not consumed yet. input_ids hold the whole
+    sequence when the prompt came as token ids, only the generated tokens after a prefill from inputs_embeds (none
+    when a cache is continued from longer inputs_embeds); the attention mask, when there is one, spans it all."""
+    if attention_mask is not None:
+        total = attention_mask.shape[1]
+    else:
+        total = input_ids.shape[1] + (inputs_embeds.shape[1] if inputs_embeds is not None else 0)
+    count = total - cache.consumed_columns
+    # the new columns are generated tokens (input_ids), or, continuing from embeddings, all embeddings
+    fits = count <= input_ids.shape[1] or (input_ids.shape[1] == 0 and count <= total)
+    if count <= 0 or not fits:
+        raise ValueError(
+            f"cannot tell the new tokens of a cached step: the cache consumed {cache.consumed_columns} columns of "
+            f"{total}, with {input_ids.shape[1]} input_ids given"
+        )
+    return count
+
+
+# The generation inputs laid out [batch, columns, ...] like the attention mask.
+PER_COLUMN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "mm_token_type_ids")
+
+
+def padding_moved_left(tensors: dict, attention_mask: torch.Tensor) -> dict:
+    """A generation prefill whose prompts end in padding in some rows: those rows rolled so that their padding
+    comes first (the row's tokens in order, then nothing), applied to every [batch, seq, ...] tensor of `tensors`.
+
+    generate() predicts each row's first new token at its last column. The built-in computes a prediction at a
+    masked token there (a query that sees the row's real tokens, at position 0); this model computes none at masked
+    tokens, so it continues such a row from its last real token, as it continues a left-padded row: the same tokens
+    as the prompt without its padding. Said once in the log."""
+    columns = attention_mask.shape[1]
+    # the padding after each row's last real token (argmax finds the first real token from the end; 0 for a row
+    # without any)
+    shift = attention_mask.bool().flip(1).to(torch.int8).argmax(dim=1)
+    log_once(
+        logger,
+        "right-padded-prompt",
+        "generate(): prompts end in padding in rows %s; each continues from its last real token, as a left-padded "
+        "prompt does (transformers' built-in classes predict at the pad column); pad prompts on the left "
+        "(tokenizer.padding_side = 'left') to avoid this",
+        torch.nonzero(shift).flatten().tolist(),
+    )
+    source = (torch.arange(columns, device=shift.device)[None, :] - shift[:, None]) % columns  # [batch, columns]
+    moved = {}
+    for name, tensor in tensors.items():
+        index = source.to(tensor.device).view(*source.shape, *([1] * (tensor.dim() - 2))).expand_as(tensor)
+        moved[name] = tensor.gather(1, index)
+    return moved
+
+
+def refuse_other_caches(default_generation_config, kwargs: dict) -> None:
+    """generate() with `cache_implementation` "static" (or any other than "dynamic") would build a transformers cache
+    that this model cannot fill (per-row keys / values without padding and GDN states): refused rather than ignored.
+    "dynamic" is what this model's own cache is (it grows with the sequence)."""
+    generation_config = kwargs.get("generation_config") or default_generation_config
+    requested = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    if requested not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={requested!r} is not supported: the packed Qwen3.5 model keeps its own cache "
+            "(Qwen3_5PackedCache: per-row keys / values without padding and the GDN states, grown as it decodes); "
+            "leave cache_implementation unset (or 'dynamic')"
+        )
+
+
+class PackedGeneration:
+    """Mixed into the causal-LM classes before PreTrainedModel and GenerationMixin: generate() and the
+    generation hooks transformers calls (`prepare_inputs_for_generation`, `_reorder_cache`)."""
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin.generate, refusing packed rows (generation continues one document per row) and caches
+        other than this model's own."""
+        refuse_packed_generation(args, kwargs)
+        refuse_other_caches(self.generation_config, kwargs)
+        return GenerationMixin.generate(self, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        cache=None,
+        use_cache=True,
+        **kwargs,
+    ):
+        cache = as_packed_cache(cache if cache is not None else past_key_values)
+        inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
+        if cache is not None and cache.has_state:
+            count = new_columns(input_ids, attention_mask, inputs_embeds, cache)
+            if count <= input_ids.shape[1]:
+                inputs["input_ids"] = input_ids[:, -count:]
+            else:  # continuing a cache from inputs_embeds that extend the cached prompt
+                inputs["inputs_embeds"] = inputs_embeds[:, -count:]
+            inputs[CACHE_FIELD] = cache
+        elif inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids
+        # Everything else goes on to forward as given (generate's and the caller's model kwargs), as the built-in's
+        # does: forward refuses what it cannot honour. Position ids come from the cache and the attention mask;
+        # generate()'s own bookkeeping is not forward's input.
+        for name in ("position_ids", "cache_position", "next_sequence_length", "is_first_iteration"):
+            kwargs.pop(name, None)
+        inputs.update(kwargs)
+        if CACHE_FIELD not in inputs and attention_mask is not None and attention_mask.ndim == 2:
+            if not bool(attention_mask[:, -1].bool().all()):  # a prefill with prompts ending in padding
+                per_column = {name: inputs[name] for name in PER_COLUMN_INPUTS if inputs.get(name) is not None}
+                inputs.update(padding_moved_left(per_column, attention_mask))
+        return inputs
+
+    def _reorder_cache(self, cache, beam_idx):
+        cache.reorder_cache(beam_idx)
+        return cache

@@ -1,0 +1,157 @@
+"""A model's kernels bound once, as callables: `KernelSet`. `kernel_selection.select_kernels` names the backends
+for a (device, dtype) and the config's settings; `kernel_set` binds the functions of `kernels.py` (and the Triton
+kernel files) those names stand for. This is the one place where a kernel name becomes a function: the layers
+call the members and compare no names.
+
+A model resolves its set once per (device, dtype) and kernel settings and keeps it on the instance
+(`Qwen3_5PackedTextModel.kernels_for`; dropped on `.to()` and `set_attn_implementation`); a test injects a set of
+its own with `use_kernels`. Under the model's context parallelism the set of a shard wraps the conv, the delta rule
+and attention with the exchanges between ranks (context_parallel.py), so the layers do not know they run on a
+shard.
+
+The dense projections are no member: they are `RowInvariantLinear` modules, whose product is chosen by the device
+(projection.py), because PEFT wraps them as modules and calls them with the input only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import context_parallel, kernels, triton_elementwise
+from . import reference_kernels as reference
+from .expert_lora import low_rank_plan, peft_plan
+from .kernel_selection import KernelChoice
+from .loss import chunk_cross_entropy
+from .triton_gather_sum import gather_sum_rows
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The callables a forward runs, bound for one (device, dtype); `choice` names them."""
+
+    choice: KernelChoice
+    # elementwise chains, each an eager formula or its Triton kernel (the same formula)
+    rms_norm: Callable  # (x [..., D], weight [D], eps) -> rmsnorm(x) * (1 + weight)
+    swiglu: Callable  # (gate, up) -> silu(gate) * up
+    sigmoid_gate: Callable  # (x, gate) -> x * sigmoid(gate)
+    weighted_swiglu: Callable  # (gate_up [M, 2I], weight [M] fp32) -> silu(gate) * up * weight
+    gdn_gates: Callable  # (a, b, A_log, dt_bias) -> (g fp32, beta)
+    loss_chunk: Callable  # (logits chunk, targets) -> the chunk's loss terms (loss.chunk_cross_entropy)
+    # Gated DeltaNet
+    conv: Callable  # (x, weight, packed, split_sizes, initial_state=None, adapters=()) -> (q, k, v)
+    delta_rule: Callable  # (q, k, v, g, beta, packed, initial_state=None, output_final_state=False) -> (o, state)
+    gated_norm: Callable  # (x, gate, weight, eps) -> weight * rmsnorm(x) * silu(gate)
+    # attention
+    attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
+    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a generation step's attention
+    varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
+    # MoE: the experts as one grouped GEMM per projection (else the per-expert loop), the top-k combine
+    grouped_experts: bool
+    combine: Callable  # (src [M, H], index [G * k], k) -> [G, H]
+    expert_lora: Callable  # (experts module) -> (bare experts, LoRA factors) or None (expert_lora.py)
+
+
+# The Triton form of each eager chain (triton_elementwise.py).
+_TRITON_CHAINS = {
+    "rms_norm": triton_elementwise.rms_norm,
+    "swiglu": triton_elementwise.swiglu,
+    "sigmoid_gate": triton_elementwise.sigmoid_gate,
+    "weighted_swiglu": triton_elementwise.weighted_swiglu,
+    "gdn_gates": triton_elementwise.gdn_gates,
+}
+_EAGER_CHAINS = {
+    "rms_norm": reference.zero_centred_rms_norm,
+    "swiglu": reference.swiglu,
+    "sigmoid_gate": reference.sigmoid_gate,
+    "weighted_swiglu": reference.weighted_swiglu,
+    "gdn_gates": reference.gdn_gates,
+}
+_CONV = {"triton": kernels.conv_triton, "fla": kernels.conv_fla, "compiled": kernels.conv_compiled,
+         "torch": kernels.conv_eager}  # fmt: skip
+_DELTA_RULE = {
+    "flash_qla": kernels.delta_rule_flash_qla,
+    "fla": kernels.delta_rule_fla,
+    "torch": kernels.delta_rule_torch,
+}
+_GATED_NORM = {"flash_qla": kernels.gated_rms_norm_fla, "fla": kernels.gated_rms_norm_fla,
+               "torch": reference.gated_rms_norm}  # fmt: skip
+_VARLEN_ATTENTION = {"flash_attn": kernels.attention_flash_attn, "torch_varlen": kernels.attention_torch_varlen,
+                     "sdpa": kernels.attention_sdpa}  # fmt: skip
+
+
+@functools.cache
+def kernel_set(choice: KernelChoice) -> KernelSet:
+    """The callables `choice` names (one set per distinct choice, shared by every model that makes it)."""
+    chains = _TRITON_CHAINS if choice.elementwise == "triton" else _EAGER_CHAINS
+    varlen = _VARLEN_ATTENTION[choice.attention]
+    return KernelSet(
+        choice=choice,
+        rms_norm=kernels.flattened_rms_norm(chains["rms_norm"]),
+        swiglu=chains["swiglu"],
+        sigmoid_gate=chains["sigmoid_gate"],
+        weighted_swiglu=chains["weighted_swiglu"],
+        gdn_gates=chains["gdn_gates"],
+        loss_chunk=kernels.compiled_chain(chunk_cross_entropy)
+        if choice.elementwise == "triton"
+        else chunk_cross_entropy,
+        conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
+        delta_rule=_DELTA_RULE[choice.gdn],
+        gated_norm=_GATED_NORM[choice.gdn],
+        attention=functools.partial(
+            kernels.causal_attention,
+            varlen=varlen,
+            host_bounds=choice.attention == "sdpa",
+            long_documents_alone=choice.long_documents == "sdpa" and choice.attention != "sdpa",
+        ),
+        cached_attention=kernels.cached_attention,
+        varlen_attention=varlen,
+        grouped_experts=choice.moe == "grouped_mm",
+        combine=_gather_sum_triton if choice.combine == "triton" else kernels.gather_sum,
+        expert_lora={
+            "auto": low_rank_plan,
+            "low_rank": functools.partial(low_rank_plan, forced=True),
+            "peft": peft_plan,
+        }[choice.expert_lora],
+    )
+
+
+def _gather_sum_triton(src, index, group: int):
+    """kernels.gather_sum in one Triton pass (triton_gather_sum.py, slot order, fp32 accumulation)."""
+    return gather_sum_rows(src.contiguous(), index, group)
+
+
+# The kernels of a module run outside a model's forward (a layer called on its own, the vision tower without a
+# text configuration): the PyTorch references.
+REFERENCE_KERNELS = kernel_set(KernelChoice(gdn="torch", attention="sdpa"))
+
+
+def shard_kernel_set(choice: KernelChoice, layout: context_parallel.ShardLayout) -> KernelSet:
+    """The kernels of a rank's shard under context parallelism: the conv reads the row's inputs before the shard,
+    the delta rule starts the shard's first document from the state the earlier ranks reach, attention reads the
+    earlier ranks' keys and values of that document. FLA's Triton delta rule runs where FlashQLA was chosen (a
+    shard's first document starts from a state carrying a gradient, and the state maps run with value dim Dk + Dv,
+    which FlashQLA's kernels do not take), said once."""
+    if choice.gdn == "flash_qla":
+        log_once(
+            logger,
+            "context-parallel-gdn",
+            "context parallelism: the GDN layers run FLA's Triton delta rule instead of FlashQLA (initial states "
+            "with gradients and state maps of value dim Dk + Dv)",
+        )
+        choice = dataclasses.replace(choice, gdn="fla")
+    whole = kernel_set(choice)
+    return dataclasses.replace(
+        whole,
+        conv=functools.partial(context_parallel.conv_across_shards, conv=whole.conv, layout=layout),
+        delta_rule=functools.partial(
+            context_parallel.delta_rule_across_shards, delta_rule=whole.delta_rule, layout=layout
+        ),
+        attention=functools.partial(context_parallel.attention_across_shards, attention=whole.attention, layout=layout),
+    )
