@@ -18,6 +18,9 @@ With vLLM in colocate mode on CPU, the weight sync goes through vLLM's in-place 
 per-tensor `load_weights` cannot work on vLLM's CPU backend. Elsewhere TRL's own sync runs, followed by a reset of
 vLLM's encoder cache too (TRL resets only the prefix cache; the cached image embeddings are the old weights').
 
+Where TRL 1.16 has no method to override (the weight sync, the prompts sent to vLLM, the engine's arguments), the
+trainer replaces attributes of TRL objects: `trl_patches` holds every such patch, with the TRL version it targets.
+
 Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5MoePackedForConditionalGeneration`):
 - In colocate mode TRL sends vLLM the processor's token ids, whose image placeholders are already expanded (one
   `<|image_pad|>` per image token), with the images; vLLM (0.32) expands every placeholder of a token prompt again,
@@ -54,9 +57,9 @@ from .grpo_support import (
     check_routing_replay,
     collapse_placeholder_runs,
     prompt_token_types,
-    send_unexpanded_images,
     start_replay_engine,
 )
+from .trl_patches import send_unexpanded_images
 
 __all__ = [
     "check_aux_loss_coef",

@@ -1,6 +1,7 @@
 """The pieces of the packed GRPO trainer that need no TRL at import time: the LM-head forward that projects only the
 scored positions, the aux-loss coefficient rule, the vision-language prompt helpers, and MoE routing replay's
-engine and per-row feed. integrations/grpo.py says what they are for; integrations/grpo_trainer.py uses them."""
+engine and per-row feed. integrations/grpo.py says what they are for; integrations/grpo_trainer.py and
+integrations/trl_patches.py use them."""
 
 from __future__ import annotations
 
@@ -117,33 +118,6 @@ def prompt_token_types(
     return types
 
 
-def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
-    """Make a TRL `VLLMGeneration` in colocate mode send the prompts that carry images with each run of image
-    placeholder tokens collapsed to one: vLLM expands the placeholders of token prompts itself (see the module doc).
-    The prompt ids vLLM reports back (its expansion) must equal the trainer's, else RuntimeError."""
-    trl_generate = vllm_generation.generate
-
-    def generate(self, prompts, images, num_generations, profiler=None):
-        if images is None:
-            return trl_generate(prompts, images, num_generations, profiler)
-        sent = [
-            collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
-            for ids, row_images in zip(prompts, images, strict=True)
-        ]
-        prompt_ids, *rest = trl_generate(sent, images, num_generations, profiler)
-        for i, (ours, expanded) in enumerate(zip(prompts, prompt_ids, strict=True)):
-            if list(ours) != list(expanded):
-                raise RuntimeError(
-                    f"vLLM expanded the image placeholders of prompt {i} into other token ids than the trainer's "
-                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced"
-                )
-        return (prompt_ids, *rest)
-
-    if vllm_generation.mode != "colocate":
-        raise ValueError("send_unexpanded_images applies to colocate mode only")
-    vllm_generation.generate = types.MethodType(generate, vllm_generation)
-
-
 class RoutingFeed:
     """The routed experts [batch, seq, layers, k] of one log-prob step's rows, handed to its forwards in order (TRL
     runs the rows in chunks of consecutive rows); each chunk's input_ids must be the next rows', else
@@ -175,6 +149,33 @@ class RoutedModel:
 
     def __call__(self, *, input_ids: torch.Tensor, **kwargs):
         return self.model(input_ids=input_ids, routed_experts=self.feed.take(input_ids), **kwargs)
+
+
+class EngineKeepingRouting:
+    """A vLLM engine (`LLM`) whose `generate` keeps (prompt length, completion length, routed experts) of every
+    completion it returns, until `take_routing()`: TRL's `VLLMGeneration.generate` passes on only token ids and
+    log-probs. Every other attribute is the engine's."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.routing = None
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def generate(self, *args, **kwargs):
+        outputs = self.llm.generate(*args, **kwargs)
+        routing = [
+            (len(out.prompt_token_ids), len(c.token_ids), c.routed_experts) for out in outputs for c in out.outputs
+        ]
+        if any(routed is None for *_, routed in routing):
+            raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
+        self.routing = routing
+        return outputs
+
+    def take_routing(self):
+        routing, self.routing = self.routing, None
+        return routing
 
 
 def start_replay_engine(llm_class, *args, **kwargs):
