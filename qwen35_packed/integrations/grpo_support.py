@@ -1,14 +1,11 @@
-"""The pieces of the packed GRPO trainer that need no TRL at import time: the LM-head forward that projects only the
-scored positions, the aux-loss coefficient rule, the vision-language prompt helpers, and MoE routing replay's
-engine and per-row feed. integrations/grpo.py says what they are for; integrations/grpo_trainer.py and
-integrations/trl_patches.py use them."""
+"""The pieces of the packed GRPO trainer that need no TRL at import time: the aux-loss coefficient rule, the
+vision-language prompt helpers, and MoE routing replay's engine and per-row feed. integrations/grpo.py says what they
+are for; integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
 
 from __future__ import annotations
 
 import logging
 import numbers
-import types
-from contextlib import nullcontext
 
 import torch
 
@@ -25,79 +22,6 @@ def check_aux_loss_coef(value) -> float | None:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {value}")
     return value
-
-
-def add_unpadded_lm_head(
-    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ("log_probs",)
-) -> None:
-    """Patch `model` (already patched by TRL's `add_fused_lm_head`) so that `model(..., fused_lm_head=True)`
-    projects only the positions whose next-token label is not -100. Same outputs as TRL's fused forward
-    (`FusedCausalLMOutput`, zeros where the label is -100); pre-shifted `shift_labels` go to TRL's forward."""
-    from trl.kernels import ChunkedLogProbFunction
-    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
-
-    from ..modeling.moe import add_load_balancing_loss
-
-    trl_forward = model.forward
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "final_logit_softcapping", None) or getattr(text_config, "logit_scale", None):
-        raise ValueError("add_unpadded_lm_head is for packed Qwen3.5 models (no logit scaling or softcapping)")
-
-    def _unpadded_forward(
-        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
-    ):
-        if not fused_lm_head or shift_labels is not None:
-            return trl_forward(
-                *args,
-                fused_lm_head=fused_lm_head,
-                labels=labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch,
-                **kwargs,
-            )
-        kwargs["use_cache"] = False
-        if getattr(text_config, "output_router_logits", False):
-            kwargs.setdefault("output_router_logits", True)
-        backbone = self.base_model(*args, **kwargs)
-        lm_head = self.get_output_embeddings()
-        weight, bias = lm_head.weight, lm_head.bias
-        labels = labels[:, 1:].to(weight.device)
-        mask = labels != -100
-        # Only the scored rows: gathered from the backbone output (whose pad rows are zeros, never projected).
-        hidden = backbone.last_hidden_state[:, :-1].to(weight.device)[mask]
-        autocast_ctx = nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
-        if type(weight).__name__ == "DTensor":
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if bias is not None else None
-        with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
-            per_token = ChunkedLogProbFunction.apply(
-                hidden, weight, bias, labels[mask], temperature, _chunk_size(), None, 1.0, outputs
-            )
-        # masked_scatter keeps the output connected to the graph even when nothing is scored
-        per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token]
-        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
-        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        aux_loss = None
-        if kwargs.get("output_router_logits") and backbone.router_logits:
-            # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
-            loss, aux_loss = add_load_balancing_loss(
-                loss, backbone.router_logits, text_config, kwargs.get("attention_mask")
-            )
-        return FusedCausalLMOutput(
-            loss=loss,
-            log_probs=log_probs,
-            entropy=entropy,
-            log_sum_sq_probs=log_sum_sq_probs,
-            mean_logits=mean_logits,
-            is_top1=is_top1,
-            label_mask=mask,
-            aux_loss=aux_loss,
-        )
-
-    model.forward = types.MethodType(_unpadded_forward, model)
 
 
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
@@ -210,9 +134,3 @@ def check_routing_replay(model, args) -> None:
     if not args.use_vllm:
         logger.warning("GRPO: routing_replay turns on vLLM generation in colocate mode")
         args.use_vllm, args.vllm_mode = True, "colocate"
-
-
-def _chunk_size() -> int:
-    from trl.trainer import utils
-
-    return utils._CHUNKED_LOGPROB_CHUNK_SIZE

@@ -29,7 +29,6 @@ from . import trl_patches
 from .grpo_support import (
     RoutedModel,
     RoutingFeed,
-    add_unpadded_lm_head,
     check_aux_loss_coef,
     check_routing_replay,
     prompt_token_types,
@@ -37,8 +36,6 @@ from .grpo_support import (
 
 logger = logging.getLogger(__name__)
 
-_POLICY_OUTPUTS = ("log_probs", "entropy")
-_REF_OUTPUTS = ("log_probs",)
 # The base classes of this project's text and vision-language models (built-in classes have neither).
 _PACKED_BASES = ("Qwen3_5PackedPreTrainedModel", "Qwen3_5PackedVLPreTrainedModel")
 
@@ -83,10 +80,6 @@ class PackedGRPOTrainer(GRPOTrainer):
                 "GRPO: MoE load-balancing loss on, router_aux_loss_coef=%s (set by the caller)",
                 self.router_aux_loss_coef,
             )
-        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_unpadded_lm_head(policy, self.temperature, self.args.cast_lm_head_to_fp32, _POLICY_OUTPUTS)
-        if self.ref_model is not None:
-            add_unpadded_lm_head(self.ref_model, self.temperature, self.args.cast_lm_head_to_fp32, _REF_OUTPUTS)
         config = self.model.config
         self.vision_token_ids = (
             (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
@@ -172,12 +165,14 @@ class PackedGRPOTrainer(GRPOTrainer):
             # the scoring of a freshly generated batch: its rows' routing is the one kept from the generation
             routing = self._rollout_routing_for(attention_mask, logits_to_keep)
             model = RoutedModel(model, RoutingFeed(routing, input_ids))
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            *args,
-            mm_token_type_ids=mm_token_type_ids,
-            **kwargs,
-        )
+        # TRL's fused LM head projects only the scored positions (the real completion tokens) on every device
+        with trl_patches.lm_head_on_scored_positions():
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                *args,
+                mm_token_type_ids=mm_token_type_ids,
+                **kwargs,
+            )

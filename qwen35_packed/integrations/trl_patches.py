@@ -21,6 +21,29 @@ from .grpo_support import EngineKeepingRouting, collapse_placeholder_runs
 
 
 @contextlib.contextmanager
+def lm_head_on_scored_positions():
+    """While a log-prob step runs: TRL's fused LM head (`add_fused_lm_head`'s forward) projects only the positions
+    whose label is not -100, on every device. TRL 1.16 does so only where `_use_triton(device)` holds (CUDA / XPU
+    with Triton); elsewhere, CPU included, it projects every position of the padded batch, prompts and padding too,
+    because a backend that compiles per shape (Neuron) would recompile for every count of scored positions. Both
+    paths run the same chunked kernel on the rows they project and write zeros at the unscored positions, so the
+    log-probs and entropies are the same; only the work on padding goes."""
+    from trl.trainer import utils
+
+    use_triton = utils._use_triton
+    utils._use_triton = _projects_scored_positions_only
+    try:
+        yield
+    finally:
+        utils._use_triton = use_triton
+
+
+def _projects_scored_positions_only(device) -> bool:
+    # what `_use_triton(device)` answers for TRL's fused forward, which reads it only to choose that path
+    return True
+
+
+@contextlib.contextmanager
 def engine_keeping_routing():
     """While GRPOTrainer.__init__ starts TRL's colocate vLLM: the engine started through
     `grpo_support.start_replay_engine` (which asks vLLM for the routed experts), wrapped in `EngineKeepingRouting`.
@@ -105,6 +128,13 @@ class TrlPatch:
 
 
 PATCHES = (
+    TrlPatch(
+        lm_head_on_scored_positions,
+        owner="trl.trainer.utils",
+        attribute="_use_triton",
+        read_by="trl.trainer.utils.add_fused_lm_head",
+        trl_version="1.16",
+    ),
     TrlPatch(
         engine_keeping_routing,
         owner="trl.generation.vllm_generation",

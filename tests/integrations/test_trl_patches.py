@@ -89,3 +89,14 @@ def test_what_the_replacements_call_exists():
     ]
     # the reload sync of configure_colocate_sync pushes TRL's own name iteration
     assert inspect.isgeneratorfunction(VLLMGeneration._iter_named_params)
+
+
+def test_scored_positions_switch_lasts_for_its_block_only():
+    import torch
+    from trl.trainer import utils
+
+    trl_switch = utils._use_triton
+    with pytest.raises(RuntimeError, match="inside"), trl_patches.lm_head_on_scored_positions():
+        assert utils._use_triton(torch.device("cpu"))
+        raise RuntimeError("inside")
+    assert utils._use_triton is trl_switch
