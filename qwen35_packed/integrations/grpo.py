@@ -5,9 +5,10 @@ TRL 1.16's GRPO has no padding-free mode: the log-prob forward gets left-padded 
 `last_hidden_state[:, :-1]` with the LM head. Our backbone already runs on the real tokens only (the model unpads
 internally). The LM head is where padding still costs: on CUDA/XPU with Triton, TRL projects only the positions
 whose label is not -100; everywhere else (CPU, and any device without Triton) it projects every position of the
-padded batch, prompt and padding included. `PackedGRPOTrainer` replaces that forward with one that always
-projects only the scored positions (the real completion tokens), through TRL's own chunked log-prob kernel, so the
-results are the ones of TRL's padded path, without the work on padding.
+padded batch, prompt and padding included. `PackedGRPOTrainer`'s log-prob step (its
+`_get_per_token_logps_and_entropies`) has TRL's forward take the path it takes with Triton on every device:
+only the scored positions (the real completion tokens) go through TRL's chunked log-prob kernel, so the results are
+the ones of TRL's padded path, without the work on padding. The model's forward stays TRL's.
 
 It also decides the MoE load-balancing loss: TRL turns it on whenever the config declares a nonzero
 `router_aux_loss_coef` (official Qwen3.5 MoE: 0.001). Here it is off unless `GRPOConfig.router_aux_loss_coef` is set
@@ -17,6 +18,10 @@ router logits come in the caller's padded layout; only the attention mask's real
 With vLLM in colocate mode on CPU, the weight sync goes through vLLM's in-place reload (`vllm_sync`): TRL's
 per-tensor `load_weights` cannot work on vLLM's CPU backend. Elsewhere TRL's own sync runs, followed by a reset of
 vLLM's encoder cache too (TRL resets only the prefix cache; the cached image embeddings are the old weights').
+
+Where TRL 1.16 has no method to override (the LM head's path, the weight sync, the prompts sent to vLLM, the
+engine's arguments), the trainer replaces attributes of TRL objects: `trl_patches` holds every such patch, with the
+TRL version it targets.
 
 Vision-language models (our `Qwen3_5PackedForConditionalGeneration` / `Qwen3_5MoePackedForConditionalGeneration`):
 - In colocate mode TRL sends vLLM the processor's token ids, whose image placeholders are already expanded (one
@@ -49,18 +54,16 @@ from __future__ import annotations
 from .grpo_support import (
     RoutedModel,
     RoutingFeed,
-    add_unpadded_lm_head,
     check_aux_loss_coef,
     check_routing_replay,
     collapse_placeholder_runs,
     prompt_token_types,
-    send_unexpanded_images,
     start_replay_engine,
 )
+from .trl_patches import send_unexpanded_images
 
 __all__ = [
     "check_aux_loss_coef",
-    "add_unpadded_lm_head",
     "collapse_placeholder_runs",
     "prompt_token_types",
     "send_unexpanded_images",

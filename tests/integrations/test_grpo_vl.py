@@ -91,7 +91,7 @@ def test_trl_sync_then_engine_caches_reset_off_cpu(monkeypatch):
     cache reset too; recorded on a stand-in engine, TRL's real VLLMGeneration.sync_weights."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from qwen35_packed.integrations import vllm_sync
+    from qwen35_packed.integrations import trl_patches, vllm_sync
 
     calls = []
     model = types.SimpleNamespace(load_weights=lambda weights: calls.extend(("load", n) for n, _ in weights))
@@ -105,7 +105,7 @@ def test_trl_sync_then_engine_caches_reset_off_cpu(monkeypatch):
     generation.mode, generation.enable_sleep_mode, generation.accelerator, generation.llm = "colocate", False, None, llm
     generation._iter_named_params = lambda: iter([("a", torch.zeros(1)), ("b", torch.zeros(1))])
     monkeypatch.setattr(vllm_sync, "vllm_runs_on_cpu", lambda: False)
-    vllm_sync.configure_colocate_sync(generation)
+    trl_patches.configure_colocate_sync(generation)
     generation.sync_weights()
     assert calls == [("load", "a"), ("load", "b"), "reset_prefix_cache", "reset_prefix_cache", "reset_encoder_cache"]
 
