@@ -63,6 +63,7 @@ from bench_train_step import (
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.integrations.lora import lora_config
 from qwen35_packed.modeling import kernel_selection, kernels, triton_elementwise
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.projection import plain_products
 
 ROOT = Path(__file__).resolve().parent
@@ -159,7 +160,7 @@ def experts_alone(block, builtin_block, n_tokens, device, reps):
     rows = {}
 
     def ours(choice=choice):
-        block.experts(x, index, weights, choice).float().square().mean().backward()
+        block.experts(x, index, weights, kernel_set(choice)).float().square().mean().backward()
 
     def builtin():
         builtin_block.experts(x, index, weights.to(x.dtype)).float().square().mean().backward()

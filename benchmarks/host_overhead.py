@@ -30,13 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_kwargs  # noqa: E402
 
 from qwen35_packed import Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM  # noqa: E402
-from qwen35_packed.modeling import (  # noqa: E402
-    kernel_selection,
-    kernels,
-    modeling_qwen3_5_packed,
-    reference_kernels,
-    triton_elementwise,
-)
+from qwen35_packed.modeling import kernel_selection, kernels, reference_kernels, triton_elementwise  # noqa: E402
+from qwen35_packed.modeling.kernel_set import kernel_set  # noqa: E402
 
 
 def per_call_us(fn, device, reps=300):
@@ -90,13 +85,9 @@ def model_step_ms(choice, device, reps=20):
     model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**kwargs)).to(device).train()
     ids = torch.randint(0, kwargs["vocab_size"], (1, 64), device=device)
     cu = torch.tensor([0, 32, 64], dtype=torch.int32, device=device)
-    chosen = modeling_qwen3_5_packed.bound_kernels
     # The modes side by side on one device, whatever auto would pick there.
-    modeling_qwen3_5_packed.bound_kernels = lambda config, dev, dtype: choice
-    try:
-        return per_call_us(lambda: model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward(), device, reps) / 1e3
-    finally:
-        modeling_qwen3_5_packed.bound_kernels = chosen
+    model.model.use_kernels(kernel_set(choice))
+    return per_call_us(lambda: model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward(), device, reps) / 1e3
 
 
 def main():

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,7 +49,8 @@ from bench_moe import layer_shapes
 from bench_train_step import batches, default_dtype
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import attention, expert_lora, gated_deltanet, kernel_selection, moe
+from qwen35_packed.modeling import attention, expert_lora, kernel_selection, moe
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.moe import SparseMoeBlock
 from qwen35_packed.modeling.projection import plain_products, row_block_product
 
@@ -86,11 +88,10 @@ def small_config(layers: int) -> Qwen3_5MoePackedConfig:
     )
 
 
-# The kernel functions the layers call by name, wrapped in the module that imported them.
-TRACED_FUNCTIONS = {
-    gated_deltanet: ("causal_conv1d_varlen", "gated_delta_rule_varlen"),
-    attention: ("varlen_causal_attention", "apply_rotary", "sigmoid_gate"),
-}
+# The kernels the layers call through the model's kernel set, and the functions they call by name (wrapped in the
+# module that imported them).
+TRACED_KERNELS = {"gated_deltanet": ("conv", "delta_rule"), "attention": ("attention", "sigmoid_gate")}
+TRACED_FUNCTIONS = {attention: ("apply_rotary",)}
 
 
 def _token_rows(value, n_tokens: int, device=None):
@@ -130,6 +131,27 @@ def recording(model, n_tokens: int, device=None):
         module.register_forward_hook(lambda m, a, out, name=name: keep(name or "model", out))
         for name, module in model.named_modules()
     ]
+
+    def traced(fn, name):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            keep(name, out)
+            return out
+
+        return call
+
+    backbone = model.model
+    kernels = backbone.kernels_for(next(model.parameters()).device, next(model.parameters()).dtype)
+    backbone.use_kernels(
+        dataclasses.replace(
+            kernels,
+            **{
+                member: traced(getattr(kernels, member), f"{owner}.{member}")
+                for owner, members in TRACED_KERNELS.items()
+                for member in members
+            },
+        )
+    )
     originals = []
     for owner, names in TRACED_FUNCTIONS.items():
         for fn_name in names:
@@ -149,6 +171,7 @@ def recording(model, n_tokens: int, device=None):
             h.remove()
         for owner, fn_name, original in originals:
             setattr(owner, fn_name, original)
+        backbone.use_kernels(None)
 
 
 def compare_rows(whole: torch.Tensor, per_doc: torch.Tensor) -> dict:
@@ -232,7 +255,7 @@ def expert_stages(experts, rows, index, weights, choice) -> dict[str, torch.Tens
         setattr(module, name, recorder(name))
     moe.ExpertRows = RecordedRows
     try:
-        experts(rows, index, weights, choice)
+        experts(rows, index, weights, kernel_set(choice))
     finally:
         for name, module in wrapped.items():
             setattr(module, name, originals[name])
@@ -270,10 +293,10 @@ def locate_in_block(config, lengths) -> dict:
             "router": lambda rows, sl: F.linear(rows.float(), block.gate.weight.float()),
             "router_blocked": lambda rows, sl: row_block_product(rows.float(), block.gate.weight.float()),
             "gate": lambda rows, sl: block.shared_expert_gate(rows),
-            "shared": lambda rows, sl: block.shared_expert(rows, choice),
-            "grouped": lambda rows, sl: block.experts(rows, index[sl], weights[sl], choice),
+            "shared": lambda rows, sl: block.shared_expert(rows, kernel_set(choice)),
+            "grouped": lambda rows, sl: block.experts(rows, index[sl], weights[sl], kernel_set(choice)),
             "loop": lambda rows, sl: block.experts.looped(rows, index[sl], weights[sl]),
-            "block": lambda rows, sl: block(rows, choice)[0],
+            "block": lambda rows, sl: block(rows, kernel_set(choice))[0],
         }
         results = {}
         for plain in (False, True):

@@ -88,7 +88,7 @@ def run_environment_checks(
 
 
 def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernel_selection import flash_qla_refusal, select_kernels
+    from ..modeling.kernel_selection import kernel_refusals, select_kernels
 
     config = folder.packed_config
     if config is None:
@@ -114,12 +114,11 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
             else ""
         )
         + (f" (forced: {', '.join(forced)})" if forced else "")
-        + (
-            f" (FlashQLA not used: {flash_qla_refusal(config, device, dtype) or 'gdn_kernel=fla was asked for'})"
-            if choice.gdn == "fla"
-            else ""
-        )
     )
+    # the faster backends "auto" passed by on this device, each with the reason its check gave
+    refused = [f"{name}: {why}" for reasons in kernel_refusals(config, device, dtype).values() for name, why in reasons]
+    if device.type == "cuda" and refused:
+        detail += f" (not used: {'; '.join(refused)})"
     if device.type == "cuda" and choice.gdn == "torch":
         report.add(
             "kernels.selection",

@@ -12,7 +12,7 @@ importable, else PyTorch's `varlen_attn`, else SDPA per document.
 
 `config.gdn_kernel` ("auto" | "flash_qla" | "fla" | "torch"), `config.conv_kernel` ("auto" | "fla" | "triton" |
 "compiled" | "torch"), `config.attention_kernel` ("auto" | "flash_attn" | "torch_varlen" | "sdpa"),
-`config.long_document_attention` ("auto" | "varlen" | "sdpa": see `kernels.varlen_causal_attention`),
+`config.long_document_attention` ("auto" | "varlen" | "sdpa": see `kernels.causal_attention`),
 `config.elementwise_kernel` ("auto" | "triton" | "eager") and, for MoE models, `config.moe_kernel` ("auto" |
 "grouped_mm" | "loop"), `config.moe_combine_kernel` ("auto" | "triton" | "eager": the grouped experts' top-k
 combine) and `config.moe_lora_kernel` ("auto" | "low_rank" | "peft": PEFT LoRA on the experts, see expert_lora.py)

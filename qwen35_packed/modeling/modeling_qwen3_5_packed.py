@@ -46,6 +46,7 @@ from .kernels import causal_attention  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights, weight_init
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter
+from .mrope_positions import packed_mrope_positions  # noqa: F401  (vision_layout.py's)
 from .norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class

@@ -1,6 +1,7 @@
 """`qwen35-packed doctor`: a good tiny model passes; each planted fault is caught by the check that names it, with
 the exit status (1 on FAIL, 0 with WARNs); the JSON report feeds the model card; --vllm against vLLM-CPU."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -376,7 +377,19 @@ def test_trl_resolution_equals_trls_own(dense, tmp_path):
     assert built == ["Qwen3_5PackedForCausalLM", "Qwen3_5ForCausalLM"]
 
 
-def _whole_stream_sdpa(q, k, v, packed, scale, choice):
+def _plant_kernels(monkeypatch, member: str, make) -> None:
+    """The doctor builds its own model: every kernel set the model resolves gets `make(bound set)` as `member`."""
+    from qwen35_packed.modeling import modeling_qwen3_5_packed
+
+    resolve = modeling_qwen3_5_packed.kernel_set
+    monkeypatch.setattr(
+        modeling_qwen3_5_packed,
+        "kernel_set",
+        lambda choice: dataclasses.replace(resolve(choice), **{member: make(resolve(choice))}),
+    )
+
+
+def _whole_stream_sdpa(q, k, v, packed, scale):
     """A non-varlen attention path: one causal SDPA over the whole packed stream, blind to documents."""
     groups = q.shape[1] // k.shape[1]
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
@@ -385,18 +398,16 @@ def _whole_stream_sdpa(q, k, v, packed, scale, choice):
 
 
 def test_forced_non_varlen_attention_that_leaks_fails(dense, tmp_path, monkeypatch):
-    from qwen35_packed.modeling import attention
-
-    def forced_path(q, k, v, packed, scale, choice):
-        assert choice.attention == "sdpa"  # the path config.json forces
-        return _whole_stream_sdpa(q, k, v, packed, scale, choice)
+    def forced_path(bound):
+        assert bound.choice.attention == "sdpa"  # the path config.json forces
+        return _whole_stream_sdpa
 
     folder = edited(dense, tmp_path / "m", lambda c: c.update(attention_kernel="sdpa"))
     code, checks, _ = doctor(folder, tmp_path)  # the forced path as shipped is per document: passes
     assert code == 0 and checks["numerics.packed_vs_per_document"]["status"] == "PASS"
     assert "forced: attention_kernel='sdpa'" in checks["kernels.selection"]["detail"]
 
-    monkeypatch.setattr(attention, "varlen_causal_attention", forced_path)  # the dispatch the attention layer calls
+    _plant_kernels(monkeypatch, "attention", forced_path)  # the kernel the attention layers call
     code, checks, report = doctor(folder, tmp_path)
     assert code == 1 and failing(checks) == ["numerics.packed_vs_per_document"]
     assert "documents leak" in checks["numerics.packed_vs_per_document"]["detail"]
@@ -406,14 +417,14 @@ def test_forced_non_varlen_attention_that_leaks_fails(dense, tmp_path, monkeypat
 
 def test_conv_that_ignores_boundaries_fails(dense, tmp_path, monkeypatch):
     """The GDN short conv run over the stream as one document: a leak of K-1 tokens per boundary."""
-    from qwen35_packed.modeling import gated_deltanet, reference_kernels
+    from qwen35_packed.modeling import reference_kernels
 
-    def leaky_conv(x, weight, packed, choice, split_sizes, initial_state=None, adapters=()):
+    def leaky_conv(x, weight, packed, split_sizes, initial_state=None, adapters=()):
         n = x.shape[0]
         out = reference_kernels.torch_causal_conv1d_varlen(x, weight, torch.arange(n), torch.zeros(n, dtype=torch.long))
         return torch.split(out, split_sizes, dim=-1)
 
-    monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", leaky_conv)
+    _plant_kernels(monkeypatch, "conv", lambda bound: leaky_conv)
     code, checks, _ = doctor(dense, tmp_path)
     assert code == 1 and failing(checks) == ["numerics.packed_vs_per_document"]
 

@@ -22,7 +22,8 @@ from qwen35_packed import (  # noqa: E402
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
 )
-from qwen35_packed.modeling import kernel_selection, kernels  # noqa: E402
+from qwen35_packed.modeling import kernel_selection  # noqa: E402
+from qwen35_packed.modeling.kernel_set import kernel_set  # noqa: E402
 
 RESULTS: dict = {}
 GPU_CONFIG = dict(
@@ -243,10 +244,8 @@ def test_torch_varlen_attention_is_causal_per_document():
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32).cuda()
     packed = PackedSequence(cu, max(lengths), None, None, (1, int(cu[-1])))
     q, k, v = (torch.randn(int(cu[-1]), h, 128, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
-    got = kernels.varlen_causal_attention(
-        q, k, v, packed, 128**-0.5, kernel_selection.KernelChoice("fla", "torch_varlen")
-    )
-    ref = kernels.varlen_causal_attention(q, k, v, packed, 128**-0.5, kernel_selection.KernelChoice("fla", "sdpa"))
+    got = kernel_set(kernel_selection.KernelChoice("fla", "torch_varlen")).attention(q, k, v, packed, 128**-0.5)
+    ref = kernel_set(kernel_selection.KernelChoice("fla", "sdpa")).attention(q, k, v, packed, 128**-0.5)
     RESULTS["torch_varlen_vs_sdpa_bf16"] = (got.float() - ref.float()).abs().max().item()
     assert (got.float() - ref.float()).abs().max().item() <= 2e-2
 
@@ -290,10 +289,8 @@ def test_long_documents_through_sdpa_packed_equal_per_document_bf16():
     packed = _packed_stream([n])
     times = {}
     for mode in ("sdpa", "varlen"):
-        choice = kernel_selection.KernelChoice("fla", "torch_varlen", long_documents=mode)
-        times[mode] = triton.testing.do_bench(
-            lambda: kernels.varlen_causal_attention(q, k, v, packed, 256**-0.5, choice).sum().backward()
-        )
+        attention = kernel_set(kernel_selection.KernelChoice("fla", "torch_varlen", long_documents=mode)).attention
+        times[mode] = triton.testing.do_bench(lambda: attention(q, k, v, packed, 256**-0.5).sum().backward())
     RESULTS["long_documents_sdpa"] = {
         "rows_not_bitwise_equal_packed_vs_per_document": {k: r["differing"] for k, r in runs.items()},
         "max_abs_logit_diff_sdpa_vs_varlen": logit_gap,
@@ -466,9 +463,7 @@ def test_triton_conv_matches_reference_and_fla(dtype):
 
     def run(conv, inputs, grads=True):
         xi, wi = (t.detach().clone().requires_grad_(grads) for t in inputs)
-        outs = kernels.causal_conv1d_varlen(
-            xi, wi, packed, kernel_selection.KernelChoice("fla", "sdpa", conv=conv), splits
-        )
+        outs = kernel_set(kernel_selection.KernelChoice("fla", "sdpa", conv=conv)).conv(xi, wi, packed, splits)
         if grads:
             torch.autograd.backward(outs, [c.to(o.dtype) for o, c in zip(outs, cotangents)])
         return torch.cat([o.detach().float() for o in outs], dim=1), xi.grad, wi.grad
@@ -522,7 +517,7 @@ def test_chunked_loss_gradients_bf16_against_fp64():
     targets[::9] = -100
     choice = kernel_selection.select_kernels(Qwen3_5PackedConfig(), hidden.device, torch.bfloat16)
     loss, _ = loss_module.chunked_linear_cross_entropy(
-        hidden, weight, targets, chunk_tokens=2048, keep_logits=False, choice=choice
+        hidden, weight, targets, chunk_tokens=2048, keep_logits=False, chunk_loss=kernel_set(choice).loss_chunk
     )
     loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
@@ -586,7 +581,7 @@ def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
         experts.zero_grad(set_to_none=True)
         xi = x.to(dtype).detach().clone().requires_grad_()
         wi = weights.clone().requires_grad_()
-        out = experts(xi, index, wi, dataclasses.replace(choice, moe=moe))
+        out = experts(xi, index, wi, kernel_set(dataclasses.replace(choice, moe=moe)))
         out.backward(cotangent.to(dtype))
         result = [
             out.float(),
@@ -686,7 +681,7 @@ def test_moe_grouped_experts_sync_free_and_deterministic():
     def step():
         block.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_()
-        out, _ = block(xi, choice)
+        out, _ = block(xi, kernel_set(choice))
         out.backward(cotangent)
         return [xi.grad] + [p.grad.clone() for p in block.parameters()]
 

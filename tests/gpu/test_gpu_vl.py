@@ -17,7 +17,7 @@ import transformers  # noqa: E402
 
 from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import Qwen3_5PackedVLConfig  # noqa: E402
 from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration, kernel_selection  # noqa: E402
-from qwen35_packed.modeling.vision import varlen_bidirectional_attention  # noqa: E402
+from qwen35_packed.modeling.kernel_set import kernel_set  # noqa: E402
 
 RESULTS: dict = {}
 IMAGE, VIDEO, VISION_START, VISION_END = 1000, 1001, 1002, 1003
@@ -213,13 +213,17 @@ def test_vision_varlen_kernels_match_sdpa():
     lengths = [4, 64, 256, 36]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     q, k, v = (torch.randn(int(cu[-1]), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    ref = varlen_bidirectional_attention(q, k, v, cu, max(lengths), 0.125, "sdpa").float()
+
+    def attention(kernel):
+        return kernel_set(kernel_selection.KernelChoice("torch", kernel)).varlen_attention
+
+    ref = attention("sdpa")(q, k, v, cu, max(lengths), 0.125, False).float()
     for kernel, available in (
         ("flash_attn", kernel_selection.FLASH_ATTN_AVAILABLE),
         ("torch_varlen", kernel_selection.TORCH_VARLEN_AVAILABLE),
     ):
         if not available:
             continue
-        got = varlen_bidirectional_attention(q, k, v, cu, max(lengths), 0.125, kernel).float()
+        got = attention(kernel)(q, k, v, cu, max(lengths), 0.125, False).float()
         RESULTS[f"vision_{kernel}_vs_sdpa_bf16"] = (got - ref).abs().max().item()
         assert (got - ref).abs().max().item() <= 2e-2

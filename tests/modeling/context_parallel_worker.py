@@ -70,19 +70,18 @@ FAULT_CASES = {
 
 def planted(fault: str) -> dict:
     """The replacements of context_parallel.py's functions that plant `fault`."""
-    cp = context_parallel
 
     def conv_history(mixed, packed, layout, kernel):  # the conv of a shard starts from zeros
         return mixed.new_zeros(packed.num_docs, mixed.shape[1], kernel - 1)
 
-    def incoming_state(q, k, v, g, beta, packed, choice, layout):  # the recurrence of a shard starts from zero
+    def incoming_state(q, k, v, g, beta, packed, delta_rule, layout):  # the recurrence of a shard starts from zero
         return v.new_zeros(packed.num_docs, v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32)
 
     def shard_targets(targets, layout):  # the shard's last token predicts nothing
         return targets
 
-    def attention_across_shards(q, k, v, packed, scale, choice, layout):  # a shard's queries see its keys only
-        return cp.varlen_causal_attention(q, k, v, packed, scale, choice)
+    def attention_across_shards(q, k, v, packed, scale, *, attention, layout):  # a shard's queries see its keys only
+        return attention(q, k, v, packed, scale)
 
     def shard_slots(slots, features, layout, tokens):  # the shard's placeholders take the row's first features
         inside = (slots >= layout.offset) & (slots < layout.offset + tokens)

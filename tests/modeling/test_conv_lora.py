@@ -5,6 +5,8 @@ and what cannot be reproduced is refused."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -14,9 +16,10 @@ import torch.nn.functional as F
 from conftest import packed_model
 from torch import nn
 
-from qwen35_packed.modeling import gated_deltanet, kernels, utils
+from qwen35_packed.modeling import gated_deltanet, utils
 from qwen35_packed.modeling.conv_lora import effective_conv
 from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernel_set import REFERENCE_KERNELS, kernel_set
 from qwen35_packed.modeling.packing import build_packed_sequence
 
 peft = pytest.importorskip("peft")
@@ -51,21 +54,28 @@ def _ids(shape, seed=0):
     return torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _peft_forward_per_document(monkeypatch):
-    """Make every GDN layer run its conv as PEFT's own forward of the (wrapped) conv1d module, on each document of
-    the stream alone with the module's causal padding (its first L outputs): the reference."""
+@contextlib.contextmanager
+def _peft_forward_per_document(monkeypatch, wrapped):
+    """Make every GDN layer of `wrapped` run its conv as PEFT's own forward of the (wrapped) conv1d module, on each
+    document of the stream alone with the module's causal padding (its first L outputs): the reference. The layer
+    hands the module itself to the kernel set's conv, which is injected."""
 
     def module_itself(conv, where):
         return SimpleNamespace(weight=conv, adapters=())
 
-    def per_document(x, conv, packed, choice, split_sizes, initial_state=None, adapters=()):
+    def per_document(x, conv, packed, split_sizes, initial_state=None, adapters=()):
         assert initial_state is None
         bounds = packed.cu_seqlens_cpu().tolist()
         outs = [conv(x[s:e].t()[None])[0, :, : e - s].t() for s, e in zip(bounds[:-1], bounds[1:])]
         return torch.split(F.silu(torch.cat(outs)), list(split_sizes), dim=-1)
 
     monkeypatch.setattr(gated_deltanet, "effective_conv", module_itself)
-    monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", per_document)
+    backbone = wrapped.base_model.model.model
+    backbone.use_kernels(dataclasses.replace(REFERENCE_KERNELS, conv=per_document))
+    try:
+        yield
+    finally:
+        backbone.use_kernels(None)
 
 
 def _logits_and_gradients(model, embeds, probe):
@@ -95,8 +105,7 @@ def test_logits_and_gradients_equal_peft_conv_forward(case, monkeypatch):
     embeds = wrapped.get_input_embeddings()(_ids((2, 13), seed=4)).detach()
     probe = torch.randn(2, 13, 128, generator=torch.Generator().manual_seed(5))
     ours = _logits_and_gradients(wrapped, embeds, probe)
-    with monkeypatch.context() as patch:
-        _peft_forward_per_document(patch)
+    with monkeypatch.context() as patch, _peft_forward_per_document(patch, wrapped):
         reference = _logits_and_gradients(wrapped, embeds, probe)
     assert (ours[0] - reference[0]).abs().max().item() <= 1e-5
     lora = [name for name in reference[1] if ".conv1d.lora_" in name]
@@ -161,7 +170,7 @@ def test_the_adapter_acts_and_a_disabled_one_does_not():
 
 @pytest.mark.parametrize("backend", ["torch", "compiled", "triton", "fla"])
 def test_every_conv_backend_applies_the_adapter(backend, caplog, monkeypatch):
-    """The conv dispatch with adapters, whichever backend the KernelChoice names, computes PEFT's forward of the
+    """The kernel set's conv with adapters, whichever backend the KernelChoice names, computes PEFT's forward of the
     wrapped conv on each document (the Triton and FLA kernels need CUDA: on CPU tensors they would raise), and says
     once that the formula runs instead of that backend."""
     monkeypatch.setattr(utils, "_logged_once", set())
@@ -173,15 +182,13 @@ def test_every_conv_backend_applies_the_adapter(backend, caplog, monkeypatch):
     packed = build_packed_sequence((1, bounds[-1]), x.device, cu_seqlens=torch.tensor(bounds))
     effective = effective_conv(conv, "conv")
     assert len(effective.adapters) == 1
-    choice = KernelChoice("torch", "sdpa", conv=backend)
+    conv_kernel = kernel_set(KernelChoice("torch", "sdpa", conv=backend)).conv
     with caplog.at_level(logging.WARNING):
-        outs = kernels.causal_conv1d_varlen(
-            x, effective.weight, packed, choice, [16, 16, 32], adapters=effective.adapters
-        )
-        kernels.causal_conv1d_varlen(x, effective.weight, packed, choice, [16, 16, 32], adapters=effective.adapters)
+        outs = conv_kernel(x, effective.weight, packed, [16, 16, 32], adapters=effective.adapters)
+        conv_kernel(x, effective.weight, packed, [16, 16, 32], adapters=effective.adapters)
     with torch.no_grad():
         want = torch.cat([F.silu(conv(x[s:e].t()[None])[0, :, : e - s].t()) for s, e in zip(bounds[:-1], bounds[1:])])
-        without = kernels.causal_conv1d_varlen(x, effective.weight, packed, KernelChoice("torch", "sdpa"), [CHANNELS])
+        without = REFERENCE_KERNELS.conv(x, effective.weight, packed, [CHANNELS])
     assert (torch.cat(outs, dim=-1) - want).abs().max().item() <= 1e-5
     assert (without[0] - want).abs().max().item() > 1e-3
     said = [r.getMessage() for r in caplog.records if "conv_lora.py" in r.getMessage()]
@@ -226,8 +233,7 @@ def test_lora_dropout_applies_to_the_adapters_input(monkeypatch):
     ids = _ids((2, 9), seed=16)
     with torch.no_grad():
         ours = wrapped(ids, use_cache=False).logits
-        with monkeypatch.context() as patch:
-            _peft_forward_per_document(patch)
+        with monkeypatch.context() as patch, _peft_forward_per_document(patch, wrapped):
             reference = wrapped(ids, use_cache=False).logits
         with wrapped.disable_adapter():
             plain = wrapped(ids, use_cache=False).logits

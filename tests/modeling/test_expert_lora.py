@@ -17,6 +17,7 @@ from torch import nn
 from qwen35_packed.modeling import kernel_selection, kernels
 from qwen35_packed.modeling.expert_lora import ExpertWeight
 from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.moe import SparseMoeBlock
 
 peft = pytest.importorskip("peft")
@@ -137,8 +138,8 @@ def test_moe_block_with_empty_experts_equals_peft_fold(moe_kernel, folds):
     for mode in ("auto", "peft"):
         holder.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        choice = KernelChoice(gdn="torch", attention="sdpa", moe=moe_kernel, expert_lora=mode)
-        out, _ = holder.mlp(xi, choice, routed)
+        kernels = kernel_set(KernelChoice(gdn="torch", attention="sdpa", moe=moe_kernel, expert_lora=mode))
+        out, _ = holder.mlp(xi, kernels, routed)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
         grads = {name: p.grad.clone() for name, p in holder.named_parameters() if p.requires_grad}
         results[mode] = (out.detach(), xi.grad, grads)

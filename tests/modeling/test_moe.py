@@ -17,6 +17,7 @@ from conftest import tiny_kwargs
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernel_selection
 from qwen35_packed.modeling.kernel_selection import KernelChoice, select_kernels
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.moe import FusedExperts
 from qwen35_packed.modeling.recompute import RecomputedActivations
 
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.skipif(
     reason="this torch has no grouped_mm on CPU",
 )
 
-GROUPED = KernelChoice(gdn="torch", attention="sdpa", moe="grouped_mm")
-LOOP = KernelChoice(gdn="torch", attention="sdpa", moe="loop")
+GROUPED = kernel_set(KernelChoice(gdn="torch", attention="sdpa", moe="grouped_mm"))
+LOOP = kernel_set(KernelChoice(gdn="torch", attention="sdpa", moe="loop"))
 
 
 def _experts(num_experts=8, hidden=16, intermediate=12, seed=0):

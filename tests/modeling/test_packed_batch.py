@@ -1,7 +1,8 @@
-"""The front door (modeling/packed_batch.py): the public signatures every class declares through `public_forward`,
-the binding of positional and keyword calls, the refusals it owns, and the kernel choice bound once per
-(device, dtype) and kernel settings."""
+"""The front door (modeling/packed_batch.py): the public signatures every class writes out, the binding of
+positional and keyword calls, the refusals the door owns, the complete immutable batch it returns, and the kernel set
+bound once per (device, dtype) and kernel settings (kernel_set.py)."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 import transformers
 from conftest import packed_model, requires_builtin_qwen35
 
-from qwen35_packed.modeling import kernel_selection, packed_batch
+from qwen35_packed.modeling import modeling_qwen3_5_packed, packed_batch
+from qwen35_packed.modeling.kernel_selection import KernelChoice
+from qwen35_packed.modeling.kernel_set import KernelSet, kernel_set
 from qwen35_packed.modeling.modeling_qwen3_5_packed import (
     Qwen3_5PackedForCausalLM,
     Qwen3_5PackedForSequenceClassification,
@@ -83,7 +86,7 @@ def test_positional_and_keyword_calls_bind_like_the_written_signature():
 
 
 def test_the_front_door_resolves_every_packing_form_to_one_stream():
-    config = packed_model("dense").config
+    backbone = packed_model("dense").model.train()
     ids = torch.zeros(1, 10, dtype=torch.long)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
@@ -95,41 +98,45 @@ def test_the_front_door_resolves_every_packing_form_to_one_stream():
         "seq_idx": {"seq_idx": seq_idx},
     }
     for name, given in forms.items():
-        batch = packed_batch.open_packed_batch(config, {"input_ids": ids, **given}, training=True)
+        batch = backbone.open_batch(input_ids=ids, **given)
         assert batch.packed.cu_seqlens.tolist() == cu.tolist(), name
         assert batch.rope_positions.tolist() == positions[0].tolist(), name
-        assert batch.cache is None and batch.targets is None and batch.kernels is None, name
+        assert batch.cache is None and batch.targets is None, name
+        # complete: the token ids, the rope tables at those positions and the kernels come with it
+        assert batch.token_ids.tolist() == ids[0].tolist() and isinstance(batch.kernels, KernelSet), name
+        cos, sin = backbone.rotary_emb.cos_sin(batch.rope_positions, torch.float32)
+        assert torch.equal(batch.rope[0], cos) and torch.equal(batch.rope[1], sin), name
     labels = torch.arange(10).unsqueeze(0)
-    batch = packed_batch.open_packed_batch(
-        config, {"input_ids": ids, "cu_seqlens": cu, "labels": labels}, training=True
-    )
+    batch = backbone.open_batch(input_ids=ids, cu_seqlens=cu, labels=labels, logits_to_keep=3, num_items_in_batch=7)
     assert batch.targets.tolist() == [1, 2, 3, -100, 5, 6, 7, 8, 9, -100]  # no target across the boundary
+    assert batch.logits_to_keep == 3 and batch.num_items_in_batch == 7  # what the head reads
+    with pytest.raises(dataclasses.FrozenInstanceError):  # immutable: nothing writes into a batch after the door
+        batch.targets = None
 
 
 def test_cache_rules_are_the_front_doors():
-    config = packed_model("dense").config
+    backbone = packed_model("dense").model
     ids = torch.zeros(1, 10, dtype=torch.long)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="use_cache=True needs one document per row"):
-        packed_batch.open_packed_batch(config, {"input_ids": ids, "cu_seqlens": cu, "use_cache": True}, training=False)
+        backbone.eval().open_batch(input_ids=ids, cu_seqlens=cu, use_cache=True)
     # use_cache None: a cache for one document per row in eval mode, none in training or for packed rows
-    one_doc = packed_batch.open_packed_batch(config, {"input_ids": ids}, training=False)
+    one_doc = backbone.eval().open_batch(input_ids=ids)
     assert one_doc.cache is not None and not one_doc.continues_cache
-    assert packed_batch.open_packed_batch(config, {"input_ids": ids}, training=True).cache is None
-    assert packed_batch.open_packed_batch(config, {"input_ids": ids, "cu_seqlens": cu}, training=False).cache is None
+    assert backbone.train().open_batch(input_ids=ids).cache is None
+    assert backbone.eval().open_batch(input_ids=ids, cu_seqlens=cu).cache is None
 
 
 def test_kernels_are_bound_once_per_device_dtype_and_settings(monkeypatch):
     model = packed_model("dense").eval()
     calls = []
-    select = kernel_selection.select_kernels
+    select = modeling_qwen3_5_packed.select_kernels
 
-    def counting(config, device, dtype):
-        calls.append((device.type, dtype, config.attention_kernel))
-        return select(config, device, dtype)
+    def counting(settings, device, dtype):
+        calls.append((device.type, dtype, settings["attention_kernel"]))
+        return select(settings, device, dtype)
 
-    monkeypatch.setattr(kernel_selection, "select_kernels", counting)
-    monkeypatch.setattr(kernel_selection, "_BOUND", {})
+    monkeypatch.setattr(modeling_qwen3_5_packed, "select_kernels", counting)
     ids = torch.randint(3, 100, (1, 8))
     with torch.no_grad():
         for _ in range(3):
@@ -137,4 +144,39 @@ def test_kernels_are_bound_once_per_device_dtype_and_settings(monkeypatch):
         model.config.attention_kernel = "sdpa"  # a changed setting binds anew
         model(ids, use_cache=False)
         model(ids, use_cache=False)
-    assert calls == [("cpu", torch.float32, "auto"), ("cpu", torch.float32, "sdpa")]
+        model.to(torch.float64)  # a new dtype binds anew, and .to() drops what was bound
+        assert model.model.kernel_sets == {}
+        model(ids, use_cache=False)
+        model.set_attn_implementation("sdpa")  # rebuilt on set_attn_implementation
+        assert model.model.kernel_sets == {}
+        model(ids, use_cache=False)
+    assert calls == [
+        ("cpu", torch.float32, "auto"),
+        ("cpu", torch.float32, "sdpa"),
+        ("cpu", torch.float64, "sdpa"),
+        ("cpu", torch.float64, "sdpa"),
+    ]
+
+
+def test_an_injected_kernel_set_runs_instead_of_the_selection():
+    """Tests and benchmarks inject a set (`use_kernels`) instead of patching globals: every layer calls its members."""
+    model = packed_model("dense").eval()
+    ids = torch.randint(3, 100, (1, 8))
+    seen = []
+    reference = kernel_set(KernelChoice("torch", "sdpa"))
+
+    def recorded(name):
+        def call(*args, **kwargs):
+            seen.append(name)
+            return getattr(reference, name)(*args, **kwargs)
+
+        return call
+
+    members = ("rms_norm", "conv", "delta_rule", "gated_norm", "attention", "sigmoid_gate", "swiglu", "gdn_gates")
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        model.model.use_kernels(dataclasses.replace(reference, **{name: recorded(name) for name in members}))
+        got = model(ids, use_cache=False).logits
+        model.model.use_kernels(None)
+    assert torch.equal(got, expected)
+    assert set(seen) == set(members)

@@ -22,7 +22,8 @@ import json, time
 from dataclasses import replace
 
 import torch
-from qwen35_packed.modeling import kernel_selection, kernels, reference_kernels
+from qwen35_packed.modeling import kernel_selection, reference_kernels
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.packing import PackedSequence
 from qwen35_packed.modeling.triton_conv import ConvBlocks, DEFAULT_BLOCKS, causal_conv1d_silu_split
 
@@ -118,8 +119,8 @@ results["packed_vs_alone"] = worst
 cu = torch.tensor([0] + torch.tensor(mix).cumsum(0).tolist(), dtype=torch.int32)
 stream = PackedSequence(cu, max(mix), None, None, (1, sum(mix)))
 x, weight, _ = inputs(mix, 24, 4, torch.float32, seed=14)
-got = kernels.causal_conv1d_varlen(x, weight, stream, kernel_selection.KernelChoice("torch", "sdpa", conv="triton"), [6, 6, 12])
-want = kernels.causal_conv1d_varlen(x, weight, stream, kernel_selection.KernelChoice("torch", "sdpa", conv="torch"), [6, 6, 12])
+got = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", conv="triton")).conv(x, weight, stream, [6, 6, 12])
+want = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", conv="torch")).conv(x, weight, stream, [6, 6, 12])
 results["dispatch"] = {"max_abs": max((g - w).abs().max().item() for g, w in zip(got, want)),
                        "contiguous": all(g.is_contiguous() for g in got), "shapes": [list(g.shape) for g in got]}
 results["seconds"] = time.perf_counter() - start  # for the record: the interpreter runs every program in numpy
