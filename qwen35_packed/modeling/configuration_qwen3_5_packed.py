@@ -17,6 +17,7 @@ official Qwen3.5 values are used and a warning says so once.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import transformers
@@ -375,7 +376,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         return text_config_dict(config_dict), kwargs
 
     def _init_moe_fields(self, kwargs: dict) -> None:
-        """Dense models carry no MoE fields; the MoE subclass overrides this."""
+        """Dense models carry no MoE fields; the MoE subclass overrides this (it takes its fields out of `kwargs`)."""
 
     def validate_layout(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -433,8 +434,42 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         return False
 
 
+# The fields only the MoE models have, with the built-in `Qwen3_5MoeTextConfig`'s defaults (Qwen3.5-35B-A3B's) and
+# their annotations, and the dense fields whose MoE default is Qwen3.5-35B-A3B's shape: the MoE config's parameters
+# are the dense config's with these (`_moe_init_signature`).
+MOE_FIELDS = {
+    "num_experts": (256, "int"),
+    "num_experts_per_tok": (8, "int"),
+    "moe_intermediate_size": (512, "int"),
+    "shared_expert_intermediate_size": (512, "int"),
+    "mlp_only_layers": (None, "list[int] | None"),
+    "output_router_logits": (False, "bool"),
+    "router_aux_loss_coef": (0.001, "float"),
+}
+MOE_SHAPE_DEFAULTS = {"hidden_size": 2048, "intermediate_size": None, "num_hidden_layers": 40, "num_key_value_heads": 2}
+
+
+def _moe_init_signature() -> inspect.Signature:
+    """The dense config's `__init__` signature with the MoE shape defaults, and the MoE fields after the model's
+    other fields, before the kernel choices."""
+    dense = [
+        parameter.replace(default=MOE_SHAPE_DEFAULTS.get(parameter.name, parameter.default))
+        for parameter in inspect.signature(Qwen3_5PackedConfig.__init__).parameters.values()
+    ]
+    first_kernel = next(i for i, parameter in enumerate(dense) if parameter.name in KERNEL_FIELDS)
+    moe = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+        for name, (default, annotation) in MOE_FIELDS.items()
+    ]
+    return inspect.Signature([*dense[:first_kernel], *moe, *dense[first_kernel:]])
+
+
+_MOE_INIT_SIGNATURE = _moe_init_signature()
+
+
 class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
-    """Text configuration of the MoE Qwen3.5 models (`model_type` `qwen3_5_moe_text`).
+    """Text configuration of the MoE Qwen3.5 models (`model_type` `qwen3_5_moe_text`): the dense configuration's
+    fields, with Qwen3.5-35B-A3B's shape as defaults, and the MoE fields (`MOE_FIELDS`).
 
     `router_aux_loss_coef` is kept as given, but the load-balancing loss is only added to the loss when the
     caller asks for router logits (`output_router_logits=True`) *and* the coefficient is > 0: RL must not get it
@@ -453,69 +488,28 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
         "layers.*.mlp.shared_expert.down_proj": "rowwise",
     }
 
-    def __init__(
-        self,
-        vocab_size: int = 248320,
-        hidden_size: int = 2048,
-        intermediate_size: int | None = None,
-        num_hidden_layers: int = 40,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int = 2,
-        head_dim: int = 256,
-        hidden_act: str = "silu",
-        max_position_embeddings: int = 262144,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1e-6,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        attention_bias: bool = False,
-        attention_dropout: float = 0.0,
-        attn_output_gate: bool = True,
-        linear_conv_kernel_dim: int = 4,
-        linear_key_head_dim: int = 128,
-        linear_value_head_dim: int = 128,
-        linear_num_key_heads: int = 16,
-        linear_num_value_heads: int = 32,
-        layer_types: list[str] | None = None,
-        full_attention_interval: int | None = None,
-        rope_parameters: dict | None = None,
-        rope_scaling: dict | None = None,
-        rope_theta: float | None = None,
-        partial_rotary_factor: float | None = None,
-        num_experts: int = 256,
-        num_experts_per_tok: int = 8,
-        moe_intermediate_size: int = 512,
-        shared_expert_intermediate_size: int = 512,
-        mlp_only_layers: list[int] | None = None,
-        output_router_logits: bool = False,
-        router_aux_loss_coef: float = 0.001,
-        gdn_kernel: str = "auto",
-        attention_kernel: str = "auto",
-        long_document_attention: str = "auto",
-        elementwise_kernel: str = "auto",
-        return_logits_with_loss: bool | str = "auto",
-        conv_kernel: str = "auto",
-        moe_kernel: str = "auto",
-        moe_combine_kernel: str = "auto",
-        moe_lora_kernel: str = "auto",
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        **kwargs,
-    ):
-        # Every field is a parameter of its own (tools, transformers' model testers among them, build a config from
-        # the signature); the dense __init__ takes them all, the MoE fields through `_init_moe_fields`.
-        fields = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
-        super().__init__(**fields, **kwargs)
+    def __init__(self, *args, **kwargs):
+        # Every field is a parameter of the signature (tools, transformers' model testers among them, build a config
+        # from it); bound with its defaults, the dense __init__ gets every field, the MoE ones through
+        # `_init_moe_fields`.
+        bound = _MOE_INIT_SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        fields = dict(bound.arguments)
+        del fields["self"]
+        extra = fields.pop("kwargs")
+        super().__init__(**fields, **extra)
+
+    __init__.__signature__ = _MOE_INIT_SIGNATURE
 
     def _init_moe_fields(self, kwargs: dict) -> None:
-        self.num_experts = int(kwargs.pop("num_experts", 256))
-        self.num_experts_per_tok = int(kwargs.pop("num_experts_per_tok", 8))
-        self.moe_intermediate_size = int(kwargs.pop("moe_intermediate_size", 512))
-        self.shared_expert_intermediate_size = int(kwargs.pop("shared_expert_intermediate_size", 512))
-        self.mlp_only_layers = list(kwargs.pop("mlp_only_layers", None) or [])
-        self.output_router_logits = bool(kwargs.pop("output_router_logits", False))
-        coef = kwargs.pop("router_aux_loss_coef", 0.001)
+        # every MoE field is there: __init__ binds them with their defaults
+        self.num_experts = int(kwargs.pop("num_experts"))
+        self.num_experts_per_tok = int(kwargs.pop("num_experts_per_tok"))
+        self.moe_intermediate_size = int(kwargs.pop("moe_intermediate_size"))
+        self.shared_expert_intermediate_size = int(kwargs.pop("shared_expert_intermediate_size"))
+        self.mlp_only_layers = list(kwargs.pop("mlp_only_layers") or [])
+        self.output_router_logits = bool(kwargs.pop("output_router_logits"))
+        coef = kwargs.pop("router_aux_loss_coef")
         if isinstance(coef, bool) or not isinstance(coef, (int, float)):
             raise ValueError(f"router_aux_loss_coef must be a number, got {coef!r} ({type(coef).__name__})")
         self.router_aux_loss_coef = float(coef)

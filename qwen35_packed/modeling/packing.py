@@ -235,37 +235,40 @@ def _up_to_last_real(valid: torch.Tensor) -> torch.Tensor:
     return valid.to(torch.int8).flip(1).cummax(dim=1).values.flip(1).bool()
 
 
+def _split_at_starts(starts: torch.Tensor, token_index: torch.Tensor | None) -> PackedSequence:
+    """The stream of the caller's columns `token_index` (flat indices into batch * seq_len; None: every column),
+    a document starting at each of them where `starts` (bool [batch, seq_len]) is True, the first one included;
+    positions count within the documents."""
+    batch, seq_len = starts.shape
+    flat_starts = starts.reshape(-1)
+    if token_index is not None:
+        flat_starts = flat_starts.index_select(0, token_index)
+    # Boundaries found on the host (the one device-to-host copy of the starts), then sent to the device: the host
+    # copy stays with the stream for the kernels that need it (PackedSequence.cu_seqlens_cpu).
+    start_index = torch.nonzero(flat_starts.cpu()).flatten()
+    host = torch.cat([start_index, start_index.new_tensor([flat_starts.numel()])])
+    packed = PackedSequence(
+        host.to(torch.int32).to(starts.device, non_blocking=True),
+        int((host[1:] - host[:-1]).max()),
+        None,
+        token_index,
+        (batch, seq_len),
+        host,
+    )
+    packed.position_ids = packed.position_in_doc()
+    return packed
+
+
 def _recurrent_spans(
     span: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, token_index: torch.Tensor
 ) -> RecurrentSpans:
     """RecurrentSpans of the columns `span` (bool [B, S], the real tokens and the masked ones the recurrent layers
     read), split where `starts` (bool [B, S]) is True; `token_index` the real stream's flat caller indices."""
-    batch, seq_len = span.shape
     flat_span = span.reshape(-1)
-    span_index = torch.nonzero(flat_span).flatten()
-    host_starts = torch.nonzero(starts.reshape(-1).index_select(0, span_index).cpu()).flatten()
-    host = torch.cat([host_starts, host_starts.new_tensor([span_index.numel()])])
-    stream = PackedSequence(
-        host.to(torch.int32).to(span.device, non_blocking=True),
-        int((host[1:] - host[:-1]).max()),
-        None,
-        span_index,
-        (batch, seq_len),
-        host,
-    )
-    stream.position_ids = stream.position_in_doc()
+    stream = _split_at_starts(starts, torch.nonzero(flat_span).flatten())
     rank = torch.cumsum(flat_span.to(torch.long), 0) - 1  # place of every spanned column in the span stream
     masked = torch.nonzero(flat_span & ~valid.reshape(-1)).flatten()
     return RecurrentSpans(stream, rank.index_select(0, token_index), masked)
-
-
-def _check_positions_match(position_ids: torch.Tensor, expected: torch.Tensor, source: str) -> None:
-    if not torch.equal(position_ids.to(expected.dtype), expected):
-        first_bad = int(torch.nonzero(position_ids.to(expected.dtype) != expected)[0])
-        raise ValueError(
-            f"position_ids contradict {source}: at token {first_bad} position_ids gives "
-            f"{int(position_ids[first_bad])} but the document boundaries imply {int(expected[first_bad])}"
-        )
 
 
 def build_packed_sequence(
@@ -280,28 +283,70 @@ def build_packed_sequence(
     max_length_k: int | None = None,
     seq_idx: torch.Tensor | None = None,
 ) -> PackedSequence:
-    """Resolve the caller's batch into a PackedSequence, enforcing the packing contract (module docstring)."""
+    """Resolve the caller's batch into a PackedSequence, enforcing the packing contract (module docstring): the
+    most explicit form given sets the documents (one builder per form below), and `position_ids` and `seq_idx`
+    given beside it must agree with them."""
     batch, seq_len = input_shape
     seq_idx_changes = _seq_idx_changes(seq_idx, batch, seq_len, device) if seq_idx is not None else None
-    mrope_positions = None
-    if position_ids is not None:
-        position_ids = torch.as_tensor(position_ids, device=device)
-        if position_ids.ndim == 3:
-            # Multimodal rope positions [3 (t, h, w), batch, seq] (or [4, ...] with a leading text row, the
-            # layout transformers' Qwen3.5 uses). Document boundaries must then come from another source.
-            if position_ids.shape[0] == 4:
-                position_ids = position_ids[1:]
-            if position_ids.shape[0] != 3 or tuple(position_ids.shape[1:]) != (batch, seq_len):
-                raise ValueError(f"3D position_ids must be [3, batch, seq_len], got {tuple(position_ids.shape)}")
-            mrope_positions, position_ids = position_ids, None
-        elif position_ids.ndim == 1:
-            position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        if position_ids is not None and tuple(position_ids.shape) != (batch, seq_len):
+    position_ids, mrope_positions = _text_and_mrope_positions(position_ids, batch, seq_len, device)
+    explicit = _explicit_cu_seqlens(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, device)
+    if explicit is not None:  # (d) or (c)
+        packed = _from_cu_seqlens(*explicit, batch, seq_len, attention_mask, max_length_q, max_length_k)
+        if position_ids is not None:
+            _check_positions_agree(packed, position_ids, source=explicit[2])
+        if seq_idx_changes is not None:
+            _check_seq_idx_matches(packed, seq_idx_changes, source=explicit[2])
+    else:
+        real = _RealTokens.of(attention_mask, batch, seq_len, device)
+        if seq_idx_changes is not None and real.holes is not None:
+            rows = torch.nonzero(real.holes).flatten().tolist()
             raise ValueError(
-                f"position_ids must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}"
+                f"seq_idx cannot be combined with an attention_mask with holes (real tokens after padding inside "
+                f"rows {rows}): such a row is one document"
             )
+        if position_ids is not None:  # (b)
+            packed = _from_position_ids(position_ids, real)
+            if seq_idx_changes is not None:
+                _check_seq_idx_matches(packed, seq_idx_changes, source="position_ids")
+        elif seq_idx_changes is not None:
+            packed = _from_seq_idx(seq_idx_changes, real)
+        else:  # (a), or rows without padding
+            packed = _one_document_per_row(real)
+    if mrope_positions is not None:  # rope positions as given; the documents came from another form
+        packed.position_ids = torch.stack([packed.pack(p) for p in mrope_positions])
+    return packed
 
-    # Explicit boundaries: (d) cu_seqlens, (c) cu_seq_lens_q/k.
+
+def _text_and_mrope_positions(
+    position_ids, batch: int, seq_len: int, device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The caller's `position_ids` as (text positions [batch, seq_len], None), a 1D row standing for every row, or
+    as (None, multimodal rope positions [3, batch, seq_len]); (None, None) without them."""
+    if position_ids is None:
+        return None, None
+    position_ids = torch.as_tensor(position_ids, device=device)
+    if position_ids.ndim == 3:
+        # Multimodal rope positions [3 (t, h, w), batch, seq] (or [4, ...] with a leading text row, the layout
+        # transformers' Qwen3.5 uses). Document boundaries must then come from another source.
+        if position_ids.shape[0] == 4:
+            position_ids = position_ids[1:]
+        if position_ids.shape[0] != 3 or tuple(position_ids.shape[1:]) != (batch, seq_len):
+            raise ValueError(f"3D position_ids must be [3, batch, seq_len], got {tuple(position_ids.shape)}")
+        return None, position_ids
+    if position_ids.ndim == 1:
+        position_ids = position_ids.unsqueeze(0).expand(batch, -1)
+    if tuple(position_ids.shape) != (batch, seq_len):
+        raise ValueError(
+            f"position_ids must be [batch, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}"
+        )
+    return position_ids, None
+
+
+def _explicit_cu_seqlens(
+    cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, device
+) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """The explicit boundaries, (d) `cu_seqlens` or (c) `cu_seq_lens_q` / `cu_seq_lens_k`, each validated and all
+    that are given equal: (int32 on `device`, int64 on the CPU, the name of the form); None when none is given."""
     explicit = None
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         q = _as_cu_seqlens(cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k, "cu_seq_lens_q", device)
@@ -309,105 +354,142 @@ def build_packed_sequence(
             k = _as_cu_seqlens(cu_seq_lens_k, "cu_seq_lens_k", device)
             if not torch.equal(q[1], k[1]):
                 raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; causal self-attention needs them equal")
-        explicit = (q, "cu_seq_lens_q/k")
+        explicit = (*q, "cu_seq_lens_q/k")
     if cu_seqlens is not None:
         d = _as_cu_seqlens(cu_seqlens, "cu_seqlens", device)
-        if explicit is not None and not torch.equal(d[1], explicit[0][1]):
+        if explicit is not None and not torch.equal(d[1], explicit[1]):
             raise ValueError("cu_seqlens and cu_seq_lens_q/k are both given and differ")
-        explicit = (d, "cu_seqlens")
+        explicit = (*d, "cu_seqlens")
+    return explicit
 
-    if explicit is not None:
-        (cu, host), source = explicit
-        if batch != 1:
-            raise ValueError(
-                f"{source} describes one packed row, but the batch has {batch} rows; concatenate the documents "
-                "into a single row of shape [1, total_tokens]"
-            )
-        if int(host[-1]) != seq_len:
-            raise ValueError(f"{source} must end at the token count {seq_len}, got {int(host[-1])}")
-        if attention_mask is not None and not bool(_padding_mask(attention_mask, batch, seq_len).all()):
-            raise ValueError(f"attention_mask with padding cannot be combined with {source}; drop the pad tokens")
-        max_seqlen = int((host[1:] - host[:-1]).max())
-        for name, given in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
-            if given is not None and int(given) != max_seqlen:
-                raise ValueError(f"{name}={int(given)} but the longest document in {source} has {max_seqlen} tokens")
-        packed = PackedSequence(cu, max_seqlen, None, None, (batch, seq_len), host)
-        derived = packed.position_in_doc()
-        if position_ids is not None:
-            _check_positions_match(position_ids[0], derived, source)
-        packed.position_ids = derived if mrope_positions is None else mrope_positions[:, 0]
-        if seq_idx_changes is not None:
-            _check_seq_idx_matches(packed, seq_idx_changes, source)
+
+def _from_cu_seqlens(
+    cu: torch.Tensor,
+    host: torch.Tensor,
+    source: str,
+    batch: int,
+    seq_len: int,
+    attention_mask: torch.Tensor | None,
+    max_length_q: int | None,
+    max_length_k: int | None,
+) -> PackedSequence:
+    """(d) / (c): the documents of the explicit boundaries `cu` (`host`, its CPU copy), which describe one row
+    without padding; `max_length_q` / `max_length_k`, where given, must be the longest document."""
+    if batch != 1:
+        raise ValueError(
+            f"{source} describes one packed row, but the batch has {batch} rows; concatenate the documents "
+            "into a single row of shape [1, total_tokens]"
+        )
+    if int(host[-1]) != seq_len:
+        raise ValueError(f"{source} must end at the token count {seq_len}, got {int(host[-1])}")
+    if attention_mask is not None and not bool(_padding_mask(attention_mask, batch, seq_len).all()):
+        raise ValueError(f"attention_mask with padding cannot be combined with {source}; drop the pad tokens")
+    max_seqlen = int((host[1:] - host[:-1]).max())
+    for name, given in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        if given is not None and int(given) != max_seqlen:
+            raise ValueError(f"{name}={int(given)} but the longest document in {source} has {max_seqlen} tokens")
+    packed = PackedSequence(cu, max_seqlen, None, None, (batch, seq_len), host)
+    packed.position_ids = packed.position_in_doc()
+    return packed
+
+
+@dataclass(frozen=True)
+class _RealTokens:
+    """The caller's columns that hold real tokens, as a 2D padding mask gives them (every column without one): what
+    the forms without explicit boundaries split into documents."""
+
+    valid: torch.Tensor | None  # bool [batch, seq_len]; None without a mask
+    token_index: torch.Tensor | None  # long: flat caller indices of the real tokens; None when every column is real
+    row_starts: torch.Tensor  # bool [batch, seq_len]: each row's first real token, which always starts a document
+    span: torch.Tensor | None  # bool [batch, seq_len]: each row's columns from its first real token to its last
+    holes: torch.Tensor | None  # bool [batch]: the rows with masked tokens inside their span; None when none has
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> _RealTokens:
+        valid = _padding_mask(attention_mask, batch, seq_len) if attention_mask is not None else None
+        span = holes = token_index = None
+        if valid is not None:
+            # between each row's first and last real token; a masked token there is a hole
+            span = valid.to(torch.int8).cummax(dim=1).values.bool() & _up_to_last_real(valid)
+            holes = (span & ~valid).any(dim=1)
+            if not bool(holes.any()):
+                holes = None
+            if not bool(valid.all()):
+                token_index = torch.nonzero(valid.reshape(-1)).flatten()
+        if (batch * seq_len if token_index is None else token_index.numel()) == 0:
+            raise ValueError("the batch holds no real token (attention_mask is all zeros)")
+        row_starts = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+        if valid is None:
+            row_starts[:, 0] = True
+        else:
+            row_starts[torch.arange(batch, device=device), valid.to(torch.int8).argmax(dim=1)] = True
+        return cls(valid, token_index, row_starts, span, holes)
+
+    def split_at(self, starts: torch.Tensor) -> PackedSequence:
+        """The real tokens as documents starting where `starts` (bool [batch, seq_len]) is True; a row with holes
+        keeps its masked tokens for the Gated DeltaNet layers (PackedSequence.spans)."""
+        packed = _split_at_starts(starts, self.token_index)
+        if self.holes is not None:
+            packed.spans = _recurrent_spans(self.span, starts, self.valid, self.token_index)
         return packed
 
-    # (a) padding and/or (b) restarting position ids.
-    valid = _padding_mask(attention_mask, batch, seq_len) if attention_mask is not None else None
-    holes = span = None
-    if valid is not None:
-        # between each row's first and last real token; a masked token there is a hole
-        span = valid.to(torch.int8).cummax(dim=1).values.bool() & _up_to_last_real(valid)
-        holes = (span & ~valid).any(dim=1)
-        if not bool(holes.any()):
-            holes = None
-    if holes is not None and seq_idx_changes is not None:
-        rows = torch.nonzero(holes).flatten().tolist()
-        raise ValueError(
-            f"seq_idx cannot be combined with an attention_mask with holes (real tokens after padding inside rows "
-            f"{rows}): such a row is one document"
-        )
-    flat_valid = valid.reshape(-1) if valid is not None else None
-    token_index = None
-    if flat_valid is not None and not bool(flat_valid.all()):
-        token_index = torch.nonzero(flat_valid).flatten()
-    num_tokens = seq_len * batch if token_index is None else token_index.numel()
-    if num_tokens == 0:
-        raise ValueError("the batch holds no real token (attention_mask is all zeros)")
 
-    # A document starts at the first real token of every row, and wherever position_ids restart at 0.
-    starts = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-    if valid is not None:
-        first_real = valid.to(torch.int8).argmax(dim=1)
-        starts[torch.arange(batch, device=device), first_real] = True
-    else:
-        starts[:, 0] = True
-    if position_ids is not None:
-        # a row with holes is one document: a position 0 after its first real token breaks the count (below)
-        starts |= (position_ids == 0) if holes is None else (position_ids == 0) & ~holes[:, None]
-    elif seq_idx_changes is not None:  # seq_idx is the boundary source (checked against position_ids otherwise)
-        starts |= seq_idx_changes
-    flat_starts = starts.reshape(-1)
-    if token_index is not None:
-        flat_starts = flat_starts.index_select(0, token_index)
-    # Boundaries found on the host (the one device-to-host copy of the starts), then sent to the device: the host
-    # copy stays with the stream for the kernels that need it (PackedSequence.cu_seqlens_cpu).
-    start_index = torch.nonzero(flat_starts.cpu()).flatten()
-    host = torch.cat([start_index, start_index.new_tensor([num_tokens])])
-    cu = host.to(torch.int32).to(device, non_blocking=True)
-    packed = PackedSequence(cu, int((host[1:] - host[:-1]).max()), None, token_index, (batch, seq_len), host)
-    derived = packed.position_in_doc()
-    if position_ids is not None:
-        given = packed.pack(position_ids)
-        if not torch.equal(given.to(derived.dtype), derived):
-            bad = int(torch.nonzero(given.to(derived.dtype) != derived)[0])
-            holes_note = (
-                "; a row whose attention_mask has holes is one document, its positions count its real tokens"
-                if holes is not None
-                else ""
-            )
-            raise ValueError(
-                "position_ids must count 0, 1, 2, ... within each document (restarting at 0 for a new document, "
-                f"starting at the first real token of each row); real token {bad} has position {int(given[bad])} "
-                f"where {int(derived[bad])} was expected{holes_note}"
-            )
-    if mrope_positions is None:
-        packed.position_ids = derived
-    else:
-        packed.position_ids = torch.stack([packed.pack(p) for p in mrope_positions])
-    if seq_idx_changes is not None and position_ids is not None:
-        _check_seq_idx_matches(packed, seq_idx_changes, "position_ids")
-    if holes is not None:  # a row with holes is one document
-        packed.spans = _recurrent_spans(span, starts, valid, token_index)
+def _from_position_ids(position_ids: torch.Tensor, real: _RealTokens) -> PackedSequence:
+    """(b): a document starts at every row's first real token and wherever `position_ids` restart at 0, and they
+    must count 0, 1, 2, ... within it. A row with holes is one document: a 0 after its first real token breaks the
+    count."""
+    restarts = position_ids == 0
+    if real.holes is not None:
+        restarts = restarts & ~real.holes[:, None]
+    packed = real.split_at(real.row_starts | restarts)
+    mismatch = _first_position_mismatch(packed, position_ids)
+    if mismatch is not None:
+        token, given, expected = mismatch
+        holes_note = (
+            "; a row whose attention_mask has holes is one document, its positions count its real tokens"
+            if real.holes is not None
+            else ""
+        )
+        raise ValueError(
+            "position_ids must count 0, 1, 2, ... within each document (restarting at 0 for a new document, "
+            f"starting at the first real token of each row); real token {token} has position {given} "
+            f"where {expected} was expected{holes_note}"
+        )
     return packed
+
+
+def _from_seq_idx(seq_idx_changes: torch.Tensor, real: _RealTokens) -> PackedSequence:
+    """`seq_idx` as the boundary source: a document starts at every row's first real token and wherever seq_idx
+    changes within a row (`seq_idx_changes`, bool [batch, seq_len])."""
+    return real.split_at(real.row_starts | seq_idx_changes)
+
+
+def _one_document_per_row(real: _RealTokens) -> PackedSequence:
+    """(a), and rows given without any boundary source: every row is one document of its real tokens."""
+    return real.split_at(real.row_starts)
+
+
+def _first_position_mismatch(packed: PackedSequence, position_ids: torch.Tensor) -> tuple[int, int, int] | None:
+    """(real token, its position in `position_ids` [batch, seq_len], its offset in its document) at the first real
+    token where the two differ; None where they agree everywhere."""
+    given = packed.pack(position_ids)
+    expected = packed.position_in_doc()
+    differ = given.to(expected.dtype) != expected
+    if not bool(differ.any()):
+        return None
+    token = int(torch.nonzero(differ)[0])
+    return token, int(given[token]), int(expected[token])
+
+
+def _check_positions_agree(packed: PackedSequence, position_ids: torch.Tensor, source: str) -> None:
+    """`position_ids` given beside explicit boundaries must count the tokens of each of their documents."""
+    mismatch = _first_position_mismatch(packed, position_ids)
+    if mismatch is not None:
+        token, given, expected = mismatch
+        raise ValueError(
+            f"position_ids contradict {source}: at token {token} position_ids gives {given} but the document "
+            f"boundaries imply {expected}"
+        )
 
 
 def continuation_sequence(

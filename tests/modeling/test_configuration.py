@@ -112,6 +112,32 @@ def test_moe_aux_coefficient_must_be_a_number():
         Qwen3_5MoePackedConfig(router_aux_loss_coef="0.001")
 
 
+def test_moe_config_takes_the_dense_fields_and_its_own():
+    """The MoE config's parameters are the dense config's (its shape defaults Qwen3.5-35B-A3B's) with the MoE fields
+    before the kernel choices; fields given by keyword or by position reach the config as they bind there."""
+    import inspect
+
+    from qwen35_packed.modeling.configuration_qwen3_5_packed import MOE_FIELDS, MOE_SHAPE_DEFAULTS
+
+    dense = inspect.signature(Qwen3_5PackedConfig.__init__).parameters
+    moe = inspect.signature(Qwen3_5MoePackedConfig.__init__).parameters
+    assert [name for name in moe if name not in MOE_FIELDS] == list(dense)
+    names = list(moe)
+    assert names.index("gdn_kernel") == names.index("router_aux_loss_coef") + 1
+    for name, parameter in dense.items():
+        assert moe[name].default == MOE_SHAPE_DEFAULTS.get(name, parameter.default), name
+    for name, (default, _) in MOE_FIELDS.items():
+        assert moe[name].default == default, name
+
+    given = {**tiny_kwargs("moe"), "num_experts": 6, "output_router_logits": True}
+    config = Qwen3_5MoePackedConfig(**given, moe_kernel="loop")
+    assert (config.num_experts, config.output_router_logits, config.moe_kernel) == (6, True, "loop")
+    assert config.hidden_size == tiny_kwargs("moe")["hidden_size"]
+    assert Qwen3_5MoePackedConfig(248320, 1024).hidden_size == 1024  # positions follow the signature
+    with pytest.raises(TypeError, match="vocab_size"):
+        Qwen3_5MoePackedConfig(248320, vocab_size=248320)
+
+
 @pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-4B", "Qwen3.5-9B", "Qwen3.5-35B-A3B"])
 def test_example_config_is_the_official_file(name):
     # examples/fsdp2_train_step.py and the benchmarks read these copies (the reference set does not travel to the

@@ -247,6 +247,27 @@ def test_seq_idx_alone_sets_boundaries_and_padding_starts_rows():
     assert packed.cu_seqlens.tolist() == [0, 2, 3, 5, 8]
 
 
+def test_3d_position_ids_are_the_rope_positions_of_the_stream_whichever_form_gives_the_documents():
+    # Multimodal rope positions [3, batch, seq] (or transformers' [4, ...] with a leading text row) set no boundary:
+    # the stream carries them, packed like the tokens, and the documents come from the other form given.
+    rope = torch.arange(30).reshape(3, 1, 10)
+    with_text_row = torch.cat([torch.full((1, 1, 10), -1), rope])
+    for kwargs in (
+        {"cu_seqlens": torch.tensor([0, 4, 10])},
+        {"cu_seq_lens_q": torch.tensor([0, 4, 10]), "cu_seq_lens_k": torch.tensor([0, 4, 10])},
+        {"seq_idx": torch.tensor([[0] * 4 + [1] * 6])},
+    ):
+        for positions in (rope, with_text_row):
+            packed = _build(position_ids=positions, **kwargs)
+            assert packed.cu_seqlens.tolist() == [0, 4, 10]
+            assert torch.equal(packed.position_ids, rope[:, 0])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    padded_rope = torch.arange(30).reshape(3, 2, 5)
+    packed = _build(shape=(2, 5), attention_mask=mask, position_ids=padded_rope)
+    assert packed.cu_seqlens.tolist() == [0, 3, 7]
+    assert torch.equal(packed.position_ids, padded_rope.reshape(3, -1)[:, mask.flatten().bool()])
+
+
 def test_a_mask_with_holes_keeps_the_masked_tokens_for_the_recurrent_layers_only():
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0]])
     packed = _build(shape=(2, 8), attention_mask=mask)
