@@ -29,6 +29,7 @@ from conftest import tiny_kwargs
 from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,
                            Qwen3_5PackedForCausalLM)
 from qwen35_packed.modeling import kernel_selection, kernels, modeling_qwen3_5_packed, reference_kernels, triton_elementwise as te
+from qwen35_packed.modeling.kernel_set import kernel_set
 
 results = {}
 
@@ -129,7 +130,6 @@ results["saved_bytes"] = {
 # A whole tiny model, packed, with every chain through the kernels: logits and gradients against eager, both
 # measured against the eager model in fp64 (the GDN decay parameters' gradients are sums with cancellation, where
 # fp32 summation order alone moves them by ~1e-4).
-modeling_qwen3_5_packed.bound_kernels = lambda config, device, dtype: CHOICE
 cu = torch.tensor([0, 7, 30, 45], dtype=torch.int32)
 for kind, model_class, config_class, moe in (
     ("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig, "loop"),
@@ -144,6 +144,7 @@ for kind, model_class, config_class, moe in (
         CHOICE = kernel_selection.KernelChoice("torch", "sdpa", mode, moe=experts)
         torch.manual_seed(0)
         model = model_class(config_class(**tiny_kwargs(kind), return_logits_with_loss=True)).train().to(dtype)
+        model.model.use_kernels(kernel_set(CHOICE))
         out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
         out.loss.backward()
         runs[label] = (out.logits.detach().double(),
@@ -171,6 +172,7 @@ for kind, model_class, config_class, moe in (
     CHOICE = kernel_selection.KernelChoice("torch", "sdpa", "triton", moe=moe)
     torch.manual_seed(0)
     model = model_class(config_class(**tiny_kwargs(kind))).train().to(torch.bfloat16)
+    model.model.use_kernels(kernel_set(CHOICE))
     ids = torch.randint(0, tiny_kwargs(kind)["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(7))
     grads = {}
     original = modeling_qwen3_5_packed.RecomputedActivations

@@ -21,7 +21,8 @@ from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows  # noqa: E4
 INTERPRETED_CHECKS = r"""
 import json
 import torch
-from qwen35_packed.modeling import kernel_selection, kernels
+from qwen35_packed.modeling import kernel_selection
+from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.triton_gather_sum import GatherSumBlocks, gather_sum_rows
 
 SMALL = GatherSumBlocks(groups=2, columns=8, warps=1)
@@ -83,12 +84,12 @@ results["slices_equal"] = all(
     torch.equal(gather_sum_rows(src, index[a * 8 : b * 8], 8, SMALL), full[a:b]) for a, b in ((0, 1), (1, 4), (4, 12))
 )
 
-# The dispatch: kernels.gather_sum with combine="triton" against combine="eager".
-triton_choice = kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="triton")
-eager_choice = kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="eager")
+# The kernel set's combine with combine="triton" against combine="eager".
+triton_combine = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="triton")).combine
+eager_combine = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="eager")).combine
 src = torch.randn(48, 24, generator=gen)
 index = torch.randperm(48, generator=gen)
-got, want = kernels.gather_sum(src, index, 8, triton_choice), kernels.gather_sum(src, index, 8, eager_choice)
+got, want = triton_combine(src, index, 8), eager_combine(src, index, 8)
 results["dispatch_max_abs"] = (got - want).abs().max().item()
 print(json.dumps(results))
 """
