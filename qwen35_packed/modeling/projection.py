@@ -117,20 +117,26 @@ def _is_dtensor(weight: torch.Tensor) -> bool:
 
 class RowInvariantProduct(torch.autograd.Function):
     """x [N, in] @ weight^T in `dtype` through `row_invariant_product`. Only the forward decides a token's result,
-    so only it needs the invariant kernel: the backward is two plain GEMMs, in the parameters' dtype when x has it
-    too (bf16 training: tensor-core GEMMs with fp32 accumulation, as autograd through a bf16 F.linear), else in
-    fp32. It saves x itself, not a cast copy, so an activation recomputed in the backward (recompute.py) is known
-    by its identity."""
+    so only it needs the invariant kernel: the backward is two plain GEMMs. They run in the forward's `dtype` where
+    that is no wider than x (autocast, or fp32 adapter weights on bf16 activations: tensor-core GEMMs with fp32
+    accumulation, as autograd through an autocast F.linear computes them); a product widened to fp32 from bf16
+    inputs (the router's logits) keeps its backward in the inputs' dtype when both share it, else fp32. It saves x
+    itself, not a cast copy, so an activation recomputed in the backward (recompute.py) is known by its
+    identity."""
 
     @staticmethod
     def forward(ctx, x, weight, dtype):
         ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
         return row_invariant_product(x.to(dtype), weight.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dtype = x.dtype if x.dtype == weight.dtype else torch.float32
+        if ctx.dtype.itemsize <= x.dtype.itemsize:
+            dtype = ctx.dtype
+        else:
+            dtype = x.dtype if x.dtype == weight.dtype else torch.float32
         grad = grad.to(dtype)  # the incoming gradient's dtype is the caller's (bf16 where it cast the logits)
         grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -158,12 +164,31 @@ class RowInvariantLinear(nn.Linear):
         return row_invariant_linear(x, self.weight, self.bias)
 
 
+class _CastOutsideAutocast:
+    """The value of a PEFT LoRA layer's `cast_input_dtype_enabled` (PEFT casts the layer's input to the adapter
+    weights' dtype while it is truthy): true outside autocast, where the adapter's products then run in the weights'
+    dtype (fp32 for PEFT's default adapters) as PEFT computes them; false under autocast, where they run in the
+    autocast dtype whatever the input's dtype, so the cast would only copy every adapted projection's [tokens,
+    hidden] input to fp32 and back, and skipping it changes no bit (tests/modeling/test_projection.py)."""
+
+    def __bool__(self) -> bool:
+        return not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+    def __repr__(self) -> str:
+        return "cast outside autocast"
+
+
+CAST_OUTSIDE_AUTOCAST = _CastOutsideAutocast()
+
+
 def adopt_adapter_products(model: nn.Module) -> None:
     """Turn the plain nn.Linear low-rank products of PEFT's LoRA wrappers in `model` (their `lora_A` / `lora_B`
     module dicts) into RowInvariantLinear: the same parameters and keys, so PEFT saves, merges and unloads them as
-    before, and an adapter's rank-r products no longer vary with the row count. PEFT records the adapters it
-    injects in `model.peft_config` (a dict by adapter name, also for adapters added later); the modules are walked
-    only when that record changes, so every forward calls this for the price of an attribute read."""
+    before, and an adapter's rank-r products no longer vary with the row count. The wrappers cast their input to the
+    adapter weights' dtype outside autocast only (`CAST_OUTSIDE_AUTOCAST`; a wrapper whose casting is already off
+    stays off). PEFT records the adapters it injects in `model.peft_config` (a dict by adapter name, also for
+    adapters added later); the modules are walked only when that record changes, so every forward calls this for
+    the price of an attribute read."""
     adapters = model.__dict__.get("peft_config")
     key = tuple(adapters) if isinstance(adapters, dict) else None
     if model.__dict__.get("_row_invariant_adapters") == key:
@@ -175,4 +200,6 @@ def adopt_adapter_products(model: nn.Module) -> None:
                 for product in products.values():
                     if type(product) is nn.Linear:
                         product.__class__ = RowInvariantLinear
+                if name == "lora_A" and module.__dict__.get("cast_input_dtype_enabled") is True:
+                    module.cast_input_dtype_enabled = CAST_OUTSIDE_AUTOCAST
     model.__dict__["_row_invariant_adapters"] = key
