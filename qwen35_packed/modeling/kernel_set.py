@@ -48,6 +48,9 @@ class KernelSet:
     conv: Callable  # (x, weight, packed, split_sizes, initial_state=None, adapters=()) -> (q, k, v)
     delta_rule: Callable  # (q, k, v, g, beta, packed, initial_state=None, output_final_state=False) -> (o, state)
     gated_norm: Callable  # (x, gate, weight, eps) -> weight * rmsnorm(x) * silu(gate)
+    # a generation step with one new token per row, all rows at once (the decode kernels)
+    conv_step: Callable  # (x [B, C], weight, state [B, C, K]) -> (silu(conv) [B, C], new state)
+    delta_rule_step: Callable  # (q, k, v, g, beta, state [B, Hv, Dk, Dv]) -> (o [B, Hv, Dv], new state)
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
     cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a generation step's attention
@@ -104,6 +107,9 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
         gated_norm=_GATED_NORM[choice.gdn],
+        # batched PyTorch steps on every device: a few elementwise kernels and small matmuls per layer and step
+        conv_step=reference.torch_causal_conv1d_step,
+        delta_rule_step=reference.torch_gated_delta_rule_step,
         attention=functools.partial(
             kernels.causal_attention,
             varlen=varlen,
