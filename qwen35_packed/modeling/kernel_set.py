@@ -53,7 +53,8 @@ class KernelSet:
     delta_rule_step: Callable  # (q, k, v, g, beta, state [B, Hv, Dk, Dv]) -> (o [B, Hv, Dv], new state)
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
-    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a generation step's attention
+    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached forward's attention
+    attention_step: Callable  # (q [B, H, D], k, v [B, Hkv, D], cache rows, scale) -> one new token per row
     varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
     # MoE: the experts as one grouped GEMM per projection (else the per-expert loop), the top-k combine
     grouped_experts: bool
@@ -117,6 +118,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
             long_documents_alone=choice.long_documents == "sdpa" and choice.attention != "sdpa",
         ),
         cached_attention=kernels.cached_attention,
+        attention_step=kernels.attention_step,
         varlen_attention=varlen,
         grouped_experts=choice.moe == "grouped_mm",
         combine=_gather_sum_triton if choice.combine == "triton" else kernels.gather_sum,
