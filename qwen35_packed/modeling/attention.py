@@ -58,10 +58,14 @@ class GatedAttention(nn.Module):
         cos, sin = batch.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if batch.cache is None:
-            out = kernels.attention(q, k, v, batch.packed, self.scaling)
+        cache, packed = batch.cache, batch.packed
+        if cache is None:
+            out = kernels.attention(q, k, v, packed, self.scaling)
+        elif batch.continues_cache and packed.num_tokens == packed.num_docs == cache.batch_size:
+            # a generation step with one new token per row: all rows in one call
+            out = kernels.attention_step(q, k, v, cache.layers[self.layer_idx], self.scaling)
         else:
-            out = kernels.cached_attention(q, k, v, batch.packed, batch.cache.layers[self.layer_idx], self.scaling)
+            out = kernels.cached_attention(q, k, v, packed, cache.layers[self.layer_idx], self.scaling)
         probabilities = None
         if batch.output_attentions:  # the slow reference path, only when asked; `out` is the kernel's
             if batch.continues_cache:

@@ -10,7 +10,8 @@ It is a transformers `Cache`, so generate(), beam search and code that reads tra
   transformers keeps them (the conv of the next token reads the last K-1), `recurrent_states[0]` [B, Hv, Dk, Dv]
   the fp32 delta-rule state.
 - a full-attention layer is `PerRowKeysValues`: the keys/values of every row's real tokens only, without padding
-  (`key_rows[b]` [tokens of row b, kv_heads, head_dim]), so left-padded prompts decode exactly like unpadded ones.
+  (`key_rows[b]` [tokens of row b, kv_heads, head_dim]; held in one buffer for all rows), so left-padded prompts
+  decode like unpadded ones.
   Its `keys` / `values` give transformers' layout [B, kv_heads, columns, head_dim], built when read: each row's
   tokens in their columns (`real_columns`), zeros in the columns of its padding (where a DynamicCache holds the
   padding tokens' keys).
@@ -59,7 +60,10 @@ class RecurrentStateLayer:
 
 
 class PerRowKeysValues:
-    """A full-attention layer: keys/values [tokens, kv_heads, head_dim] of each row's real tokens."""
+    """A full-attention layer: keys/values of each row's real tokens, row b's `lengths[b]` of them in row b of one
+    buffer [B, capacity, kv_heads, head_dim] (the capacity doubles when a row outgrows it), so a generation step
+    appends every row's new key at once and attends with one call over all rows (kernels.attention_step).
+    `key_rows[b]` / `value_rows[b]` are row b's [tokens, kv_heads, head_dim] (views)."""
 
     is_sliding = False
     is_compileable = False
@@ -67,8 +71,57 @@ class PerRowKeysValues:
 
     def __init__(self, cache: Qwen3_5PackedCache, batch_size: int):
         self._cache = cache  # the column count the transformers layout is padded to
-        self.key_rows: list[torch.Tensor | None] = [None] * batch_size
-        self.value_rows: list[torch.Tensor | None] = [None] * batch_size
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+        self.host_lengths = [0] * batch_size  # tokens held per row, on the host (slicing needs no device read)
+        self.lengths: torch.Tensor | None = None  # the same, long [B] on the buffers' device (the step's mask)
+
+    @property
+    def key_rows(self) -> list[torch.Tensor | None]:
+        return self._rows(self.key_buffer)
+
+    @property
+    def value_rows(self) -> list[torch.Tensor | None]:
+        return self._rows(self.value_buffer)
+
+    def _rows(self, buffer: torch.Tensor | None) -> list[torch.Tensor | None]:
+        if buffer is None:
+            return [None] * len(self.host_lengths)
+        return [buffer[b, :length] for b, length in enumerate(self.host_lengths)]
+
+    def _reserve(self, k: torch.Tensor, longest: int) -> None:
+        """Buffers for rows of up to `longest` tokens, of k's kind, grown by doubling."""
+        if self.key_buffer is None:
+            shape = (len(self.host_lengths), max(longest, 16), *k.shape[1:])
+            self.key_buffer, self.value_buffer = k.new_zeros(shape), k.new_zeros(shape)
+            self.lengths = torch.zeros(len(self.host_lengths), dtype=torch.long, device=k.device)
+            return
+        capacity = self.key_buffer.shape[1]
+        if longest > capacity:
+            grow = max(longest, 2 * capacity) - capacity
+            self.key_buffer = torch.nn.functional.pad(self.key_buffer, (0, 0, 0, 0, 0, grow))
+            self.value_buffer = torch.nn.functional.pad(self.value_buffer, (0, 0, 0, 0, 0, grow))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> None:
+        """Row b's new keys / values are k[bounds[b]:bounds[b + 1]] (the stream of a cached forward)."""
+        counts = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        self._reserve(k, max(length + count for length, count in zip(self.host_lengths, counts)))
+        for row, (start, count) in enumerate(zip(bounds[:-1], counts)):
+            if count:
+                length = self.host_lengths[row]
+                self.key_buffer[row, length : length + count] = k[start : start + count]
+                self.value_buffer[row, length : length + count] = v[start : start + count]
+        self.host_lengths = [length + count for length, count in zip(self.host_lengths, counts)]
+        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=k.device)
+
+    def append_one_each(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A generation step: one new key / value per row, k / v [B, kv_heads, head_dim], written at once."""
+        self._reserve(k, max(self.host_lengths) + 1)
+        rows = torch.arange(len(self.host_lengths), device=k.device)
+        self.key_buffer[rows, self.lengths] = k
+        self.value_buffer[rows, self.lengths] = v
+        self.lengths = self.lengths + 1
+        self.host_lengths = [length + 1 for length in self.host_lengths]
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -90,9 +143,14 @@ class PerRowKeysValues:
     def get_max_length(self) -> int:
         return -1  # grows with the sequence, like a DynamicLayer
 
-    def select_rows(self, order: list[int]) -> None:
-        self.key_rows = [self.key_rows[j] for j in order]
-        self.value_rows = [self.value_rows[j] for j in order]
+    def select_rows(self, index: torch.Tensor) -> None:
+        order = index.tolist()
+        self.host_lengths = [self.host_lengths[j] for j in order]
+        if self.key_buffer is not None:
+            index = index.to(self.key_buffer.device)
+            self.key_buffer = self.key_buffer.index_select(0, index)
+            self.value_buffer = self.value_buffer.index_select(0, index)
+            self.lengths = self.lengths.index_select(0, index)
 
 
 def _new_linear_layer():
@@ -188,10 +246,9 @@ class Qwen3_5PackedCache(Cache):
 
     def _select_rows(self, index: torch.LongTensor) -> None:
         """Row b becomes the old row index[b] (index may repeat rows or drop them)."""
-        order = index.tolist()
         for layer in self.layers:
             if isinstance(layer, PerRowKeysValues):
-                layer.select_rows(order)
+                layer.select_rows(index)
                 continue
             for states in (layer.conv_states, layer.recurrent_states):
                 if states[0] is not None:
@@ -203,7 +260,7 @@ class Qwen3_5PackedCache(Cache):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, index.to(value.device)))
-        self._batch_size = len(order)
+        self._batch_size = index.numel()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows follow `beam_idx`."""

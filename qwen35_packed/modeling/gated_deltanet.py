@@ -98,16 +98,20 @@ class GatedDeltaNet(nn.Module):
 
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
+        split = [self.key_dim, self.key_dim, self.value_dim]
+        if batch.continues_cache and not conv.adapters and packed.num_tokens == packed.num_docs == cache.batch_size:
+            # a generation step with one new token per row: the batched decode kernels
+            out, conv_state = kernels.conv_step(mixed, conv.weight, conv_state)
+            q, k, v = torch.split(out, split, dim=-1)
+            q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+            k = k.reshape(n, self.num_k_heads, self.head_k_dim)
+            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+            core, final_state = kernels.delta_rule_step(q, k, v, g, beta, recurrent_state)
+            cache.store_linear_states(self.layer_idx, conv_state, final_state)
+            return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))
         # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
         history = conv_state[..., 1:] if conv_state is not None else None
-        q, k, v = kernels.conv(
-            mixed,
-            conv.weight,
-            packed,
-            [self.key_dim, self.key_dim, self.value_dim],
-            initial_state=history,
-            adapters=conv.adapters,
-        )
+        q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=history, adapters=conv.adapters)
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)

@@ -48,9 +48,13 @@ class KernelSet:
     conv: Callable  # (x, weight, packed, split_sizes, initial_state=None, adapters=()) -> (q, k, v)
     delta_rule: Callable  # (q, k, v, g, beta, packed, initial_state=None, output_final_state=False) -> (o, state)
     gated_norm: Callable  # (x, gate, weight, eps) -> weight * rmsnorm(x) * silu(gate)
+    # a generation step with one new token per row, all rows at once (the decode kernels)
+    conv_step: Callable  # (x [B, C], weight, state [B, C, K]) -> (silu(conv) [B, C], new state)
+    delta_rule_step: Callable  # (q, k, v, g, beta, state [B, Hv, Dk, Dv]) -> (o [B, Hv, Dv], new state)
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
-    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a generation step's attention
+    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached forward's attention
+    attention_step: Callable  # (q [B, H, D], k, v [B, Hkv, D], cache rows, scale) -> one new token per row
     varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
     # MoE: the experts as one grouped GEMM per projection (else the per-expert loop), the top-k combine
     grouped_experts: bool
@@ -104,6 +108,9 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
         gated_norm=_GATED_NORM[choice.gdn],
+        # batched PyTorch steps on every device: a few elementwise kernels and small matmuls per layer and step
+        conv_step=reference.torch_causal_conv1d_step,
+        delta_rule_step=reference.torch_gated_delta_rule_step,
         attention=functools.partial(
             kernels.causal_attention,
             varlen=varlen,
@@ -111,6 +118,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
             long_documents_alone=choice.long_documents == "sdpa" and choice.attention != "sdpa",
         ),
         cached_attention=kernels.cached_attention,
+        attention_step=kernels.attention_step,
         varlen_attention=varlen,
         grouped_experts=choice.moe == "grouped_mm",
         combine=_gather_sum_triton if choice.combine == "triton" else kernels.gather_sum,

@@ -317,15 +317,34 @@ def causal_attention(q, k, v, packed, scale: float, varlen, host_bounds: bool, l
 
 
 def cached_attention(q, k, v, packed, rows, scale: float) -> torch.Tensor:
-    """A generation step's attention: each document of the stream is one batch row continuing its cached keys /
-    values (`rows`: the layer's cache entry, extended here by the new ones). Causal with an offset: query i sees
-    every cached key plus the new keys up to itself."""
-    keys, values = rows.key_rows, rows.value_rows
-    outs = []
+    """A cached forward's attention (the prefill, a step of several tokens): each document of the stream is one
+    batch row continuing its cached keys / values (`rows`: the layer's cache entry, extended here by the new ones).
+    Causal with an offset: query i sees every cached key plus the new keys up to itself."""
     bounds = packed.cu_seqlens_cpu().tolist()
-    for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        k_row = torch.cat([keys[row], k[start:end]]) if keys[row] is not None else k[start:end]
-        v_row = torch.cat([values[row], v[start:end]]) if values[row] is not None else v[start:end]
-        keys[row], values[row] = k_row, v_row
-        outs.append(sdpa_one_document(q[start:end], k_row, v_row, scale, causal=True))
+    rows.append(k, v, bounds)
+    keys, values = rows.key_rows, rows.value_rows
+    outs = [
+        sdpa_one_document(q[start:end], keys[row], values[row], scale, causal=True)
+        for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+        if end > start
+    ]
     return torch.cat(outs)
+
+
+def attention_step(q, k, v, rows, scale: float) -> torch.Tensor:
+    """A generation step with one new token per row, all rows in one SDPA call: q [B, H, D] and k / v [B, Hkv, D]
+    of the new tokens; `rows` (the layer's cache entry) takes the new keys / values first, then every row's query
+    attends to the row's keys, the padding of shorter rows masked out."""
+    rows.append_one_each(k, v)
+    longest = max(rows.host_lengths)
+    keys, values = (buffer[:, :longest].transpose(1, 2) for buffer in (rows.key_buffer, rows.value_buffer))
+    visible = torch.arange(longest, device=q.device)[None, :] < rows.lengths[:, None]  # [B, longest]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(2)

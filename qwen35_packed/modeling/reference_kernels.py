@@ -105,6 +105,18 @@ def torch_causal_conv1d_varlen(
     return F.silu(causal_conv1d_pre_activation(x, weight, position_in_doc, doc_index, initial_state)).to(x.dtype)
 
 
+def torch_causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    """One generation step of the conv + SiLU, one new input per row: x [B, C]; weight [C, K]; state [B, C, K] the
+    row's last K inputs (transformers' layout) -> (output [B, C] in x's dtype, the new last K inputs). The sum runs
+    in the order of `causal_conv1d_pre_activation`, so a step gives the stream formula's bits."""
+    window = torch.cat([state[..., 1:].to(x.dtype), x.unsqueeze(-1)], dim=-1)
+    kernel = weight.shape[-1]
+    out = x.float() * weight[:, kernel - 1].float()
+    for lag in range(1, kernel):
+        out = out + window[..., kernel - 1 - lag].float() * weight[:, kernel - 1 - lag].float()
+    return F.silu(out).to(x.dtype), window
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Gated delta rule
 # --------------------------------------------------------------------------------------------------------------
@@ -176,6 +188,23 @@ def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=No
         states.append(s)
     final = torch.stack(states) if output_final_state else None
     return torch.cat(outs).to(dtype), final
+
+
+def torch_gated_delta_rule_step(q, k, v, g, beta, state):
+    """One generation step of the delta rule, one new token per row, all rows at once: q, k [B, Hk, Dk]; v [B, Hv,
+    Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32). The
+    chunked form's arithmetic for a one-token chunk (torch_chunk_gated_delta_rule), batched over the rows."""
+    dtype = v.dtype
+    ratio = v.shape[1] // k.shape[1]
+    q = l2norm(q.float()).repeat_interleave(ratio, dim=1) * q.shape[-1] ** -0.5
+    k = l2norm(k.float()).repeat_interleave(ratio, dim=1)
+    v, g, beta = v.float(), g.float(), beta.float()
+    decay = g.exp()
+    w = k * (beta * decay).unsqueeze(-1)
+    new_v = v * beta.unsqueeze(-1) - (w.unsqueeze(-2) @ state).squeeze(-2)
+    out = ((q * decay.unsqueeze(-1)).unsqueeze(-2) @ state).squeeze(-2) + (q * k).sum(-1, keepdim=True) * new_v
+    state = state * decay[..., None, None] + k.unsqueeze(-1) @ new_v.unsqueeze(-2)
+    return out.to(dtype), state
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -224,3 +224,36 @@ def test_the_row_count_of_a_cache_must_match_the_input():
         cache = model(torch.tensor([[4, 5, 6]]), use_cache=True).past_key_values
         with pytest.raises(ValueError, match="cache holds 1 rows but the input has 2"):
             model(torch.tensor([[1], [2]]), past_key_values=cache)
+
+
+def test_generation_steps_run_the_step_kernels():
+    """A generate() step with one new token per row calls the kernel set's step kernels, for every GDN and attention
+    layer, and never the stream kernels; the prefill runs the stream kernels."""
+    import dataclasses
+
+    from qwen35_packed.modeling.kernel_set import REFERENCE_KERNELS
+
+    model = packed_model("dense").eval()
+    calls = []
+
+    def recorded(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return getattr(REFERENCE_KERNELS, name)(*args, **kwargs)
+
+        return call
+
+    members = ("conv", "delta_rule", "cached_attention", "conv_step", "delta_rule_step", "attention_step")
+    model.model.use_kernels(dataclasses.replace(REFERENCE_KERNELS, **{name: recorded(name) for name in members}))
+    ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, min_new_tokens=3, pad_token_id=0)
+    gdn = sum(t == "linear_attention" for t in model.config.layer_types)
+    attention = len(model.config.layer_types) - gdn
+    prefill = calls[: 2 * gdn + attention]
+    assert sorted(set(prefill)) == ["cached_attention", "conv", "delta_rule"]
+    steps = calls[len(prefill) :]
+    assert sorted(set(steps)) == ["attention_step", "conv_step", "delta_rule_step"]
+    assert len(steps) == 2 * (2 * gdn + attention)  # two steps after the prefill's first token

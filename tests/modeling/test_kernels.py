@@ -300,3 +300,54 @@ def test_fla_dispatch_passes_one_cu_seqlens_object_and_a_cpu_copy(monkeypatch):
     assert host_cu.dtype == torch.int64 and host_cu.device.type == "cpu"
     assert device_cu.tolist() == host_cu.tolist() == packed.cu_seqlens.tolist() == [0, 3, 4, 74, 76]
     assert hidden.grad is not None and weight.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------ generation steps
+
+
+def test_decode_steps_equal_the_stream_kernels_continuing_a_state():
+    """One new token per row, all rows at once: the conv step gives the stream formula's bits continuing the cached
+    inputs (and the last K inputs as the new state), the delta-rule step the chunked delta rule from the cached state
+    (fp32 rounding), the attention step SDPA over each row's own keys only (rows of different lengths)."""
+    from qwen35_packed.modeling.cache import Qwen3_5PackedCache
+
+    gen = torch.Generator().manual_seed(11)
+    rows, channels, kernel = 5, 12, 4
+    x = torch.randn(rows, channels, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    state = torch.randn(rows, channels, kernel, generator=gen)
+    one_each = _packed([1] * rows)
+    out, new_state = reference_kernels.torch_causal_conv1d_step(x, weight, state)
+    stream = reference_kernels.torch_causal_conv1d_varlen(
+        x, weight, one_each.position_in_doc(), one_each.doc_index(), state[..., 1:]
+    )
+    assert torch.equal(out, stream)
+    assert torch.equal(new_state, torch.cat([state[..., 1:], x.unsqueeze(-1)], dim=-1))
+
+    hk, hv, dk, dv = 2, 4, 8, 6
+    q, k = torch.randn(rows, hk, dk, generator=gen), torch.randn(rows, hk, dk, generator=gen)
+    v = torch.randn(rows, hv, dv, generator=gen)
+    g, beta = -torch.rand(rows, hv, generator=gen), torch.rand(rows, hv, generator=gen)
+    recurrent = torch.randn(rows, hv, dk, dv, generator=gen)
+    o, final = reference_kernels.torch_gated_delta_rule_step(q, k, v, g, beta, recurrent)
+    o_ref, final_ref = reference_kernels.torch_gated_delta_rule_varlen(
+        q, k, v, g, beta, one_each.cu_seqlens_cpu(), recurrent, True
+    )
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(final, final_ref, atol=1e-6, rtol=1e-6)
+
+    heads, kv_heads, d = 4, 2, 8
+    prompt = [3, 1, 7, 2, 5]
+    cache = Qwen3_5PackedCache(["full_attention"], rows)
+    layer = cache.layers[0]
+    keys, values = (torch.randn(sum(prompt), kv_heads, d, generator=gen) for _ in range(2))
+    layer.append(keys, values, [0, *torch.tensor(prompt).cumsum(0).tolist()])
+    q_new = torch.randn(rows, heads, d, generator=gen)
+    k_new, v_new = (torch.randn(rows, kv_heads, d, generator=gen) for _ in range(2))
+    got = kernels.attention_step(q_new, k_new, v_new, layer, d**-0.5)
+    for row in range(rows):
+        alone = reference_kernels.sdpa_one_document(
+            q_new[row : row + 1], layer.key_rows[row], layer.value_rows[row], d**-0.5, causal=True
+        )
+        assert layer.key_rows[row].shape[0] == prompt[row] + 1 and torch.equal(layer.key_rows[row][-1], k_new[row])
+        torch.testing.assert_close(got[row : row + 1], alone, atol=1e-6, rtol=1e-6)
