@@ -1,0 +1,170 @@
+"""generate() throughput and latency, qwen35-packed vs transformers' built-in Qwen3.5, one model at a time.
+
+For each model, implementation, batch size, prompt length and decoding mode: random prompt ids (a new draw for every
+call, seeded), `generate()` with exactly `--new-tokens` new tokens (min_new_tokens = max_new_tokens), timed as the
+first call (kernel compilation and autotuning included) and then warm (the mean of `--reps` further calls with new
+prompts). From the warm calls: the prefill (a call with one new token) and the decode step ((full call - prefill) /
+(new tokens - 1)), new tokens per second (batch x new tokens / full call), peak GPU memory. Weights are random
+(seed 0, bf16 on CUDA); both implementations get the same shapes, not the same weights (one model is built at a
+time, so a 35B-A3B fits).
+
+Models: Qwen3.5-0.8B, 4B and 35B-A3B text configs (examples/configs; vocab 248,320); `name:L` keeps the first L
+layers. On the built-in: transformers' own fast paths where installed (FLA, causal_conv1d).
+
+    python benchmarks/bench_generate.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,builtin]
+        [--batches 1,16,64] [--prompts 512,4096] [--new-tokens 256] [--modes greedy,sampled] [--reps 2]
+        [--device cuda] [--tiny] [--out FILE]
+
+--tiny runs a small config (on CPU it measures the host work of a decode step, which a GPU run at small shapes is
+bound by as well). Prints a table and writes JSON under results/benchmarks/ (or --out) after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from bench_train_step import TINY, default_dtype, model_kwargs, model_spec, peak_gib, sync
+from bench_workload import MODELS as MOE_MODELS
+from bench_workload import classes, text_config
+
+ROOT = Path(__file__).resolve().parent
+MOE_MODEL = "qwen35_35b_a3b"
+
+
+def config_kwargs(spec: str, tiny: bool) -> tuple[str, str, dict]:
+    """(result name, model key, config fields) of 'qwen35_4b', 'qwen35_4b:8' or 'qwen35_35b_a3b[:L]'."""
+    key, _, layers = spec.partition(":")
+    if tiny:
+        kwargs = text_config(MOE_MODEL, True) if key == MOE_MODEL else dict(TINY)
+        return f"{key}_tiny", key, kwargs
+    if key in MOE_MODELS:
+        kwargs = text_config(key, False)
+        name = key
+        if layers:
+            total = kwargs["num_hidden_layers"]
+            kwargs["layer_types"] = kwargs["layer_types"][: int(layers)]
+            kwargs["num_hidden_layers"] = int(layers)
+            name = f"{key}_{layers}_of_{total}_layers"
+        return name, key, kwargs
+    name, key, kept = model_spec(spec)
+    return name, key, model_kwargs(key, kept)
+
+
+def build(key: str, impl: str, kwargs: dict, device: torch.device, dtype: torch.dtype):
+    model_cls, config_cls = classes(MOE_MODEL if key == MOE_MODEL else "qwen35_4b", impl)
+    torch.manual_seed(0)
+    with default_dtype(dtype), torch.device(device):
+        model = model_cls(config_cls(**kwargs))
+    return model.eval()
+
+
+def timed_generate(model, batch: int, prompt: int, new_tokens: int, mode: str, seed: int, device) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=generator).to(device)
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    if mode == "sampled":
+        options.update(do_sample=True, top_k=50, temperature=1.0)
+    else:
+        options.update(do_sample=False)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    sync(device)
+    assert out.shape == (batch, prompt + new_tokens), out.shape
+    return time.perf_counter() - start
+
+
+def measure(model, batch, prompt, new_tokens, mode, reps, device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    first = timed_generate(model, batch, prompt, new_tokens, mode, 1, device)
+    full = [timed_generate(model, batch, prompt, new_tokens, mode, 2 + r, device) for r in range(reps)]
+    prefill = [timed_generate(model, batch, prompt, 1, mode, 100 + r, device) for r in range(reps)]
+    full_s, prefill_s = sum(full) / reps, sum(prefill) / reps
+    step_ms = (full_s - prefill_s) / max(new_tokens - 1, 1) * 1e3
+    return {
+        "first_call_s": round(first, 3),
+        "warm_call_s": round(full_s, 3),
+        "prefill_s": round(prefill_s, 4),
+        "decode_step_ms": round(step_ms, 3),
+        "new_tokens_per_s": round(batch * new_tokens / full_s, 1),
+        "peak_gib": peak_gib(device),
+    }
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:
+        return None
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'model':<28}{'impl':<9}{'batch':>6}{'prompt':>7}{'mode':>9}{'step ms':>9}{'tok/s':>9}{'first s':>9}")
+    for row in rows:
+        r = row["result"]
+        print(
+            f"{row['model']:<28}{row['impl']:<9}{row['batch']:>6}{row['prompt']:>7}{row['mode']:>9}"
+            f"{r['decode_step_ms']:>9.2f}{r['new_tokens_per_s']:>9.1f}{r['first_call_s']:>9.2f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="qwen35_0p8b,qwen35_4b,qwen35_35b_a3b")
+    parser.add_argument("--impls", default="ours,builtin")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prompts", default="512,4096")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    date = datetime.date.today().isoformat()
+    out = Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{date}-generate-{device.type}.json"
+    report = {
+        "date": date,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": git_commit(),
+        "dtype": str(dtype),
+        "new_tokens": args.new_tokens,
+        "rows": [],
+    }
+    for spec in args.models.split(","):
+        name, key, kwargs = config_kwargs(spec, args.tiny)
+        for impl in args.impls.split(","):
+            model = build(key, impl, kwargs, device, dtype)
+            for batch in map(int, args.batches.split(",")):
+                for prompt in map(int, args.prompts.split(",")):
+                    for mode in args.modes.split(","):
+                        result = measure(model, batch, prompt, args.new_tokens, mode, args.reps, device)
+                        row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt, "mode": mode}
+                        report["rows"].append({**row, "result": result})
+                        print_table(report["rows"][-1:])
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        out.write_text(json.dumps(report, indent=1) + "\n")
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print()
+    print_table(report["rows"])
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
