@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import datasets  # noqa: E402
 import trl  # noqa: E402
-from test_context_parallel_trainer import TEXTS_CP, sft_context_parallel_config  # noqa: E402
+from fixtures_sft import TEXTS_CP, sft_context_parallel_config  # noqa: E402
 
 from qwen35_packed.integrations.context_parallel import ContextParallelCollator  # noqa: E402
 

@@ -14,29 +14,11 @@ import torch
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
+from fixtures_sft import TEXTS_CP, sft_context_parallel_config  # noqa: E402
+
 from qwen35_packed.tiny import build_tiny_folder  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "sft_context_parallel_worker.py"
-# Four documents of 1 to 30 tokens: each rank's batch holds two, the group's row all four.
-TEXTS_CP = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "?"]
-
-
-def sft_context_parallel_config(out_dir, **fields):
-    """One SGD step, fp32 on the CPU, padding-free, nothing saved or reported."""
-    return trl.SFTConfig(
-        output_dir=str(Path(out_dir) / "run"),
-        learning_rate=0.1,
-        optim="sgd",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        max_steps=1,
-        padding_free=True,
-        max_length=None,
-        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32},
-        **fields,
-    )
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_grpo import EXAMPLES, _long_tail_batch, _trainer, folders  # noqa: F401 - a fixture
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
 from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
-from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL_RUN = [
     "--max_steps",
     "2",
@@ -43,46 +42,6 @@ SMALL_RUN = [
     "--seed",
     "0",
 ]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    return {
-        "dense": build_tiny_folder(root / "dense", "dense"),
-        "moe": build_tiny_folder(root / "moe", "moe"),
-        "data": write_prompt_dataset(root / "data"),
-    }
-
-
-def _trainer(cls, folders, kind, tmp_path, **config):
-    import datasets
-
-    sys.path.insert(0, str(EXAMPLES))
-    from grpo_rewards import letter_fraction
-
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / cls.__name__),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        use_cpu=True,
-        report_to=[],
-        **{"beta": 0.04, "trust_remote_code": True, **config},
-    )
-    dataset = datasets.load_dataset("json", data_files=str(folders["data"] / "train.jsonl"))["train"]
-    return cls(model=str(folders[kind]), reward_funcs=letter_fraction, args=args, train_dataset=dataset)
-
-
-def _long_tail_batch():
-    """Left-padded prompts + right-padded completions, as GRPO builds them; one long completion."""
-    prompt_lengths, completion_lengths = [12, 5, 8, 3, 12, 7], [40, 4, 2, 9, 1, 17]
-    p, c = max(prompt_lengths), max(completion_lengths)
-    ids = torch.randint(3, 90, (len(prompt_lengths), p + c), generator=torch.Generator().manual_seed(0))
-    mask = torch.zeros_like(ids)
-    for i, (pl, cl) in enumerate(zip(prompt_lengths, completion_lengths)):
-        mask[i, p - pl : p + cl] = 1
-    return ids.masked_fill(mask == 0, 0), mask, c, sum(completion_lengths)
 
 
 def _count_lm_head_rows(monkeypatch):

@@ -9,7 +9,7 @@ Runs vLLM in its own environment through a subprocess, like tests/integrations/t
 import json
 
 import pytest
-from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
+from fixtures_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
 
 from qwen35_packed.tiny import build_tiny_vl_folder
 

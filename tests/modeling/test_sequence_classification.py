@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import HAS_BUILTIN_QWEN35, _randomize_zero_init, requires_builtin_qwen35, tiny_kwargs
-from test_conversion import read_folder, write_shards
+from fixtures_conversion import read_folder, write_shards
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
