@@ -4,7 +4,7 @@ sequence for attention only; the GDN recurrence and causal conv would restart fr
 every way into torch's context parallelism must raise, naming the model's own (`set_context_parallel`,
 context_parallel.py, tested in tests/modeling/test_context_parallel.py), never train silently wrong.
 
-The run (context_parallel_worker.py under torchrun, 2 CPU processes over gloo, one CP group of 2) is as close as
+The run (context_parallel_guard_worker.py under torchrun, 2 CPU processes over gloo, one CP group of 2) is as close as
 CPU allows: `Accelerator(parallelism_config=ParallelismConfig(cp_size=2))` itself refuses to be built on CPU
 (Accelerate enables CP only with FSDP2 on a GPU-like device; on MULTI_CPU it raises "ParallelismConfig is only
 compatible DistributedType.FSDP (version 2) or ..."), so the worker gives Accelerate's and the Trainer's own methods
@@ -26,7 +26,7 @@ from conftest import packed_model
 
 from qwen35_packed.modeling.packed_batch import context_parallel_active
 
-WORKER = Path(__file__).resolve().parent / "context_parallel_worker.py"
+WORKER = Path(__file__).resolve().parent / "context_parallel_guard_worker.py"
 REFUSAL = "NotImplementedError: torch's context parallelism is active"
 
 
