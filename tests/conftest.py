@@ -136,6 +136,17 @@ def _randomize_zero_init(model) -> None:
                 param.add_(torch.randn_like(param) * 0.1)
 
 
+def assert_same_loss_and_gradients(ref, ours, ref_loss, our_loss) -> None:
+    """The two models' losses within 1e-5 and, after their backward passes, every parameter's gradient of `ours`
+    within atol 1e-5 / rtol 1e-4 of `ref`'s parameter of the same name."""
+    ref_loss.backward()
+    our_loss.backward()
+    assert abs(ref_loss.item() - our_loss.item()) <= 1e-5
+    ref_grads = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.allclose(param.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4), name
+
+
 def random_doc_lengths(generator: torch.Generator, n_docs: int, kernel: int = 4) -> list[int]:
     """Lengths that cover the edge cases: 1-token documents, documents shorter than the conv kernel, multiples
     of 64 (the delta-rule chunk), and ordinary ones."""

@@ -1,6 +1,7 @@
-"""TRL GRPO runs shared by the GRPO tests (test_trl_grpo.py, test_grpo_routing_replay.py): tiny folders and a
-prompt dataset, a trainer of either class on them, and a padded GRPO batch. trl and datasets are imported where a
-trainer is built, so that importing this module needs neither (each test module skips on its own)."""
+"""TRL GRPO runs shared by the GRPO tests (test_trl_grpo.py, test_grpo_routing_replay.py, test_vllm.py): tiny
+folders and a prompt dataset, a trainer of either class on them, the command-line flags of a short CPU run, and a
+padded GRPO batch. trl and datasets are imported where a trainer is built, so that importing this module needs
+neither (each test module skips on its own)."""
 
 import sys
 from pathlib import Path
@@ -11,6 +12,44 @@ import torch
 from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# two GRPO steps of 4 prompts x 4 completions of 8 tokens on the CPU, logged every step, nothing saved
+GRPO_CPU_STEPS = [
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--use_cpu",
+    "true",
+    "--report_to",
+    "none",
+    "--logging_steps",
+    "1",
+    "--save_strategy",
+    "no",
+    "--seed",
+    "0",
+]
+
+
+def grpo_run_args(model, data, out) -> list[str]:
+    """The flags of a GRPO run (the `trl grpo` CLI, examples/grpo.py) of `model` on the prompt dataset `data`,
+    rewarded by examples/grpo_rewards.py's letter_fraction, writing to `out`."""
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--trust_remote_code",
+        "true",
+        "--reward_funcs",
+        "grpo_rewards.letter_fraction",
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")

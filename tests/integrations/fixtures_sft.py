@@ -1,6 +1,6 @@
-"""TRL SFT runs shared by test_context_parallel_trainer.py and its torchrun worker sft_context_parallel_worker.py.
-trl is imported where the arguments are built, so that importing this module does not need it (each test module
-skips on its own)."""
+"""TRL SFT runs shared by the SFT tests (test_trl_sft.py, test_context_parallel_trainer.py and its torchrun worker
+sft_context_parallel_worker.py). trl is imported where the arguments are built, so that importing this module does
+not need it (each test module skips on its own)."""
 
 from pathlib import Path
 
@@ -10,8 +10,9 @@ import torch
 TEXTS_CP = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "?"]
 
 
-def sft_context_parallel_config(out_dir, **fields):
-    """One SGD step, fp32 on the CPU, padding-free, nothing saved or reported."""
+def sgd_sft_config(out_dir, **fields):
+    """TRL's SFT arguments for SGD steps on the CPU (learning rate 0.1, seed 0) writing under OUT_DIR/run, nothing
+    saved or reported, plus `fields`."""
     import trl
 
     return trl.SFTConfig(
@@ -22,6 +23,14 @@ def sft_context_parallel_config(out_dir, **fields):
         report_to=[],
         save_strategy="no",
         seed=0,
+        **fields,
+    )
+
+
+def sft_context_parallel_config(out_dir, **fields):
+    """One SGD step, fp32 on the CPU, padding-free, nothing saved or reported."""
+    return sgd_sft_config(
+        out_dir,
         max_steps=1,
         padding_free=True,
         max_length=None,

@@ -1,6 +1,7 @@
 """vLLM-CPU runs shared by the vLLM tests (test_vllm*.py, test_grpo_vl.py, the doctor's): the interpreter of vLLM's
 own environment, the subprocess runner, and the parity gates of a vllm_parity report."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -50,6 +51,25 @@ def assert_calibrated_parity(stage: dict, report: dict) -> None:
     leak = stage["builtin_packed_fp32"]["mean_kl"]
     for row in ("ours_packed_fp32", "ours_packed_bf16"):
         assert stage[row]["mean_kl"] < LEAK_FRACTION * leak, (row, stage[row]["mean_kl"], leak, report)
+
+
+def assert_trl_per_tensor_sync_probe(report: dict, layers: str) -> None:
+    """TRL's own per-tensor load_weights sync as a vllm_parity run probed it, `layers` the prefix of the decoder
+    layers' names. Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises
+    for merged projections (`weight_loader`); elsewhere it loads. The reload push works either way."""
+    probe = report["trl_per_tensor_load_weights"]
+    assert (
+        probe[f"{layers}.0.linear_attn.in_proj_qkv.weight"] == "ok"
+        or "weight_loader" in probe[f"{layers}.0.linear_attn.in_proj_qkv.weight"]
+    ), probe
+    assert probe[f"{layers}.0.linear_attn.A_log"] == "ok"
+
+
+def vllm_parity_report(vllm_python: str, folder, report) -> dict:
+    """The report of qwen35_packed.integrations.vllm_parity on `folder` (vLLM's prompt log-probs against this model's
+    and the built-in's, before and after a weight push), run in vLLM's environment and kept at `report`."""
+    _run([vllm_python, "-m", "qwen35_packed.integrations.vllm_parity", str(folder), "--json", str(report)])
+    return json.loads(Path(report).read_text())
 
 
 def _run(cmd, cwd=ROOT, timeout=900):

