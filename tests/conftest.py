@@ -1,4 +1,16 @@
-"""Tiny configurations and helpers shared by the tests (fp32, CPU)."""
+"""Tiny configurations and helpers shared by the tests (fp32, CPU).
+
+Where shared test code lives: a test module (test_*.py) holds its tests and what only they use, and never imports
+another test module. Builders, assertions and pytest fixtures that several modules use live in modules pytest does
+not collect: this file (the tiny configs and models, the `kind` fixture); topic modules (vl_tiny.py,
+reference_model.py, properties.py, integrations/tensor_parallel_case.py); and `fixtures_<topic>.py` beside the tests
+that use them (conversion/fixtures_conversion.py, integrations/fixtures_vllm.py, ...; fixtures_distributed.py, for
+several folders, in tests/ itself). Every test folder is on sys.path (pyproject.toml), so they are imported by
+basename (`from fixtures_conversion import build_builtin`), and every basename under tests/ is unique. A shared
+fixture is imported by name into each module that requests it (a module-scoped one is built once per module).
+Fixture modules import the optional training stack (trl, datasets) inside the builders that use it, so importing one
+never skips a module: each test module keeps its own `pytest.importorskip`. tests/test_layout.py checks the unique
+basenames and that no module under tests/ imports a test module."""
 
 from __future__ import annotations
 
@@ -134,6 +146,17 @@ def _randomize_zero_init(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
+
+
+def assert_same_loss_and_gradients(ref, ours, ref_loss, our_loss) -> None:
+    """The two models' losses within 1e-5 and, after their backward passes, every parameter's gradient of `ours`
+    within atol 1e-5 / rtol 1e-4 of `ref`'s parameter of the same name."""
+    ref_loss.backward()
+    our_loss.backward()
+    assert abs(ref_loss.item() - our_loss.item()) <= 1e-5
+    ref_grads = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.allclose(param.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4), name
 
 
 def random_doc_lengths(generator: torch.Generator, n_docs: int, kernel: int = 4) -> list[int]:

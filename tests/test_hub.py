@@ -14,55 +14,22 @@ import pytest
 import torch
 import transformers
 from conftest import requires_builtin_qwen35
+from fixtures_conversion import build_builtin, build_tiny_vlm
+from fixtures_hub import SECRET, RecordingApi, packed  # noqa: F401 (the module-scoped converted folder)
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
-from test_conversion import build_builtin, build_tiny_vlm
 
 from qwen35_packed import cli, hub
 from qwen35_packed.conversion import convert, remote_code_files
 from qwen35_packed.tiny import build_tiny_reward_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-SECRET = "hf_NotARealTokenButSecret0123456789"
-APACHE = "\n                                 Apache License\n                           Version 2.0, January 2004\n"
-
-
-class RecordingApi:
-    """Stands in for huggingface_hub.HfApi: records the calls `upload` makes."""
-
-    def __init__(self):
-        self.calls = []
-
-    def create_repo(self, **kwargs):
-        self.calls.append(("create_repo", kwargs))
-        return f"https://huggingface.co/{kwargs['repo_id']}"
-
-    def create_commit(self, **kwargs):
-        self.calls.append(("create_commit", kwargs))
-
-        class Info:
-            commit_url = f"https://huggingface.co/{kwargs['repo_id']}/commit/0"
-
-        return Info()
 
 
 @pytest.fixture(autouse=True)
 def no_real_login(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TOKEN", SECRET)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no cached login of this machine is read
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    """A converted (packed) dense folder with a LICENSE, a tokenizer config and a verification report."""
-    root = tmp_path_factory.mktemp("hub")
-    src = root / "src"
-    build_builtin("dense", seed=1).save_pretrained(src)
-    (src / "LICENSE").write_text(APACHE)
-    (src / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
-    out = root / "packed"
-    convert(src, out, progress=False, log=lambda line: None)
-    return out
 
 
 def with_junk(folder: Path, dest: Path) -> Path:

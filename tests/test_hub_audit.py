@@ -13,10 +13,10 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from fixtures_hub import SECRET, RecordingApi, packed  # noqa: F401 (the module-scoped converted folder)
 from hypothesis import given
 from hypothesis import strategies as st
 from properties import property_settings
-from test_hub import SECRET, RecordingApi, packed  # noqa: F401 (the module-scoped converted folder)
 
 from qwen35_packed import hub
 

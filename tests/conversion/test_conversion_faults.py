@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures_conversion import add_side_files, build_builtin, folder_digest
 from safetensors.torch import load_file, save_file
-from test_conversion import add_side_files, build_builtin, folder_digest
 
 from qwen35_packed.cli import main
 from qwen35_packed.conversion import ConversionError, convert

@@ -12,8 +12,9 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_kwargs
-from safetensors.torch import save_file
-from test_conversion import (
+from fixtures_conversion import (
+    ARCH,
+    AUTO_MAP,
     add_side_files,
     build_builtin,
     build_tiny_vlm,
@@ -24,7 +25,7 @@ from test_conversion import (
     read_folder,
     write_shards,
 )
-from test_vl_remote_code import ARCH, AUTO_MAP
+from safetensors.torch import save_file
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 from qwen35_packed import hub

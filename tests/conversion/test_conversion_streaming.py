@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_conversion import folder_digest
 from safetensors.torch import save_file
-from test_conversion import folder_digest
 
 from qwen35_packed.cli import main
 from qwen35_packed.conversion.config import CONFIG_CLASSES

@@ -8,25 +8,10 @@ import pytest
 import torch
 import transformers
 from conftest import requires_builtin_qwen35
+from fixtures_conversion import ARCH, AUTO_MAP
 from vl_tiny import builtin_vl_pair, grid_tensor, make_document, pixels_for, token_types
 
 from qwen35_packed.conversion.remote_code import copy_remote_code
-
-AUTO_MAP = {
-    "dense": {
-        "AutoConfig": "configuration_qwen3_5_packed_vl.Qwen3_5PackedVLConfig",
-        "AutoModel": "modeling_qwen3_5_packed_vl.Qwen3_5PackedVLModel",
-        "AutoModelForCausalLM": "modeling_qwen3_5_packed_vl.Qwen3_5PackedForConditionalGeneration",
-        "AutoModelForImageTextToText": "modeling_qwen3_5_packed_vl.Qwen3_5PackedForConditionalGeneration",
-    },
-    "moe": {
-        "AutoConfig": "configuration_qwen3_5_packed_vl.Qwen3_5MoePackedVLConfig",
-        "AutoModel": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedVLModel",
-        "AutoModelForCausalLM": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedForConditionalGeneration",
-        "AutoModelForImageTextToText": "modeling_qwen3_5_packed_vl.Qwen3_5MoePackedForConditionalGeneration",
-    },
-}
-ARCH = {"dense": "Qwen3_5PackedForConditionalGeneration", "moe": "Qwen3_5MoePackedForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

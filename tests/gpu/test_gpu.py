@@ -5,12 +5,11 @@ or are calibrated against a control measured in the same test."""
 
 import contextlib
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
 from conftest import random_doc_lengths
+from fixtures_gpu import GPU_CONFIG, move_norms_off_init, routes_of, write_gpu_results
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -26,32 +25,12 @@ from qwen35_packed.modeling import kernel_selection  # noqa: E402
 from qwen35_packed.modeling.kernel_set import kernel_set  # noqa: E402
 
 RESULTS: dict = {}
-GPU_CONFIG = dict(
-    vocab_size=1024,
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=128,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def write_results():
     yield
-    path = os.environ.get("QWEN35_GPU_RESULTS")
-    if path:
-        RESULTS["device"] = torch.cuda.get_device_name()
-        RESULTS["torch"] = torch.__version__
-        RESULTS["fla_available"] = kernel_selection.FLA_AVAILABLE
-        with open(path, "w") as f:
-            json.dump(RESULTS, f, indent=2)
+    write_gpu_results(RESULTS, "QWEN35_GPU_RESULTS")
 
 
 MOE_FIELDS = dict(
@@ -70,10 +49,7 @@ def _model(dtype, moe=False, **overrides):
         model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**{**GPU_CONFIG, **MOE_FIELDS, **overrides}))
     else:
         model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**{**GPU_CONFIG, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
+    move_norms_off_init(model)
     return model.to("cuda", dtype).eval()
 
 
@@ -545,20 +521,6 @@ def _moe_batch(n_docs=12):
     return docs, ids, cu
 
 
-def _routing(model, run):
-    """Each MoE layer's top-k expert ids of every token, captured while `run()` runs: [layers, tokens, k]."""
-    captured, hooks = [], []
-    for module in model.modules():
-        if type(module).__name__ == "TopKRouter":
-            hooks.append(module.register_forward_hook(lambda m, a, out: captured.append(out[2].sort(-1).values)))
-    try:
-        result = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return result, captured
-
-
 def test_moe_grouped_mm_bf16_is_as_close_to_fp32_as_the_loop():
     """The experts of one MoE block in bf16 with a fixed routing: grouped_mm (the auto choice) and the per-expert
     loop, both against the loop in fp32 on the same inputs (output and every gradient). The grouped path may round
@@ -650,8 +612,8 @@ def test_moe_packed_equals_per_document_bf16(monkeypatch):
     docs, ids, cu = _moe_batch()
     model = _model(torch.bfloat16, moe=True)
     with torch.no_grad():
-        packed, packed_routes = _routing(model, lambda: model(ids, cu_seqlens=cu, use_cache=False).logits[0].float())
-        alone = [_routing(model, lambda d=d: model(d[None], use_cache=False).logits[0].float()) for d in docs]
+        packed, packed_routes = routes_of(model, lambda: model(ids, cu_seqlens=cu, use_cache=False).logits[0].float())
+        alone = [routes_of(model, lambda d=d: model(d[None], use_cache=False).logits[0].float()) for d in docs]
     per_doc = torch.cat([logits for logits, _ in alone])
     per_doc_routes = [torch.cat([routes[layer] for _, routes in alone]) for layer in range(len(packed_routes))]
     same = sum((a == b).all(-1).sum().item() for a, b in zip(packed_routes, per_doc_routes))

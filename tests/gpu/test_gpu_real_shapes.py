@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_gpu import move_norms_off_init, routes_of
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -83,10 +84,7 @@ def build(kind: str):
         cls = Qwen3_5MoePackedForCausalLM
     with default_dtype(torch.bfloat16), torch.device("cuda"):
         model = cls(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
+    move_norms_off_init(model)
     return model
 
 
@@ -132,19 +130,6 @@ def packed_forward(model, docs, layout: str):
             column += n
     logits = model(ids, position_ids=positions, attention_mask=mask, use_cache=False).logits.detach()
     return torch.cat([logits[r, column : column + n] for r, column, n in (where[i] for i in range(len(docs)))])
-
-
-def routes_of(model, run):
-    """Each MoE layer's top-k expert ids of every token, captured while `run()` runs."""
-    captured, hooks = [], []
-    for module in model.modules():
-        if type(module).__name__ == "TopKRouter":
-            hooks.append(module.register_forward_hook(lambda m, a, out: captured.append(out[2].sort(-1).values)))
-    try:
-        return run(), captured
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")

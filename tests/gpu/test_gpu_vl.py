@@ -3,11 +3,9 @@ images in fp32 and bf16 (FLA text kernels, varlen vision attention), the GPU pat
 built-in composite class on unpacked input, and bf16 gradients. Set QWEN35_GPU_VL_RESULTS=FILE to write the
 measured numbers."""
 
-import json
-import os
-
 import pytest
 import torch
+from fixtures_gpu import GPU_CONFIG, write_gpu_results
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -22,20 +20,6 @@ from qwen35_packed.modeling.kernel_set import kernel_set  # noqa: E402
 RESULTS: dict = {}
 IMAGE, VIDEO, VISION_START, VISION_END = 1000, 1001, 1002, 1003
 MERGE = 2
-TEXT_CONFIG = dict(
-    vocab_size=1024,
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=128,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [6, 5, 5]},
-)
 VISION_CONFIG = dict(
     depth=2,
     hidden_size=128,
@@ -49,7 +33,7 @@ VISION_CONFIG = dict(
 )
 PATCH_DIM = 3 * 2 * 16 * 16
 COMPOSITE = dict(
-    text_config=TEXT_CONFIG,
+    text_config=GPU_CONFIG,
     vision_config=VISION_CONFIG,
     image_token_id=IMAGE,
     video_token_id=VIDEO,
@@ -61,14 +45,7 @@ COMPOSITE = dict(
 @pytest.fixture(scope="module", autouse=True)
 def write_results():
     yield
-    path = os.environ.get("QWEN35_GPU_VL_RESULTS")
-    if path:
-        RESULTS["device"] = torch.cuda.get_device_name()
-        RESULTS["torch"] = torch.__version__
-        RESULTS["fla_available"] = kernel_selection.FLA_AVAILABLE
-        RESULTS["flash_attn_available"] = kernel_selection.FLASH_ATTN_AVAILABLE
-        with open(path, "w") as f:
-            json.dump(RESULTS, f, indent=2)
+    write_gpu_results(RESULTS, "QWEN35_GPU_VL_RESULTS", flash_attn_available=kernel_selection.FLASH_ATTN_AVAILABLE)
 
 
 def _randomize(model) -> None:

@@ -4,7 +4,6 @@ parallelism over a group of its own and `ContextParallelCollator`, so the two ra
 batches, each holding half of the row. Rank 0 writes the report: every rank's loss as `compute_loss` returned it,
 the keys and token counts of each rank's batch, and the weights after the step (OUT.weights.pt)."""
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,18 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import datasets  # noqa: E402
 import trl  # noqa: E402
-from test_context_parallel_trainer import TEXTS_CP, sft_context_parallel_config  # noqa: E402
+from fixtures_distributed import start_gloo_worker  # noqa: E402
+from fixtures_sft import TEXTS_CP, sft_context_parallel_config  # noqa: E402
 
 from qwen35_packed.integrations.context_parallel import ContextParallelCollator  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args, rank, world = start_gloo_worker("--folder")
     group = dist.new_group(list(range(world)))  # the model's collectives apart from DDP's
     config = sft_context_parallel_config(Path(args.out).parent, per_device_train_batch_size=len(TEXTS_CP) // world)
     trainer = trl.SFTTrainer(

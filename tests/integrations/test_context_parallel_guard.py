@@ -4,7 +4,7 @@ sequence for attention only; the GDN recurrence and causal conv would restart fr
 every way into torch's context parallelism must raise, naming the model's own (`set_context_parallel`,
 context_parallel.py, tested in tests/modeling/test_context_parallel.py), never train silently wrong.
 
-The run (context_parallel_worker.py under torchrun, 2 CPU processes over gloo, one CP group of 2) is as close as
+The run (context_parallel_guard_worker.py under torchrun, 2 CPU processes over gloo, one CP group of 2) is as close as
 CPU allows: `Accelerator(parallelism_config=ParallelismConfig(cp_size=2))` itself refuses to be built on CPU
 (Accelerate enables CP only with FSDP2 on a GPU-like device; on MULTI_CPU it raises "ParallelismConfig is only
 compatible DistributedType.FSDP (version 2) or ..."), so the worker gives Accelerate's and the Trainer's own methods
@@ -16,32 +16,22 @@ object, where the varlen attention kernels never call the patched SDPA, so witho
 without any error; the check sits before any kernel is chosen, so it does not depend on them."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import packed_model
+from fixtures_distributed import run_worker_script
 
 from qwen35_packed.modeling.packed_batch import context_parallel_active
 
-WORKER = Path(__file__).resolve().parent / "context_parallel_worker.py"
+WORKER = Path(__file__).resolve().parent / "context_parallel_guard_worker.py"
 REFUSAL = "NotImplementedError: torch's context parallelism is active"
 
 
 @pytest.fixture(scope="module")
 def cp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp") / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    done = subprocess.run(
-        [*cmd, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_worker_script(WORKER, "--out", out)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 

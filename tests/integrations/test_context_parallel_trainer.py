@@ -3,9 +3,6 @@ holding half of the group's packed row (sft_context_parallel_worker.py under tor
 and the weights of one process training on the whole row; and the collator's shards, checked in one process."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,29 +11,12 @@ import torch
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
+from fixtures_distributed import run_worker_script  # noqa: E402
+from fixtures_sft import TEXTS_CP, sft_context_parallel_config  # noqa: E402
+
 from qwen35_packed.tiny import build_tiny_folder  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "sft_context_parallel_worker.py"
-# Four documents of 1 to 30 tokens: each rank's batch holds two, the group's row all four.
-TEXTS_CP = ["hello world, count to ten: 1 2 3", "abc", "say something nice about packing", "?"]
-
-
-def sft_context_parallel_config(out_dir, **fields):
-    """One SGD step, fp32 on the CPU, padding-free, nothing saved or reported."""
-    return trl.SFTConfig(
-        output_dir=str(Path(out_dir) / "run"),
-        learning_rate=0.1,
-        optim="sgd",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        max_steps=1,
-        padding_free=True,
-        max_length=None,
-        model_init_kwargs={"trust_remote_code": True, "dtype": torch.float32},
-        **fields,
-    )
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -45,15 +25,7 @@ def test_sft_step_with_context_parallelism_equals_the_whole_row(kind, tmp_path):
     folder = build_tiny_folder(tmp_path / "model", kind, router_aux_loss_coef=0.0)
     out = tmp_path / "cp" / "report.json"
     out.parent.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    done = subprocess.run(
-        [*cmd, "--folder", str(folder), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_worker_script(WORKER, "--folder", folder, "--out", out, timeout=900)
     report = json.loads(out.read_text())
 
     # the same step in one process on the whole row

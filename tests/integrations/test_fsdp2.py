@@ -5,13 +5,11 @@ MoE model built on the meta device on every rank and loaded from rank 0's weight
 Accelerate on two H200s) is reported in the README."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures_distributed import run_worker_script
 
 WORKER = Path(__file__).resolve().parent / "fsdp2_worker.py"
 
@@ -19,23 +17,9 @@ WORKER = Path(__file__).resolve().parent / "fsdp2_worker.py"
 def _run(tmp_path, name, *flags, sharded=True):
     out = tmp_path / f"{name}.json"
     if sharded:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(WORKER),
-            "--out",
-            str(out),
-            *flags,
-        ]
+        run_worker_script(WORKER, "--out", out, *flags)
     else:
-        cmd = [sys.executable, str(WORKER), "--single", "--out", str(out), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        run_worker_script(WORKER, "--single", "--out", out, *flags, nproc=None)
     report = json.loads(out.read_text())
     report["grads"] = torch.load(f"{out}.grads.pt")
     return report

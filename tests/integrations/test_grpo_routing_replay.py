@@ -14,7 +14,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from test_trl_grpo import _long_tail_batch, _trainer, folders  # noqa: E402, F401
+from fixtures_grpo import _long_tail_batch, _trainer, folders  # noqa: E402, F401
 
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, RoutedModel, RoutingFeed  # noqa: E402
 from qwen35_packed.integrations.vllm_routing import padded_routed_experts  # noqa: E402

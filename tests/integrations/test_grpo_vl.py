@@ -14,8 +14,8 @@ import torch
 trl = pytest.importorskip("trl")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixtures_vllm import PUSH_FRACTION, ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
 from grpo_vl_worker import make_trainer, vl_processor  # noqa: E402
-from test_vllm import PUSH_FRACTION, ROOT, _run, vllm_python  # noqa: E402, F401 - vllm_python is a fixture
 
 from qwen35_packed.integrations.grpo import (  # noqa: E402
     collapse_placeholder_runs,

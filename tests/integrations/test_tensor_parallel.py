@@ -3,13 +3,11 @@
 classes' plans (the built-in's), and a packed training step gives the unsharded loss, logits and every gradient;
 with lm_head tied to the embedding too, whose sharded weight the chunked loss gathers."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures_distributed import run_worker_script
 from tensor_parallel_case import batch, build
 
 WORKER = Path(__file__).resolve().parent / "tensor_parallel_worker.py"
@@ -25,10 +23,7 @@ def test_tensor_parallel_step_equals_the_unsharded_step(tmp_path, kind):
     with torch.no_grad():
         logits = model.eval()(ids, cu_seqlens=cu).logits
     out = tmp_path / "sharded.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    cmd += ["--folder", str(tmp_path / "folder"), "--kind", kind, "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_worker_script(WORKER, "--folder", tmp_path / "folder", "--kind", kind, "--out", out)
     sharded = torch.load(out)
     # the plans took effect: lm_head and the attention / GDN projections are sharded
     assert "lm_head.weight" in sharded["sharded"] or "model.embed_tokens.weight" in sharded["sharded"]

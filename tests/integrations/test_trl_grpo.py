@@ -12,77 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_grpo import EXAMPLES, GRPO_CPU_STEPS, _long_tail_batch, _trainer, folders, grpo_run_args  # noqa: F401 - a fixture
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
 from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
-from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SMALL_RUN = [
-    "--max_steps",
-    "2",
-    "--per_device_train_batch_size",
-    "4",
-    "--num_generations",
-    "4",
-    "--max_completion_length",
-    "8",
-    "--use_cpu",
-    "true",
-    "--report_to",
-    "none",
-    "--logging_steps",
-    "1",
-    "--save_strategy",
-    "no",
-    "--beta",
-    "0.04",
-    "--seed",
-    "0",
-]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    return {
-        "dense": build_tiny_folder(root / "dense", "dense"),
-        "moe": build_tiny_folder(root / "moe", "moe"),
-        "data": write_prompt_dataset(root / "data"),
-    }
-
-
-def _trainer(cls, folders, kind, tmp_path, **config):
-    import datasets
-
-    sys.path.insert(0, str(EXAMPLES))
-    from grpo_rewards import letter_fraction
-
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / cls.__name__),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        use_cpu=True,
-        report_to=[],
-        **{"beta": 0.04, "trust_remote_code": True, **config},
-    )
-    dataset = datasets.load_dataset("json", data_files=str(folders["data"] / "train.jsonl"))["train"]
-    return cls(model=str(folders[kind]), reward_funcs=letter_fraction, args=args, train_dataset=dataset)
-
-
-def _long_tail_batch():
-    """Left-padded prompts + right-padded completions, as GRPO builds them; one long completion."""
-    prompt_lengths, completion_lengths = [12, 5, 8, 3, 12, 7], [40, 4, 2, 9, 1, 17]
-    p, c = max(prompt_lengths), max(completion_lengths)
-    ids = torch.randint(3, 90, (len(prompt_lengths), p + c), generator=torch.Generator().manual_seed(0))
-    mask = torch.zeros_like(ids)
-    for i, (pl, cl) in enumerate(zip(prompt_lengths, completion_lengths)):
-        mask[i, p - pl : p + cl] = 1
-    return ids.masked_fill(mask == 0, 0), mask, c, sum(completion_lengths)
+SMALL_RUN = [*GRPO_CPU_STEPS, "--beta", "0.04"]
 
 
 def _count_lm_head_rows(monkeypatch):
@@ -193,6 +131,12 @@ def _run(cmd, cwd):
     return done.stdout + done.stderr
 
 
+def _grpo(launcher, folders, kind, out, *flags):
+    """The log of a GRPO run in examples/ (`launcher`: the `trl grpo` command or examples/grpo.py) of folders[kind]
+    on the prompt dataset, writing to `out`, with `flags`."""
+    return _run([*launcher, *grpo_run_args(folders[kind], folders["data"], out), *flags], cwd=EXAMPLES)
+
+
 def _trl_cli():
     cli = Path(sys.executable).with_name("trl")
     if not cli.exists():
@@ -222,26 +166,7 @@ def _assert_every_lora_b_moved(adapter):
 # 1e-4 on the whole dense model: 1e-3 makes the tiny policy deterministic after one step (no reward spread left)
 def test_trl_grpo_cli_dense(folders, tmp_path):
     out = tmp_path / "run"
-    log = _run(
-        [
-            _trl_cli(),
-            "grpo",
-            "--model_name_or_path",
-            str(folders["dense"]),
-            "--trust_remote_code",
-            "true",
-            "--reward_funcs",
-            "grpo_rewards.letter_fraction",
-            "--dataset_name",
-            str(folders["data"]),
-            "--output_dir",
-            str(out),
-            *SMALL_RUN,
-            "--learning_rate",
-            "1e-4",
-        ],
-        cwd=EXAMPLES,
-    )
+    log = _grpo([_trl_cli(), "grpo"], folders, "dense", out, *SMALL_RUN, "--learning_rate", "1e-4")
     assert log.count("'reward':") == 2 and "Training completed" in log
     _assert_rewards_spread(log)
     # every tensor moved, one by one
@@ -256,27 +181,7 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
     assert "--lora_target_parameters" in lora and "in_proj_qkv" in lora
     # No --router_aux_loss_coef: stock TRL adds the config's load-balancing loss (0.001), and the model says so once
-    log = _run(
-        [
-            _trl_cli(),
-            "grpo",
-            "--model_name_or_path",
-            str(folders["moe"]),
-            "--trust_remote_code",
-            "true",
-            "--reward_funcs",
-            "grpo_rewards.letter_fraction",
-            "--dataset_name",
-            str(folders["data"]),
-            "--output_dir",
-            str(out),
-            *SMALL_RUN,
-            "--learning_rate",
-            "1e-3",
-            *lora,
-        ],
-        cwd=EXAMPLES,
-    )
+    log = _grpo([_trl_cli(), "grpo"], folders, "moe", out, *SMALL_RUN, "--learning_rate", "1e-3", *lora)
     assert log.count("'reward':") == 2 and "Training completed" in log
     assert log.count("'aux_loss':") == 2 and log.count("router logits returned with router_aux_loss_coef=0.001") == 1
     _assert_rewards_spread(log)
@@ -288,29 +193,8 @@ def test_trl_grpo_cli_moe_lora_on_gdn_and_experts(folders, tmp_path):
 def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
     out = tmp_path / "run"
     lora = trl_cli_args(build_config(folders["moe"]), r=4)
-    log = _run(
-        [
-            sys.executable,
-            "grpo.py",
-            "--model_name_or_path",
-            str(folders["moe"]),
-            "--trust_remote_code",
-            "true",
-            "--reward_funcs",
-            "grpo_rewards.letter_fraction",
-            "--dataset_name",
-            str(folders["data"]),
-            "--output_dir",
-            str(out),
-            "--router_aux_loss_coef",
-            "0.01",
-            *SMALL_RUN,
-            "--learning_rate",
-            "1e-3",
-            *lora,
-        ],
-        cwd=EXAMPLES,
-    )
+    flags = ["--router_aux_loss_coef", "0.01", *SMALL_RUN, "--learning_rate", "1e-3", *lora]
+    log = _grpo([sys.executable, "grpo.py"], folders, "moe", out, *flags)
     assert log.count("'aux_loss':") == 2 and "router_aux_loss_coef=0.01" in log
     _assert_rewards_spread(log)
     _assert_every_lora_b_moved(_tensors(out / "adapter_model.safetensors"))

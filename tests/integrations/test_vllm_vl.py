@@ -6,10 +6,14 @@ pushing changed weights into the running engine, next to the built-in composite 
 Runs vLLM in its own environment through a subprocess, like tests/integrations/test_vllm.py (same interpreter lookup).
 """
 
-import json
-
 import pytest
-from test_vllm import _run, assert_calibrated_parity, no_worse, vllm_python  # noqa: F401 - vllm_python: a fixture
+from fixtures_vllm import (  # noqa: F401 - vllm_python: a fixture
+    assert_calibrated_parity,
+    assert_trl_per_tensor_sync_probe,
+    no_worse,
+    vllm_parity_report,
+    vllm_python,
+)
 
 from qwen35_packed.tiny import build_tiny_vl_folder
 
@@ -23,9 +27,7 @@ CLASSES = {
 def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python, tmp_path):
     # lm_head_std: a random tiny model otherwise predicts nearly uniform distributions (tiny KL whatever happens)
     folder = build_tiny_vl_folder(tmp_path / kind, kind, lm_head_std=0.5)
-    report = tmp_path / "parity.json"
-    _run([vllm_python, "-m", "qwen35_packed.integrations.vllm_parity", str(folder), "--json", str(report)])
-    r = json.loads(report.read_text())
+    r = vllm_parity_report(vllm_python, folder, tmp_path / "parity.json")
     ours_class, native = CLASSES[kind]
     assert r["vllm_model_class"] == f"vllm.model_executor.models.qwen3_5.{native}"  # the plugin, no hf_overrides
     assert (r["model_dir_architecture"], r["ours_class"], r["builtin_class"]) == (ours_class, ours_class, native)
@@ -51,11 +53,4 @@ def test_vl_prompt_logprob_parity_before_and_after_weight_push(kind, vllm_python
     assert (
         after["vllm_prefix_cache_reset_only_vs_ours_packed_fp32"]["mean_kl"] > 30 * after["ours_packed_fp32"]["mean_kl"]
     )
-    probe = r["trl_per_tensor_load_weights"]
-    # Whether it raises depends on the CPU: where vLLM repacks linear weights (its oneDNN path) it raises for
-    # merged projections (`weight_loader`); elsewhere it loads. The reload push above works either way.
-    assert (
-        probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] == "ok"
-        or "weight_loader" in probe["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"]
-    ), probe
-    assert probe["model.language_model.layers.0.linear_attn.A_log"] == "ok"
+    assert_trl_per_tensor_sync_probe(r, "model.language_model.layers")

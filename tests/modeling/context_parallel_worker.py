@@ -5,7 +5,6 @@ row's, the sum of the ranks' losses against the row's loss, the sum of the ranks
 row's. Then every planted fault replaces one mechanism of context_parallel.py by what a shard would do without it
 and runs a few cases again. Rank 0 writes the report (JSON: "exact" or the fault -> case name -> differences)."""
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import packed_model  # noqa: E402
+from fixtures_distributed import start_gloo_worker  # noqa: E402
 from vl_tiny import IMAGE, PATCH_DIM, grid_tensor, image_tokens, packed_vl_model  # noqa: E402
 
 from qwen35_packed.modeling import context_parallel  # noqa: E402
@@ -222,11 +222,7 @@ def run_fsdp2_case(rank, world) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args, rank, world = start_gloo_worker()
     torch.set_num_threads(1)
     models = {kind: packed_model(kind) for kind in ("dense", "moe")}
     models["vl"] = packed_vl_model("dense", seed=3)

@@ -5,8 +5,6 @@ mechanism replaced by what a shard does without it) must break a case it is run 
 inputs a shard refuses are below."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import packed_model, tiny_kwargs
+from fixtures_distributed import run_worker_script
 
 from qwen35_packed.modeling.context_parallel import shard_packed_row
 
@@ -26,15 +25,7 @@ TOLERANCE = 1e-5
 
 def run_worker(tmp_path_factory, world: int) -> dict:
     out = tmp_path_factory.mktemp(f"cp{world}") / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(WORKER)]
-    done = subprocess.run(
-        [*cmd, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_worker_script(WORKER, "--out", out, nproc=world, timeout=900)
     return json.loads(out.read_text())
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 from conftest import packed_model, requires_builtin_qwen35, tiny_kwargs
+from fixtures_conversion import read_folder, write_shards
 from safetensors.torch import save_file
-from test_conversion import read_folder, write_shards
 from vl_tiny import _randomize_vl, composite_kwargs, packed_vl_model
 
 from qwen35_packed.conversion import FuseExperts, MappingEngine, SplitExperts

@@ -1,29 +1,14 @@
 """Packed MRoPE positions: equal to transformers' per-document `get_rope_index`, and clean errors."""
 
-import functools
-import types
-
 import pytest
 import torch
-import transformers
 from conftest import requires_builtin_qwen35
+from fixtures_mrope import builtin_rope_index
 from vl_tiny import IMAGE, MERGE, VIDEO, VISION_END, VISION_START, grid_tensor, make_document, token_types
 
 from qwen35_packed.modeling.mrope_positions import packed_mrope_positions
 
 N_DOCS = 150
-
-
-def builtin_rope_index(ids: torch.Tensor, images, videos) -> torch.Tensor:
-    """transformers' Qwen3_5Model.get_rope_index on one unpadded document -> [3, L]."""
-    model_cls = transformers.Qwen3_5Model
-    fake = types.SimpleNamespace(
-        config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=MERGE))
-    )
-    fake.get_vision_position_ids = functools.partial(model_cls.get_vision_position_ids, fake)
-    row = ids.unsqueeze(0)
-    positions, _ = model_cls.get_rope_index(fake, row, token_types(row), grid_tensor(images), grid_tensor(videos))
-    return positions[:, 0]
 
 
 def _positions(stream, cu, images, videos, **kwargs):

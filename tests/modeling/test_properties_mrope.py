@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures_mrope import builtin_rope_index
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from properties import property_settings
-from test_mrope_positions import builtin_rope_index
 from vl_tiny import IMAGE, MERGE, VIDEO, VISION_END, VISION_START, grid_tensor, token_types
 
 from qwen35_packed.modeling.mrope_positions import packed_mrope_positions

@@ -10,8 +10,14 @@ import logging
 import pytest
 import torch
 import transformers
-from conftest import HAS_BUILTIN_QWEN35, _randomize_zero_init, requires_builtin_qwen35, tiny_kwargs
-from test_conversion import read_folder, write_shards
+from conftest import (
+    HAS_BUILTIN_QWEN35,
+    _randomize_zero_init,
+    assert_same_loss_and_gradients,
+    requires_builtin_qwen35,
+    tiny_kwargs,
+)
+from fixtures_conversion import read_folder, write_shards
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
@@ -128,12 +134,7 @@ def test_loss_and_gradients_match_builtin(kind, problem_type):
         labels = torch.randint(0, 2, (4, num_labels), generator=gen).float()
     ref_loss = ref(ids, attention_mask=mask, labels=labels, use_cache=False).loss
     our_loss = ours(ids, attention_mask=mask, labels=labels).loss
-    assert abs(ref_loss.item() - our_loss.item()) <= 1e-5
-    ref_loss.backward()
-    our_loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    for name, param in ours.named_parameters():
-        assert torch.allclose(param.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4), name
+    assert_same_loss_and_gradients(ref, ours, ref_loss, our_loss)
 
 
 def test_problem_type_inferred_like_builtin():

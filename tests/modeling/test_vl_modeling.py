@@ -36,6 +36,14 @@ REFERENCE_DIR = Path(
 )
 
 
+def _official_config(name: str) -> dict:
+    """The config.json of the official checkpoint `name` (skips the test where the reference configs are absent)."""
+    path = REFERENCE_DIR / name / "config.json"
+    if not path.is_file():
+        pytest.skip("reference configs not available")
+    return json.loads(path.read_text())
+
+
 def _padded_batch(rows, left: bool):
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), PAD, dtype=torch.long)
@@ -78,20 +86,7 @@ def test_logits_match_builtin_with_images(kind, layout):
 
 def test_logits_match_builtin_with_videos():
     ref, ours = builtin_vl_pair("dense")
-    gen = torch.Generator().manual_seed(2)
-    videos = [[2, 4, 2], [1, 2, 4]]
-    image = [1, 4, 4]
-    ids = torch.tensor(
-        [3, 4] + video_tokens(videos[0], gen) + [5] + image_tokens(image) + [6] + video_tokens(videos[1], gen) + [7, 8]
-    ).unsqueeze(0)
-    inputs = dict(
-        input_ids=ids,
-        pixel_values=pixels_for([image], gen),
-        image_grid_thw=grid_tensor([image]),
-        pixel_values_videos=pixels_for(videos, gen),
-        video_grid_thw=grid_tensor(videos),
-        mm_token_type_ids=token_types(ids),
-    )
+    inputs = _images_and_videos_row(torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = ref(**inputs, use_cache=False).logits
         got = ours(**inputs).logits
@@ -535,16 +530,13 @@ def test_config_classes_and_round_trip(tmp_path):
 @requires_builtin_qwen35
 @pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
 def test_reference_configs_give_builtin_keys_and_shapes(name):
-    path = REFERENCE_DIR / name / "config.json"
-    if not path.is_file():
-        pytest.skip("reference configs not available")
+    data = _official_config(name)
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
         Qwen3_5MoePackedVLConfig,
         Qwen3_5PackedVLConfig,
     )
     from qwen35_packed.modeling import Qwen3_5MoePackedForConditionalGeneration, Qwen3_5PackedForConditionalGeneration
 
-    data = json.loads(path.read_text())
     moe = data["model_type"] == "qwen3_5_moe"
     ours_cls = Qwen3_5MoePackedForConditionalGeneration if moe else Qwen3_5PackedForConditionalGeneration
     ours_cfg = (Qwen3_5MoePackedVLConfig if moe else Qwen3_5PackedVLConfig)(**data)
@@ -731,16 +723,13 @@ def test_inputs_embeds_with_images_equal_input_ids_and_the_builtin():
 def test_default_vision_tower_is_the_smallest_official_one(name):
     """A composite config without vision_config gets the vision tower of the smallest official checkpoint of its
     kind, projecting to the text model's hidden size, so that the default config builds a consistent model."""
-    path = REFERENCE_DIR / name / "config.json"
-    if not path.is_file():
-        pytest.skip("reference configs not available")
+    official = _official_config(name)
     from qwen35_packed.configuration.configuration_qwen3_5_packed_vl import (
         Qwen3_5MoePackedVLConfig,
         Qwen3_5PackedVLConfig,
     )
     from qwen35_packed.modeling import Qwen3_5PackedForConditionalGeneration
 
-    official = json.loads(path.read_text())
     cls = Qwen3_5MoePackedVLConfig if official["model_type"] == "qwen3_5_moe" else Qwen3_5PackedVLConfig
     default = cls().vision_config.to_dict()
     fields = [k for k in official["vision_config"] if k not in ("model_type", "deepstack_visual_indexes")]
