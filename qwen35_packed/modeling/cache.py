@@ -90,12 +90,16 @@ class PerRowKeysValues:
         return [buffer[b, :length] for b, length in enumerate(self.host_lengths)]
 
     def _reserve(self, k: torch.Tensor, longest: int) -> None:
-        """Buffers for rows of up to `longest` tokens, of k's kind, grown by doubling."""
+        """Buffers for rows of up to `longest` tokens, of k's kind, grown by doubling; in the wider of their dtype
+        and k's (the prefill and the steps may run under different autocast settings)."""
         if self.key_buffer is None:
             shape = (len(self.host_lengths), max(longest, 16), *k.shape[1:])
             self.key_buffer, self.value_buffer = k.new_zeros(shape), k.new_zeros(shape)
             self.lengths = torch.zeros(len(self.host_lengths), dtype=torch.long, device=k.device)
             return
+        dtype = torch.promote_types(self.key_buffer.dtype, k.dtype)
+        if dtype != self.key_buffer.dtype:
+            self.key_buffer, self.value_buffer = self.key_buffer.to(dtype), self.value_buffer.to(dtype)
         capacity = self.key_buffer.shape[1]
         if longest > capacity:
             grow = max(longest, 2 * capacity) - capacity
@@ -118,8 +122,8 @@ class PerRowKeysValues:
         """A generation step: one new key / value per row, k / v [B, kv_heads, head_dim], written at once."""
         self._reserve(k, max(self.host_lengths) + 1)
         rows = torch.arange(len(self.host_lengths), device=k.device)
-        self.key_buffer[rows, self.lengths] = k
-        self.value_buffer[rows, self.lengths] = v
+        self.key_buffer[rows, self.lengths] = k.to(self.key_buffer.dtype)
+        self.value_buffer[rows, self.lengths] = v.to(self.value_buffer.dtype)
         self.lengths = self.lengths + 1
         self.host_lengths = [length + 1 for length in self.host_lengths]
 

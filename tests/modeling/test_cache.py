@@ -257,3 +257,19 @@ def test_generation_steps_run_the_step_kernels():
     steps = calls[len(prefill) :]
     assert sorted(set(steps)) == ["attention_step", "conv_step", "delta_rule_step"]
     assert len(steps) == 2 * (2 * gdn + attention)  # two steps after the prefill's first token
+
+
+def test_a_step_under_autocast_continues_a_prefill_run_without_it():
+    """TRL's GRPO generates under the trainer's autocast while a cache may come from outside it: the step's bf16
+    keys join the prefill's fp32 ones (the buffer keeps the wider dtype, as concatenation promoted them), and the
+    step equals one full forward under the same autocast within bf16 rounding."""
+    model = packed_model("dense").eval()
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits[:, -1]
+            full = model(ids, use_cache=False).logits[:, -1]
+    layer = next(layer for layer in cache.layers if isinstance(layer, PerRowKeysValues))
+    assert layer.key_buffer.dtype == torch.float32 and layer.host_lengths == [7, 7]
+    assert (step.float() - full.float()).abs().max().item() <= 5e-2
