@@ -101,8 +101,13 @@ def measure(model, batch, prompt, new_tokens, mode, reps, device) -> dict:
 
 
 def git_commit() -> str | None:
+    """The commit of the qwen35_packed tree that runs (PYTHONPATH may point at another checkout than this script's)."""
+    import qwen35_packed
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(qwen35_packed.__file__).parent
+        ).stdout.strip()
     except OSError:
         return None
 

@@ -59,9 +59,11 @@ class GatedAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         cache, packed = batch.cache, batch.packed
-        if cache is None:
+        if not batch.continues_cache:  # a forward, or a prefill that fills the cache: the stream's kernel
             out = kernels.attention(q, k, v, packed, self.scaling)
-        elif batch.continues_cache and packed.num_tokens == packed.num_docs == cache.batch_size:
+            if cache is not None:
+                cache.layers[self.layer_idx].append(k, v, packed.cu_seqlens_cpu().tolist())
+        elif packed.num_tokens == packed.num_docs == cache.batch_size:
             # a generation step with one new token per row: all rows in one call
             out = kernels.attention_step(q, k, v, cache.layers[self.layer_idx], self.scaling)
         else:

@@ -53,7 +53,7 @@ class KernelSet:
     delta_rule_step: Callable  # (q, k, v, g, beta, state [B, Hv, Dk, Dv]) -> (o [B, Hv, Dv], new state)
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
-    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached forward's attention
+    cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached step of several new tokens
     attention_step: Callable  # (q [B, H, D], k, v [B, Hkv, D], cache rows, scale) -> one new token per row
     varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
     # MoE: the experts as one grouped GEMM per projection (else the per-expert loop), the top-k combine

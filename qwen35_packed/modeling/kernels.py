@@ -317,8 +317,8 @@ def causal_attention(q, k, v, packed, scale: float, varlen, host_bounds: bool, l
 
 
 def cached_attention(q, k, v, packed, rows, scale: float) -> torch.Tensor:
-    """A cached forward's attention (the prefill, a step of several tokens): each document of the stream is one
-    batch row continuing its cached keys / values (`rows`: the layer's cache entry, extended here by the new ones).
+    """A cached step of several new tokens in some row: each document of the stream is one batch row continuing its
+    cached keys / values (`rows`: the layer's cache entry, extended here by the new ones).
     Causal with an offset: query i sees every cached key plus the new keys up to itself."""
     bounds = packed.cu_seqlens_cpu().tolist()
     rows.append(k, v, bounds)

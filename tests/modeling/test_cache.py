@@ -228,7 +228,7 @@ def test_the_row_count_of_a_cache_must_match_the_input():
 
 def test_generation_steps_run_the_step_kernels():
     """A generate() step with one new token per row calls the kernel set's step kernels, for every GDN and attention
-    layer, and never the stream kernels; the prefill runs the stream kernels."""
+    layer, and never the stream kernels; the prefill runs the stream kernels of an uncached forward."""
     import dataclasses
 
     from qwen35_packed.modeling.kernel_set import REFERENCE_KERNELS
@@ -243,7 +243,7 @@ def test_generation_steps_run_the_step_kernels():
 
         return call
 
-    members = ("conv", "delta_rule", "cached_attention", "conv_step", "delta_rule_step", "attention_step")
+    members = ("conv", "delta_rule", "attention", "cached_attention", "conv_step", "delta_rule_step", "attention_step")
     model.model.use_kernels(dataclasses.replace(REFERENCE_KERNELS, **{name: recorded(name) for name in members}))
     ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -253,7 +253,7 @@ def test_generation_steps_run_the_step_kernels():
     gdn = sum(t == "linear_attention" for t in model.config.layer_types)
     attention = len(model.config.layer_types) - gdn
     prefill = calls[: 2 * gdn + attention]
-    assert sorted(set(prefill)) == ["cached_attention", "conv", "delta_rule"]
+    assert sorted(set(prefill)) == ["attention", "conv", "delta_rule"]
     steps = calls[len(prefill) :]
     assert sorted(set(steps)) == ["attention_step", "conv_step", "delta_rule_step"]
     assert len(steps) == 2 * (2 * gdn + attention)  # two steps after the prefill's first token
@@ -273,3 +273,17 @@ def test_a_step_under_autocast_continues_a_prefill_run_without_it():
     layer = next(layer for layer in cache.layers if isinstance(layer, PerRowKeysValues))
     assert layer.key_buffer.dtype == torch.float32 and layer.host_lengths == [7, 7]
     assert (step.float() - full.float()).abs().max().item() <= 5e-2
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_prefill_gives_the_uncached_forwards_logits_bit_for_bit(kind):
+    """Filling a cache runs the stream's kernels of an uncached forward (and copies the keys into the cache), so the
+    prompt's logits are the uncached forward's, left-padded rows included."""
+    model = packed_model(kind).eval()
+    ids = torch.randint(3, 100, (3, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        cached = model(ids, attention_mask=mask, use_cache=True)
+        uncached = model(ids, attention_mask=mask, use_cache=False).logits
+    assert cached.past_key_values is not None and torch.equal(cached.logits, uncached)
