@@ -168,15 +168,20 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_siz
     return o, state
 
 
+def _delta_rule_inputs(q, k, v, g, beta):
+    """fp32 inputs of the delta rule over [tokens, heads, dim]: q and k l2-normalised (q scaled by Dk^-0.5), and
+    repeated for grouped value attention (each q/k head serves `ratio` consecutive value heads)."""
+    ratio = v.shape[1] // k.shape[1]
+    q = l2norm(q.float()).repeat_interleave(ratio, dim=1) * q.shape[-1] ** -0.5
+    k = l2norm(k.float()).repeat_interleave(ratio, dim=1)
+    return q, k, v.float(), g.float(), beta.float()
+
+
 def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None, output_final_state=False):
     """Per-document chunked delta rule over a packed stream; q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv];
     cu_seqlens on the CPU (PackedSequence.cu_seqlens_cpu), as the loop over documents reads it."""
     dtype = v.dtype
-    ratio = v.shape[1] // k.shape[1]
-    # Grouped value attention: each q/k head serves `ratio` consecutive value heads.
-    q = l2norm(q.float()).repeat_interleave(ratio, dim=1) * q.shape[-1] ** -0.5
-    k = l2norm(k.float()).repeat_interleave(ratio, dim=1)
-    v, g, beta = v.float(), g.float(), beta.float()
+    q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -195,10 +200,7 @@ def torch_gated_delta_rule_step(q, k, v, g, beta, state):
     Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32). The
     chunked form's arithmetic for a one-token chunk (torch_chunk_gated_delta_rule), batched over the rows."""
     dtype = v.dtype
-    ratio = v.shape[1] // k.shape[1]
-    q = l2norm(q.float()).repeat_interleave(ratio, dim=1) * q.shape[-1] ** -0.5
-    k = l2norm(k.float()).repeat_interleave(ratio, dim=1)
-    v, g, beta = v.float(), g.float(), beta.float()
+    q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     decay = g.exp()
     w = k * (beta * decay).unsqueeze(-1)
     new_v = v * beta.unsqueeze(-1) - (w.unsqueeze(-2) @ state).squeeze(-2)
