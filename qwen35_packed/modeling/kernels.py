@@ -334,17 +334,19 @@ def cached_attention(q, k, v, packed, rows, scale: float) -> torch.Tensor:
 def attention_step(q, k, v, rows, scale: float) -> torch.Tensor:
     """A generation step with one new token per row, all rows in one SDPA call: q [B, H, D] and k / v [B, Hkv, D]
     of the new tokens; `rows` (the layer's cache entry) takes the new keys / values first, then every row's query
-    attends to the row's keys, the padding of shorter rows masked out."""
+    attends to the row's keys, the padding of shorter rows masked out. The query heads that share a key head are
+    that head's queries ([B, Hkv, H / Hkv, D]), so no key is repeated per query head."""
     rows.append_one_each(k, v)
     longest = max(rows.host_lengths)
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[1]
     keys, values = (buffer[:, :longest].transpose(1, 2) for buffer in (rows.key_buffer, rows.value_buffer))
     visible = torch.arange(longest, device=q.device)[None, :] < rows.lengths[:, None]  # [B, longest]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
+        q.reshape(batch, kv_heads, heads // kv_heads, dim).to(keys.dtype),
         keys,
         values,
         attn_mask=visible[:, None, None, :],
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.squeeze(2)
+    return out.reshape(batch, heads, dim).to(q.dtype)
