@@ -56,7 +56,14 @@ from .mrope_positions import IMAGE, VIDEO, modality_of_tokens
 from .norms import ZeroCenteredRMSNorm  # noqa: F401
 from .numerics import enable_numerics_check  # noqa: F401
 from .outputs import CACHE_FIELD, DecoderRun, output_class
-from .packed_batch import VISION_ARGUMENTS, PackedBatch, check_extra_arguments, returns_dict, wants_attentions
+from .packed_batch import (
+    VISION_ARGUMENTS,
+    PackedBatch,
+    check_extra_arguments,
+    open_packed_batch,
+    returns_dict,
+    wants_attentions,
+)
 from .packing import PackedSequence  # noqa: F401
 from .projection import RowInvariantLinear, adopt_adapter_products
 from .recompute import recompute_enabled  # noqa: F401
@@ -204,8 +211,8 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         mm_token_type_ids=None,
         **inputs,
     ) -> PackedBatch:
-        """The text model's front door with the vision inputs laid out (vision_layout.py): which tokens show which
-        image or video, the 3D rope positions. Without use_cache a cache is made in eval mode for one document per
+        """The front door (packed_batch.open_packed_batch) for the text decoder, with the vision inputs laid out
+        there (vision_layout.py): which tokens show which image or video, the 3D rope positions. Without use_cache a cache is made in eval mode for one document per
         row, as the built-in makes one by its config's use_cache."""
         vision = VisionInputs(
             pixel_values=pixel_values,
@@ -217,7 +224,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
             video_token_id=self.config.video_token_id,
             spatial_merge_size=self.visual.spatial_merge_size,
         )
-        return self.language_model.open_batch(**inputs, vision=vision)
+        return open_packed_batch(self.language_model, **inputs, vision=vision)
 
     def run(self, batch: PackedBatch) -> DecoderRun:
         """A forward's decoder part on its batch: the embeddings with the encoded images and videos written onto
