@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import context_parallel, kernels, triton_elementwise
+from . import context_parallel, kernels, triton_decode, triton_elementwise
 from . import reference_kernels as reference
 from .expert_lora import low_rank_plan, peft_plan
 from .kernel_selection import KernelChoice
@@ -108,9 +108,14 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
         gated_norm=_GATED_NORM[choice.gdn],
-        # batched PyTorch steps on every device: a few elementwise kernels and small matmuls per layer and step
-        conv_step=reference.torch_causal_conv1d_step,
-        delta_rule_step=reference.torch_gated_delta_rule_step,
+        # with the Triton elementwise kernels (CUDA) one launch each (triton_decode.py), else the batched PyTorch
+        # steps: a few elementwise kernels and small matmuls per layer and step
+        conv_step=triton_decode.conv_step_silu
+        if choice.elementwise == "triton"
+        else reference.torch_causal_conv1d_step,
+        delta_rule_step=(
+            triton_decode.delta_rule_step if choice.elementwise == "triton" else reference.torch_gated_delta_rule_step
+        ),
         attention=functools.partial(
             kernels.causal_attention,
             varlen=varlen,

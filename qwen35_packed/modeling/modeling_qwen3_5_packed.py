@@ -65,6 +65,7 @@ from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
 from .routing_replay import routed_experts_stream
 from .triton_conv import TRITON_CONV_AVAILABLE  # noqa: F401
+from .triton_decode import TRITON_DECODE_AVAILABLE  # noqa: F401
 from .triton_elementwise import TRITON_ELEMENTWISE_AVAILABLE  # noqa: F401
 from .triton_gather_sum import TRITON_GATHER_SUM_AVAILABLE  # noqa: F401
 from .triton_support import INTERPRETED  # noqa: F401

@@ -15,7 +15,13 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qwen35_packed.modeling import triton_conv, triton_elementwise, triton_gather_sum, triton_support  # noqa: E402
+from qwen35_packed.modeling import (  # noqa: E402
+    triton_conv,
+    triton_decode,
+    triton_elementwise,
+    triton_gather_sum,
+    triton_support,
+)
 from qwen35_packed.modeling.triton_conv import DEFAULT_BLOCKS  # noqa: E402
 
 BF16, FP32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
@@ -61,6 +67,14 @@ KERNELS = [
      {"a_ptr": BF16, "b_ptr": BF16, "a_log_ptr": FP32, "dt_bias_ptr": FP32, "dg_ptr": FP32, "dbeta_ptr": BF16,
       "da_ptr": BF16, "db_ptr": BF16, "partial_ptr": FP32, "n_rows": I32, "heads": I32},
      {"BLOCK_M": 16, "BLOCK_V": 32, "ROW_BLOCKS": 16}, 4),
+    (triton_decode, "_conv_step_kernel",
+     {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16, "out_ptr": BF16, "new_state_ptr": BF16, "channels": I32},
+     {"KERNEL": 4, "BLOCK_C": triton_decode.CONV_CHANNELS}, 4),
+    (triton_decode, "_delta_rule_step_kernel",
+     {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "g_ptr": FP32, "beta_ptr": BF16, "state_ptr": FP32,
+      "out_ptr": BF16, "new_state_ptr": FP32, "key_heads": I32, "value_heads": I32, "key_dim": I32,
+      "value_dim": I32, "scale": "fp32", "eps": "fp32"},
+     {"BLOCK_K": 128, "BLOCK_V": triton_decode.STATE_COLUMNS}, 4),
 ]  # fmt: skip
 
 
@@ -69,7 +83,7 @@ def test_every_kernel_is_listed():
     listed = {(module.__name__, name) for module, name, *_ in KERNELS}
     found = {
         (module.__name__, name)
-        for module in (triton_conv, triton_elementwise, triton_gather_sum)
+        for module in (triton_conv, triton_decode, triton_elementwise, triton_gather_sum)
         for name, value in vars(module).items()
         if isinstance(value, triton.runtime.JITFunction) and name.endswith(("_kernel", "_fwd", "_bwd"))
     }
