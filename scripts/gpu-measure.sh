@@ -53,6 +53,8 @@
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
 #                offloading                                                                           ~5 min
+#   generate     bench_generate.py: generate() ours and the built-in, batch 16, prompts of 512 tokens, 64 new
+#                tokens, greedy: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and warm)   ~8 min
 #   holes        tests/gpu/test_gpu.py -k holes (masks with holes through the GPU kernels against the PyTorch path,
 #                fp32 and bf16)                                                                     ~2 min
 #
@@ -198,6 +200,12 @@ case "$stage" in
       --rows rl:lora_low_rank --profile rl:lora_low_rank --out "$OUT/trace-35b-rl.json"
     step trace-moe-4l python3 benchmarks/trace_train_step.py --model moe_35b_a3b_shapes --batch rl_longtail_x16 \
       --out "$OUT/trace-moe-4l.json"
+    ;;
+  generate)
+    step generate-4b python3 benchmarks/bench_generate.py --models qwen35_4b:8 --batches 16 --prompts 512 \
+      --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-4b.json"
+    step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --batches 16 --prompts 512 \
+      --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-35b.json"
     ;;
   holes)
     step gpu-tests-holes env QWEN35_GPU_RESULTS="$OUT/gpu-tests-holes.json" \
