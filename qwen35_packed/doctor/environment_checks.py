@@ -88,7 +88,7 @@ def run_environment_checks(
 
 
 def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
-    from ..modeling.kernel_selection import kernel_refusals, select_kernels
+    from ..modeling.kernel_selection import is_reference, kernel_refusals, select_kernels
 
     config = folder.packed_config
     if config is None:
@@ -109,7 +109,8 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         f"attention {ATTENTION[choice.attention]}"
         + (f"; elementwise {choice.elementwise}" if hasattr(choice, "elementwise") else "")
         + (
-            f"; MoE experts {MOE[choice.moe]}" + (f", {COMBINE[choice.combine]}" if choice.moe == "grouped_mm" else "")
+            f"; MoE experts {MOE[choice.moe]}"
+            + (f", {COMBINE[choice.combine]}" if not is_reference("moe_kernel", choice.moe) else "")
             if getattr(config, "is_moe", False)
             else ""
         )
@@ -119,21 +120,21 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
     refused = [f"{name}: {why}" for reasons in kernel_refusals(config, device, dtype).values() for name, why in reasons]
     if device.type == "cuda" and refused:
         detail += f" (not used: {'; '.join(refused)})"
-    if device.type == "cuda" and choice.gdn == "torch":
+    if device.type == "cuda" and is_reference("gdn_kernel", choice.gdn):
         report.add(
             "kernels.selection",
             WARN,
             detail + ": FLA absent, exact but about 2x slower or worse",
             "pip install flash-linear-attention (the `gpu` extra)",
         )
-    elif device.type == "cuda" and getattr(config, "is_moe", False) and choice.moe == "loop":
+    elif device.type == "cuda" and getattr(config, "is_moe", False) and is_reference("moe_kernel", choice.moe):
         report.add(
             "kernels.selection",
             WARN,
             detail + ": the experts run one matmul per expert, several times slower than grouped_mm",
             "run in bf16 on a torch whose grouped_mm dispatches there",
         )
-    elif device.type == "cuda" and choice.attention == "sdpa":
+    elif device.type == "cuda" and is_reference("attention_kernel", choice.attention):
         report.add(
             "kernels.selection",
             WARN,

@@ -282,6 +282,11 @@ def _pick(field: str, settings: KernelSettings, device, dtype, chosen: dict) -> 
     raise AssertionError(f"no backend for {field}={requested!r}")  # the last backend of every field always runs
 
 
+def is_reference(field: str, name: str) -> bool:
+    """Whether `name` is the PyTorch reference of kernel field `field` (its last backend, which always runs)."""
+    return name == BACKENDS[field][-1].name
+
+
 def kernel_refusals(config, device: torch.device, dtype: torch.dtype) -> dict[str, list[tuple[str, str]]]:
     """For each kernel field, the faster backends "auto" passed by here and why (empty where the fastest runs or
     the field is forced): what the log line and the doctor report."""
