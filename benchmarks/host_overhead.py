@@ -86,7 +86,7 @@ def model_step_ms(choice, device, reps=20):
     ids = torch.randint(0, kwargs["vocab_size"], (1, 64), device=device)
     cu = torch.tensor([0, 32, 64], dtype=torch.int32, device=device)
     # The modes side by side on one device, whatever auto would pick there.
-    model.model.use_kernels(kernel_set(choice))
+    model.model.inject_kernels(kernel_set(choice))
     return per_call_us(lambda: model(input_ids=ids, labels=ids, cu_seqlens=cu).loss.backward(), device, reps) / 1e3
 
 

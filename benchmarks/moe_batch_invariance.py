@@ -142,7 +142,7 @@ def recording(model, n_tokens: int, device=None):
 
     backbone = model.model
     kernels = backbone.kernels_for(next(model.parameters()).device, next(model.parameters()).dtype)
-    backbone.use_kernels(
+    backbone.inject_kernels(
         dataclasses.replace(
             kernels,
             **{
@@ -171,7 +171,7 @@ def recording(model, n_tokens: int, device=None):
             h.remove()
         for owner, fn_name, original in originals:
             setattr(owner, fn_name, original)
-        backbone.use_kernels(None)
+        backbone.inject_kernels(None)
 
 
 def compare_rows(whole: torch.Tensor, per_doc: torch.Tensor) -> dict:

@@ -5,7 +5,7 @@ call the members and compare no names.
 
 A model resolves its set once per (device, dtype) and kernel settings and keeps it on the instance
 (`Qwen3_5PackedTextModel.kernels_for`; dropped on `.to()` and `set_attn_implementation`); a test injects a set of
-its own with `use_kernels`. Under the model's context parallelism the set of a shard wraps the conv, the delta rule
+its own with `inject_kernels`. Under the model's context parallelism the set of a shard wraps the conv, the delta rule
 and attention with the exchanges between ranks (context_parallel.py), so the layers do not know they run on a
 shard.
 

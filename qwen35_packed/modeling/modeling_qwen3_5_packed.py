@@ -202,7 +202,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         # The process group of context parallelism, set by `set_context_parallel` (None: off).
         self.context_parallel_group = None
         # The kernel sets bound so far, by (device, dtype, kernel settings) (`kernels_for`), and a set injected with
-        # `use_kernels`.
+        # `inject_kernels`.
         self.kernel_sets: dict[tuple, KernelSet] = {}
         self.injected_kernels: KernelSet | None = None
         self.post_init()
@@ -215,7 +215,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def kernels_for(self, device: torch.device, dtype: torch.dtype, shard=None) -> KernelSet:
         """The kernel set of a stream on `device` in `dtype`: selected once per (device, dtype) and kernel settings
         of the config (kernel_selection.select_kernels), then read from the instance; a set injected with
-        `use_kernels` instead. On a context-parallel `shard`, the shard's set (kernel_set.shard_kernel_set)."""
+        `inject_kernels` instead. On a context-parallel `shard`, the shard's set (kernel_set.shard_kernel_set)."""
         kernels = self.injected_kernels
         if kernels is None:
             settings = KernelSettings.of(self.config)
@@ -225,7 +225,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
                 kernels = self.kernel_sets[key] = kernel_set(select_kernels(settings, device, dtype))
         return kernels if shard is None else shard_kernel_set(kernels.choice, shard)
 
-    def use_kernels(self, kernels: KernelSet | None) -> None:
+    def inject_kernels(self, kernels: KernelSet | None) -> None:
         """Run every forward with `kernels` (kernel_set.kernel_set(KernelChoice(...)), or a set of one's own: a
         test's reference kernels), whatever the device and dtype; None goes back to the selection."""
         self.injected_kernels = kernels

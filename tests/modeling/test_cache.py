@@ -244,7 +244,7 @@ def test_generation_steps_run_the_step_kernels():
         return call
 
     members = ("conv", "delta_rule", "attention", "cached_attention", "conv_step", "delta_rule_step", "attention_step")
-    model.model.use_kernels(dataclasses.replace(REFERENCE_KERNELS, **{name: recorded(name) for name in members}))
+    model.model.inject_kernels(dataclasses.replace(REFERENCE_KERNELS, **{name: recorded(name) for name in members}))
     ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0

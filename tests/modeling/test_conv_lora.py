@@ -71,11 +71,11 @@ def _peft_forward_per_document(monkeypatch, wrapped):
 
     monkeypatch.setattr(gated_deltanet, "effective_conv", module_itself)
     backbone = wrapped.base_model.model.model
-    backbone.use_kernels(dataclasses.replace(REFERENCE_KERNELS, conv=per_document))
+    backbone.inject_kernels(dataclasses.replace(REFERENCE_KERNELS, conv=per_document))
     try:
         yield
     finally:
-        backbone.use_kernels(None)
+        backbone.inject_kernels(None)
 
 
 def _logits_and_gradients(model, embeds, probe):

@@ -452,3 +452,40 @@ def test_set_attn_implementation_maps_to_the_attention_kernel_or_raises():
     assert model.config.attention_kernel == "flash_attn"
     with pytest.raises(ValueError, match='`attn_implementation="flex_attention"` is not supported by the packed'):
         model.set_attn_implementation("flex_attention")
+
+
+def test_no_name_of_ours_shadows_one_of_transformers_by_accident():
+    """Every attribute our model classes define that transformers' PreTrainedModel / GenerationMixin / nn.Module
+    also have (on the installed release) is an intended override: a helper named like one of transformers' own
+    (a model's `use_kernels` switch, for instance) would be read by transformers as its own."""
+    import transformers
+
+    from qwen35_packed.modeling.modeling_qwen3_5_packed import (
+        Qwen3_5PackedForCausalLM,
+        Qwen3_5PackedForSequenceClassification,
+        Qwen3_5PackedTextModel,
+    )
+    from qwen35_packed.modeling.modeling_qwen3_5_packed_vl import (
+        Qwen3_5PackedForConditionalGeneration,
+        Qwen3_5PackedVLModel,
+    )
+
+    intended = {
+        "forward", "from_pretrained", "generate", "prepare_inputs_for_generation", "_reorder_cache",
+        "_expand_inputs_for_generation", "_apply", "_init_weights", "set_attn_implementation",
+        "get_input_embeddings", "set_input_embeddings", "get_output_embeddings", "set_output_embeddings",
+        "get_decoder", "post_init", "config_class", "visual", "language_model", "base_model_prefix",
+        "supports_gradient_checkpointing", "main_input_name", "input_modalities",
+    }  # fmt: skip
+    theirs = set(dir(transformers.PreTrainedModel)) | set(dir(transformers.GenerationMixin)) | set(dir(torch.nn.Module))
+    for cls in (Qwen3_5PackedTextModel, Qwen3_5PackedForCausalLM, Qwen3_5PackedForSequenceClassification,
+                Qwen3_5PackedVLModel, Qwen3_5PackedForConditionalGeneration):  # fmt: skip
+        ours = {
+            name
+            for klass in cls.__mro__
+            if klass.__module__.startswith("qwen35_packed")
+            for name in vars(klass)
+            if not (name.startswith("__") and name.endswith("__"))
+        }
+        clashes = {name for name in ours & theirs if not name.startswith("_") or name in intended} - intended
+        assert not clashes, f"{cls.__name__} defines {sorted(clashes)}, which transformers' classes also have"

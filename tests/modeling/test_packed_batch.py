@@ -159,7 +159,7 @@ def test_kernels_are_bound_once_per_device_dtype_and_settings(monkeypatch):
 
 
 def test_an_injected_kernel_set_runs_instead_of_the_selection():
-    """Tests and benchmarks inject a set (`use_kernels`) instead of patching globals: every layer calls its members."""
+    """Tests and benchmarks inject a set (`inject_kernels`) instead of patching globals: every layer calls its members."""
     model = packed_model("dense").eval()
     ids = torch.randint(3, 100, (1, 8))
     seen = []
@@ -175,8 +175,8 @@ def test_an_injected_kernel_set_runs_instead_of_the_selection():
     members = ("rms_norm", "conv", "delta_rule", "gated_norm", "attention", "sigmoid_gate", "swiglu", "gdn_gates")
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
-        model.model.use_kernels(dataclasses.replace(reference, **{name: recorded(name) for name in members}))
+        model.model.inject_kernels(dataclasses.replace(reference, **{name: recorded(name) for name in members}))
         got = model(ids, use_cache=False).logits
-        model.model.use_kernels(None)
+        model.model.inject_kernels(None)
     assert torch.equal(got, expected)
     assert set(seen) == set(members)

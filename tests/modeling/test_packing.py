@@ -161,7 +161,7 @@ def test_bf16_packed_row_equals_per_document_within_rounding(kind):
         rounding = (torch.cat(_per_doc_logits(fp32, docs)) - alone).abs().max().item()
         packed = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
         bound = model.model.kernels_for(ids.device, torch.bfloat16)
-        model.model.use_kernels(dataclasses.replace(bound, conv=_leaky_conv))
+        model.model.inject_kernels(dataclasses.replace(bound, conv=_leaky_conv))
         leaky = model(ids, cu_seqlens=cu, use_cache=False).logits[0].float()
     assert 0 < rounding
     assert (packed - alone).abs().max().item() <= rounding

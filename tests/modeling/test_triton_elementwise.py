@@ -144,7 +144,7 @@ for kind, model_class, config_class, moe in (
         CHOICE = kernel_selection.KernelChoice("torch", "sdpa", mode, moe=experts)
         torch.manual_seed(0)
         model = model_class(config_class(**tiny_kwargs(kind), return_logits_with_loss=True)).train().to(dtype)
-        model.model.use_kernels(kernel_set(CHOICE))
+        model.model.inject_kernels(kernel_set(CHOICE))
         out = model(input_ids=ids, labels=ids, cu_seqlens=cu)
         out.loss.backward()
         runs[label] = (out.logits.detach().double(),
@@ -172,7 +172,7 @@ for kind, model_class, config_class, moe in (
     CHOICE = kernel_selection.KernelChoice("torch", "sdpa", "triton", moe=moe)
     torch.manual_seed(0)
     model = model_class(config_class(**tiny_kwargs(kind))).train().to(torch.bfloat16)
-    model.model.use_kernels(kernel_set(CHOICE))
+    model.model.inject_kernels(kernel_set(CHOICE))
     ids = torch.randint(0, tiny_kwargs(kind)["vocab_size"], (1, 45), generator=torch.Generator().manual_seed(7))
     grads = {}
     original = modeling_qwen3_5_packed.RecomputedActivations
