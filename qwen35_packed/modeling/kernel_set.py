@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from . import context_parallel, kernels, triton_decode, triton_elementwise
 from . import reference_kernels as reference
 from .expert_lora import low_rank_plan, peft_plan
-from .kernel_selection import KernelChoice
+from .kernel_selection import LONG_DOCUMENT_TOKENS, KernelChoice
 from .loss import chunk_cross_entropy
 from .triton_gather_sum import gather_sum_rows
 from .utils import log_once
@@ -120,7 +120,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
             kernels.causal_attention,
             varlen=varlen,
             host_bounds=choice.attention == "sdpa",
-            long_documents_alone=choice.long_documents == "sdpa" and choice.attention != "sdpa",
+            alone_from=LONG_DOCUMENT_TOKENS if choice.long_documents == "sdpa" and choice.attention != "sdpa" else None,
         ),
         cached_attention=kernels.cached_attention,
         attention_step=kernels.attention_step,

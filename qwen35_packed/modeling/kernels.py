@@ -285,17 +285,17 @@ def sdpa_long_document(q, k, v, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def causal_attention(q, k, v, packed, scale: float, varlen, host_bounds: bool, long_documents_alone: bool):
+def causal_attention(q, k, v, packed, scale: float, varlen, host_bounds: bool, alone_from: int | None):
     """Causal attention within each document of a PackedSequence (the text model's attention layers) through the
     varlen backend `varlen` (one of the attention_* functions; `host_bounds`: it reads the boundaries on the host,
     so it gets the stream's CPU copy).
 
-    With `long_documents_alone`, every document of at least `kernel_selection.LONG_DOCUMENT_TOKENS` runs alone
-    through `sdpa_long_document` and the runs of shorter documents between them through `varlen`. Which kernel a
-    document gets depends on its own length only, so packed == per-document holds as it does for either kernel
-    alone."""
-    if long_documents_alone:
-        segments = packed.attention_segments(selection.LONG_DOCUMENT_TOKENS)
+    With `alone_from` (the kernel set binds `kernel_selection.LONG_DOCUMENT_TOKENS` where long documents run alone),
+    every document of at least that many tokens runs alone through `sdpa_long_document` and the runs of shorter
+    documents between them through `varlen`. Which kernel a document gets depends on its own length only, so packed
+    == per-document holds as it does for either kernel alone."""
+    if alone_from is not None:
+        segments = packed.attention_segments(alone_from)
         if any(segment.alone for segment in segments):
             outs = [
                 sdpa_long_document(q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end], scale)

@@ -1,5 +1,7 @@
 """The pure-PyTorch kernels against naive per-token references, with varlen cases."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,35 +110,36 @@ def test_sdpa_per_document_attention_matches_masked_reference():
     [[3, 9, 2], [1, 12, 9, 2], [9, 10, 4], [2, 5, 11], [16]],
     ids=["long-inside", "long-runs-around", "two-long-first", "long-last", "one-long"],
 )
-def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, lengths):
-    # long_documents="sdpa": documents of >= LONG_DOCUMENT_TOKENS run alone through SDPA, the runs of shorter ones
-    # between them through the varlen kernel with boundaries relative to the run. The varlen kernel is replaced by
-    # the per-document reference (it needs a GPU) and records what it receives; values and every gradient must equal
-    # the varlen kernel over the whole stream, and each document must get the same as alone.
+def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(lengths):
+    # long_documents="sdpa": documents of at least `alone_from` tokens run alone through SDPA, the runs of shorter
+    # ones between them through the varlen kernel with boundaries relative to the run. The varlen kernel given is the
+    # per-document reference (the real ones need a GPU), which records what it receives; values and every gradient
+    # must equal the varlen kernel over the whole stream, and each document must get the same as alone.
     calls = []
 
-    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
-        assert cu_q is cu_k and window_size == (-1, 0)
-        calls.append((cu_q.tolist(), max_q, q.shape[0]))
-        return kernels.attention_sdpa(q, k, v, cu_q, max_q, scale, True)
+    def recording_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal):
+        assert causal
+        calls.append((cu_seqlens.tolist(), max_seqlen, q.shape[0]))
+        return kernels.attention_sdpa(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
-    monkeypatch.setattr(kernel_selection, "torch_varlen_attn", reference_varlen, raising=False)
-    monkeypatch.setattr(kernel_selection, "LONG_DOCUMENT_TOKENS", 9)
     gen = torch.Generator().manual_seed(4)
     n, heads, kv_heads, d = sum(lengths), 4, 2, 8
     q0 = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
     k0, v0 = (torch.randn(n, kv_heads, d, generator=gen, dtype=torch.float64) for _ in range(2))
     cotangent = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
 
-    def run(choice, lens):
+    def run(alone_from, lens):
         q, k, v = (t[: sum(lens)].clone().requires_grad_() for t in (q0, k0, v0))
-        out = kernel_set(choice).attention(q, k, v, _packed(lens), d**-0.5)
+        attention = functools.partial(
+            kernels.causal_attention, varlen=recording_varlen, host_bounds=False, alone_from=alone_from
+        )
+        out = attention(q, k, v, _packed(lens), d**-0.5)
         out.mul(cotangent[: sum(lens)]).sum().backward()
         return out, q.grad, k.grad, v.grad
 
-    whole = run(kernel_selection.KernelChoice("torch", "torch_varlen"), lengths)
+    whole = run(None, lengths)
     calls.clear()
-    split = run(kernel_selection.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths)
+    split = run(9, lengths)
     for a, b in zip(whole, split):
         assert torch.allclose(a, b, atol=1e-12)
     # the varlen kernel saw only the runs of short documents, each from 0
@@ -152,8 +155,20 @@ def test_long_documents_alone_through_sdpa_match_the_varlen_kernel(monkeypatch, 
     # a long document at the front of a stream gets bitwise what it gets alone
     first = next(i for i, length in enumerate(lengths) if length >= 9)
     if first == 0:
-        alone = run(kernel_selection.KernelChoice("torch", "torch_varlen", long_documents="sdpa"), lengths[:1])
+        alone = run(9, lengths[:1])
         assert torch.equal(alone[0], split[0][: lengths[0]])
+
+
+def test_the_kernel_set_runs_long_documents_alone_where_a_varlen_kernel_runs_the_rest():
+    bound = {
+        (attention, long_documents): kernel_set(KernelChoice("torch", attention, long_documents)).attention.keywords
+        for attention in ("torch_varlen", "sdpa")
+        for long_documents in ("varlen", "sdpa")
+    }
+    assert bound[("torch_varlen", "sdpa")]["alone_from"] == kernel_selection.LONG_DOCUMENT_TOKENS
+    assert bound[("torch_varlen", "varlen")]["alone_from"] is None
+    assert bound[("sdpa", "sdpa")]["alone_from"] is None  # SDPA already runs every document alone
+    assert bound[("sdpa", "varlen")]["host_bounds"] and not bound[("torch_varlen", "varlen")]["host_bounds"]
 
 
 def test_long_document_attention_follows_the_attention_kernel_and_is_validated():
