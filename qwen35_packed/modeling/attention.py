@@ -63,8 +63,7 @@ class GatedAttention(nn.Module):
             out = kernels.attention(q, k, v, packed, self.scaling)
             if cache is not None:
                 cache.layers[self.layer_idx].append(k, v, packed.cu_seqlens_cpu().tolist())
-        elif packed.num_tokens == packed.num_docs == cache.batch_size:
-            # a generation step with one new token per row: all rows in one call
+        elif batch.one_token_per_row:  # all rows in one call
             out = kernels.attention_step(q, k, v, cache.layers[self.layer_idx], self.scaling)
         else:
             out = kernels.cached_attention(q, k, v, packed, cache.layers[self.layer_idx], self.scaling)

@@ -96,6 +96,7 @@ class PerRowKeysValues:
             shape = (len(self.host_lengths), max(longest, 16), *k.shape[1:])
             self.key_buffer, self.value_buffer = k.new_zeros(shape), k.new_zeros(shape)
             self.lengths = torch.zeros(len(self.host_lengths), dtype=torch.long, device=k.device)
+            self._row_index = torch.arange(len(self.host_lengths), device=k.device)
             return
         dtype = torch.promote_types(self.key_buffer.dtype, k.dtype)
         if dtype != self.key_buffer.dtype:
@@ -121,9 +122,8 @@ class PerRowKeysValues:
     def append_one_each(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A generation step: one new key / value per row, k / v [B, kv_heads, head_dim], written at once."""
         self._reserve(k, max(self.host_lengths) + 1)
-        rows = torch.arange(len(self.host_lengths), device=k.device)
-        self.key_buffer[rows, self.lengths] = k.to(self.key_buffer.dtype)
-        self.value_buffer[rows, self.lengths] = v.to(self.value_buffer.dtype)
+        self.key_buffer[self._row_index, self.lengths] = k.to(self.key_buffer.dtype)
+        self.value_buffer[self._row_index, self.lengths] = v.to(self.value_buffer.dtype)
         self.lengths = self.lengths + 1
         self.host_lengths = [length + 1 for length in self.host_lengths]
 
@@ -155,6 +155,7 @@ class PerRowKeysValues:
             self.key_buffer = self.key_buffer.index_select(0, index)
             self.value_buffer = self.value_buffer.index_select(0, index)
             self.lengths = self.lengths.index_select(0, index)
+            self._row_index = torch.arange(len(order), device=index.device)
 
 
 def _new_linear_layer():

@@ -99,28 +99,26 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
         split = [self.key_dim, self.key_dim, self.value_dim]
-        if batch.continues_cache and not conv.adapters and packed.num_tokens == packed.num_docs == cache.batch_size:
-            # a generation step with one new token per row: the batched decode kernels
+        step = batch.one_token_per_row and not conv.adapters  # a generation step: the batched decode kernels
+        if step:
             out, conv_state = kernels.conv_step(mixed, conv.weight, conv_state)
             q, k, v = torch.split(out, split, dim=-1)
-            q = q.reshape(n, self.num_k_heads, self.head_k_dim)
-            k = k.reshape(n, self.num_k_heads, self.head_k_dim)
-            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
-            core, final_state = kernels.delta_rule_step(q, k, v, g, beta, recurrent_state)
-            cache.store_linear_states(self.layer_idx, conv_state, final_state)
-            return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))
-        # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
-        history = conv_state[..., 1:] if conv_state is not None else None
-        q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=history, adapters=conv.adapters)
+        else:
+            # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
+            history = conv_state[..., 1:] if conv_state is not None else None
+            q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=history, adapters=conv.adapters)
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)
-        core, final_state = kernels.delta_rule(
-            q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None
-        )
+        if step:
+            core, final_state = kernels.delta_rule_step(q, k, v, g, beta, recurrent_state)
+        else:
+            core, final_state = kernels.delta_rule(
+                q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None
+            )
+            if cache is not None:
+                # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
+                conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
         if cache is not None:
-            # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
-            conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
             cache.store_linear_states(self.layer_idx, conv_state, final_state)
-
         return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))

@@ -62,13 +62,16 @@ class KernelSet:
     expert_lora: Callable  # (experts module) -> (bare experts, LoRA factors) or None (expert_lora.py)
 
 
-# The Triton form of each eager chain (triton_elementwise.py).
+# The Triton form of each eager chain (triton_elementwise.py) and of the generation steps (triton_decode.py: one
+# launch each, where the PyTorch steps run a few elementwise kernels and small matmuls per layer and step).
 _TRITON_CHAINS = {
     "rms_norm": triton_elementwise.rms_norm,
     "swiglu": triton_elementwise.swiglu,
     "sigmoid_gate": triton_elementwise.sigmoid_gate,
     "weighted_swiglu": triton_elementwise.weighted_swiglu,
     "gdn_gates": triton_elementwise.gdn_gates,
+    "conv_step": triton_decode.conv_step_silu,
+    "delta_rule_step": triton_decode.delta_rule_step,
 }
 _EAGER_CHAINS = {
     "rms_norm": reference.zero_centred_rms_norm,
@@ -76,6 +79,8 @@ _EAGER_CHAINS = {
     "sigmoid_gate": reference.sigmoid_gate,
     "weighted_swiglu": reference.weighted_swiglu,
     "gdn_gates": reference.gdn_gates,
+    "conv_step": reference.torch_causal_conv1d_step,
+    "delta_rule_step": reference.torch_gated_delta_rule_step,
 }
 _CONV = {"triton": kernels.conv_triton, "fla": kernels.conv_fla, "compiled": kernels.conv_compiled,
          "torch": kernels.conv_eager}  # fmt: skip
@@ -108,14 +113,8 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
         gated_norm=_GATED_NORM[choice.gdn],
-        # with the Triton elementwise kernels (CUDA) one launch each (triton_decode.py), else the batched PyTorch
-        # steps: a few elementwise kernels and small matmuls per layer and step
-        conv_step=triton_decode.conv_step_silu
-        if choice.elementwise == "triton"
-        else reference.torch_causal_conv1d_step,
-        delta_rule_step=(
-            triton_decode.delta_rule_step if choice.elementwise == "triton" else reference.torch_gated_delta_rule_step
-        ),
+        conv_step=chains["conv_step"],
+        delta_rule_step=chains["delta_rule_step"],
         attention=functools.partial(
             kernels.causal_attention,
             varlen=varlen,

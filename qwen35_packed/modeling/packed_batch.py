@@ -73,6 +73,7 @@ class PackedBatch:
     inputs_embeds: torch.Tensor | None  # [N, H]: the caller's inputs_embeds packed
     cache: Qwen3_5PackedCache | None
     continues_cache: bool  # a generation step after the prefill (the cache held state on entry)
+    one_token_per_row: bool  # a generation step with one new token in every row: the decode kernels run
     columns: int  # the caller's sequence length: a cache advances by it
     targets: torch.Tensor | None  # long [N] next-token targets on the stream; None without labels
     num_items_in_batch: torch.Tensor | int | None  # the loss denominator the Trainer gives
@@ -297,6 +298,7 @@ def open_packed_batch(
         inputs_embeds=packed_embeds,
         cache=stream.cache,
         continues_cache=stream.continues_cache,
+        one_token_per_row=stream.continues_cache and packed.num_tokens == packed.num_docs,
         columns=shape[1],
         targets=targets,
         num_items_in_batch=num_items_in_batch,
