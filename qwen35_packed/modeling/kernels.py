@@ -31,10 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-# The module, not names, where a kernel reads an attribute at call time (the GPU kernels' handles, the
-# long-document threshold).
+# The module, not names: a kernel reads the optional GPU packages' handles at call time.
 from . import kernel_selection as selection
-from . import reference_kernels as reference
 from .conv_lora import adapted_causal_conv1d_varlen
 from .reference_kernels import sdpa_one_document, torch_causal_conv1d_varlen, torch_gated_delta_rule_varlen
 from .triton_conv import causal_conv1d_silu_split
@@ -89,16 +87,6 @@ def flattened_rms_norm(norm):
         return norm(x.reshape(-1, shape[-1]), weight, eps).reshape(shape)
 
     return rms_norm
-
-
-zero_centred_rms_norm = flattened_rms_norm(reference.zero_centred_rms_norm)
-swiglu = reference.swiglu  # silu(gate) * up
-sigmoid_gate = reference.sigmoid_gate  # x * sigmoid(gate), same shapes
-# The GDN decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log space) and beta = sigmoid(b) in b's dtype:
-# a, b [N, Hv]; A_log, dt_bias [Hv] fp32.
-gdn_gates = reference.gdn_gates
-# silu(gate) * up * weight in fp32, cast to gate_up's dtype: gate_up [M, 2I] (gate | up halves), weight [M] fp32.
-weighted_swiglu = reference.weighted_swiglu
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ sys.path.insert(0, "tests")
 from conftest import tiny_kwargs
 from qwen35_packed import (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig,
                            Qwen3_5PackedForCausalLM)
-from qwen35_packed.modeling import kernel_selection, kernels, modeling_qwen3_5_packed, reference_kernels, triton_elementwise as te
+from qwen35_packed.modeling import kernel_selection, modeling_qwen3_5_packed, reference_kernels, triton_elementwise as te
 from qwen35_packed.modeling.kernel_set import kernel_set
 
 results = {}
@@ -77,7 +77,7 @@ for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
                 dtype, rows)
     compare(f"swiglu_{tag}", pair_inputs(41, 96), reference_kernels.swiglu, te.swiglu, dtype, 1)
     compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), reference_kernels.sigmoid_gate, te.sigmoid_gate, dtype, 2)
-    compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: kernels.gdn_gates(a, b, al, dt),
+    compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: reference_kernels.gdn_gates(a, b, al, dt),
             te.gdn_gates, dtype, 3)
     compare(f"weighted_swiglu_{tag}", lambda gen: (torch.randn(70, 2 * 24, generator=gen) * 3,
                                                    torch.rand(70, generator=gen)),
