@@ -50,7 +50,7 @@ class PackedCausalLMHead:
             if not full_logits:
                 raise ValueError("labels need the full logits: leave logits_to_keep at 0 when computing the loss")
             keep_logits = keeps_logits_with_loss(text_config.return_logits_with_loss, self.training)
-            loss, logits = self.packed_loss(hidden, batch, batch.num_items_in_batch, keep_logits)
+            loss, logits = self.packed_loss(hidden, batch, keep_logits)
             if not keep_logits:
                 logits = LogitsNotKept(text_config.return_logits_with_loss)
         elif full_logits:
@@ -72,8 +72,9 @@ class PackedCausalLMHead:
             loss, aux_loss = add_load_balancing_loss(loss, run.router_logits, text_config)
         return loss, aux_loss, logits
 
-    def packed_loss(self, hidden: torch.Tensor, batch: PackedBatch, num_items_in_batch=None, keep_logits: bool = True):
-        """Token-weighted fp32 cross-entropy of `batch.targets` on the packed stream; returns (loss, logits in the
+    def packed_loss(self, hidden: torch.Tensor, batch: PackedBatch, keep_logits: bool = True):
+        """Token-weighted fp32 cross-entropy of `batch.targets` on the packed stream (over `batch.num_items_in_batch`
+        when the trainer gives it); returns (loss, logits in the
         caller's layout [batch, seq, V], or None when `keep_logits` is False).
 
         With an unwrapped linear head the loss runs chunked (chunked_linear_cross_entropy): fp32 [N, V] logits never
@@ -81,7 +82,7 @@ class PackedCausalLMHead:
         logits are detached (they carry no gradient; the loss does) and written straight into the caller's layout.
         A wrapped head (e.g. an adapter) keeps the plain path, so its forward is never bypassed.
         """
-        packed, targets = batch.packed, batch.targets
+        packed, targets, num_items_in_batch = batch.packed, batch.targets, batch.num_items_in_batch
         if batch.shard is not None:  # this rank's share of the row's loss (context_parallel.py)
             num_items_in_batch = batch.shard.loss_denominator(targets.to(hidden.device), num_items_in_batch)
         if type(self.lm_head) in (nn.Linear, RowInvariantLinear) and self.lm_head.bias is None:
