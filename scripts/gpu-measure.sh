@@ -156,7 +156,7 @@ case "$stage" in
   invariance-cost)
     step moe-invariance-cost python3 benchmarks/bench_moe.py --vocabs 65536 --batches rl_longtail_x16 \
       --runs ours_packed,ours_packed_plain_gemms --reps 10 --skip-lora --skip-experts --out "$OUT/moe-invariance-cost.json"
-    step dense-invariance-cost python3 benchmarks/bench_train_step.py --models hybrid_1p4b --batches rl \
+    step dense-invariance-cost python3 benchmarks/bench_train_step.py --models hybrid_1p4b --batches rl_longtail_x16 \
       --runs ours_packed,ours_packed_plain_gemms --out "$OUT/dense-invariance-cost.json"
     ;;
   moe-locate)
