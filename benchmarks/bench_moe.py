@@ -50,6 +50,7 @@ import transformers
 from bench_train_step import (
     ROPE,
     batches,
+    chosen_names,
     build_pair,
     config_fields,
     matmul_rate,
@@ -215,7 +216,7 @@ def run_vocab(vocab, args, device, rate, results, save):
         },
     )
     selected_runs = set(filter(None, args.runs.split(",")))
-    selected_batches = set(filter(None, args.batches.split(",")))
+    selected_batches = chosen_names(args.batches, batches(), "batches")
     inputs = {}
     for batch_name, lengths in batches().items():
         if selected_batches and batch_name not in selected_batches:

@@ -127,6 +127,16 @@ def batches() -> dict[str, list[int]]:
     return {"uniform_128_2048_x8": uniform, "rl_longtail_x16": [int(p + c) for p, c in zip(prompt, completion)]}
 
 
+def chosen_names(listed: str, known, what: str) -> set[str]:
+    """The comma-separated names of `listed` (empty: all), refused when one is not among `known`: a misspelt name
+    would otherwise select nothing and the benchmark would finish without a row."""
+    names = set(filter(None, listed.split(",")))
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return names
+
+
 def random_longtail(seed: int, max_tokens: int = 26_000) -> list[int]:
     """Document lengths of a random batch as users' RL and SFT batches come: a few of 1 to 3 tokens, short ones
     (4-64), RL-sized ones (100-3,600) and one or two long ones (4,000-7,000), shuffled, cut to at most
@@ -354,6 +364,8 @@ def run_model(name, kwargs, rate, results, profile, selected, selected_batches, 
                 lambda: builtin(input_ids=x["flat"], labels=x["flat"], use_cache=False, **x["builtin_leaky"]).loss,
             ),
         }
+        if selected - runs.keys():  # a misspelt run would select nothing
+            raise SystemExit(f"unknown runs: {sorted(selected - runs.keys())} (known: {sorted(runs)})")
         rows = {}
         entry = results[name][batch_name] = {
             "real_tokens": n_real,
@@ -480,7 +492,7 @@ def main():
             results,
             args.profile,
             set(filter(None, args.runs.split(","))),
-            set(filter(None, args.batches.split(","))),
+            chosen_names(args.batches, batches(), "batches"),
             lambda: out.write_text(json.dumps(results, indent=1)),
             device,
             args.tiny,
