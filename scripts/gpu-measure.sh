@@ -55,6 +55,8 @@
 #                offloading                                                                           ~5 min
 #   generate     bench_generate.py: generate() ours and the built-in, batch 16, prompts of 512 tokens, 64 new
 #                tokens, greedy: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and warm)   ~8 min
+#   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours and the built-in,
+#                LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B, then the whole 35B-A3B    ~9 min
 #   holes        tests/gpu/test_gpu.py -k holes (masks with holes through the GPU kernels against the PyTorch path,
 #                fp32 and bf16)                                                                     ~2 min
 #
@@ -206,6 +208,10 @@ case "$stage" in
       --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-4b.json"
     step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --batches 16 --prompts 512 \
       --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-35b.json"
+    ;;
+  grpo-step)
+    step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"
+    step grpo-step-35b python3 benchmarks/bench_grpo_step.py --models qwen35_35b_a3b --out "$OUT/grpo-step-35b.json"
     ;;
   holes)
     step gpu-tests-holes env QWEN35_GPU_RESULTS="$OUT/gpu-tests-holes.json" \

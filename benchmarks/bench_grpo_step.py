@@ -1,0 +1,237 @@
+"""One GRPO step as TRL runs it without vLLM: generation, scoring and training, qwen35-packed vs the built-in.
+
+`PackedGRPOTrainer` on this project's model against TRL's own `GRPOTrainer` on transformers' built-in Qwen3.5, each
+with PEFT LoRA (r=16 on every GDN, attention and MLP projection; the experts too on the MoE), `use_vllm=False` (TRL's
+default: completions come from `model.generate()`), bf16 weights, gradient checkpointing, a toy reward (the share of
+words with an even id in a completion). A step is `--prompts` prompts x `--generations` completions of exactly
+`--completion` tokens (random weights almost never draw the end token; the benchmark asserts the lengths) after
+prompts of `--prompt` tokens. Prompts are random words of a word-level tokenizer built here at the model's
+vocabulary (no Hub access needed), a new draw for every step.
+
+Each step's seconds are split where TRL's own methods split them, with the device synchronised at each boundary:
+generation (`_generate`), scoring (the rest of `_generate_and_score_completions`: rewards, old and reference
+log-probs) and training (the rest of `training_step`: loss forward, backward). The first `--warmup` steps (kernel
+compilation, autotuning) are reported apart from the timed ones. Weights are random (seed 0); both implementations
+get the same shapes, not the same weights (one model is built at a time, so a 35B-A3B fits).
+
+    python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,builtin]
+        [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 3] [--warmup 1]
+        [--device cuda] [--tiny] [--out FILE]
+
+--tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
+JSON under results/benchmarks/ (or --out) after every model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from bench_generate import MOE_MODEL, build, config_kwargs, git_commit
+from bench_train_step import peak_gib, sync
+
+ROOT = Path(__file__).resolve().parent
+LORA_MODULES = [
+    "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj",
+]  # fmt: skip
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer with exactly `vocab_size` ids: <pad> 0, <eos> 1, <unk> 2, then words w3, w4, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def prompt_dataset(n: int, words: int, vocab_size: int, seed: int):
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (n, words), generator=gen).tolist()
+    return datasets.Dataset.from_dict({"prompt": [" ".join(f"w{i}" for i in row) for row in ids]})
+
+
+def even_words(completions, **_) -> list[float]:
+    """The toy reward: the share of a completion's words with an even id (it varies within a group, so the
+    advantages and the loss's gradient are not zero)."""
+    return [
+        sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit()) / max(len(c.split()), 1) for c in completions
+    ]
+
+
+class StepTimer:
+    """Wraps a trainer's `_generate`, `_generate_and_score_completions` and `training_step` (instance attributes,
+    so TRL's own calls go through them), synchronising the device around each, and splits every step's seconds."""
+
+    def __init__(self, trainer, device: torch.device):
+        self.device, self.steps, self.current = device, [], {}
+        for name in ("_generate", "_generate_and_score_completions", "training_step"):
+            setattr(trainer, name, self._timed(name, getattr(trainer, name)))
+
+    def _timed(self, name, method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            sync(self.device)
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            sync(self.device)
+            self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
+            if name == "training_step":
+                self._close_step()
+            return result
+
+        return run
+
+    def _close_step(self):
+        t = self.current
+        generation = t.get("_generate", 0.0)
+        scoring = t.get("_generate_and_score_completions", 0.0) - generation
+        training = t["training_step"] - generation - scoring
+        total = t["training_step"]
+        self.steps.append({"generation_s": generation, "scoring_s": scoring, "training_s": training, "total_s": total})
+        self.current = {}
+
+
+def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_dir: str) -> dict:
+    import trl
+    from peft import LoraConfig
+
+    from qwen35_packed.integrations.grpo import PackedGRPOTrainer
+
+    trainer_cls = PackedGRPOTrainer if impl == "ours" else trl.GRPOTrainer
+    total_steps = args.warmup + args.steps
+    config = trl.GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations,
+        max_completion_length=args.completion,
+        max_steps=total_steps,
+        learning_rate=1e-5,
+        bf16=device.type == "cuda",
+        use_cpu=device.type == "cpu",
+        gradient_checkpointing=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        generation_kwargs={"min_new_tokens": args.completion},
+    )
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=LORA_MODULES,
+        target_parameters=EXPERT_PARAMETERS if getattr(model.config, "num_experts", 0) else None,
+    )
+    data = prompt_dataset(args.prompts * total_steps, args.prompt, model.config.vocab_size, seed=1)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=even_words,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=lora,
+    )
+    timer = StepTimer(trainer, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    lengths = [log["completions/min_length"] for log in trainer.state.log_history if "completions/min_length" in log]
+    if not lengths or min(lengths) != args.completion:
+        raise RuntimeError(f"completions shorter than --completion {args.completion}: min lengths {lengths}")
+    warm, timed = timer.steps[: args.warmup], timer.steps[args.warmup :]
+
+    def mean(key):
+        return round(sum(s[key] for s in timed) / len(timed), 3) if timed else None
+
+    return {
+        "trainer": trainer_cls.__name__,
+        "warmup_steps": [{k: round(v, 3) for k, v in s.items()} for s in warm],
+        "timed_steps": len(timed),
+        **{key: mean(key) for key in ("generation_s", "scoring_s", "training_s", "total_s")},
+        "completion_tokens_per_step": args.prompts * args.generations * args.completion,
+        "peak_gib": peak_gib(device),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'model':<30}{'impl':<9}{'gen s':>8}{'score s':>9}{'train s':>9}{'step s':>8}{'warm-up s':>11}{'GiB':>7}")
+    for row in rows:
+        r = row["result"]
+        if "error" in r:
+            print(f"{row['model']:<30}{row['impl']:<9}  {r['error'][:80]}")
+            continue
+        first = sum(s["total_s"] for s in r["warmup_steps"])
+        print(
+            f"{row['model']:<30}{row['impl']:<9}{r['generation_s'] or 0:>8.2f}{r['scoring_s'] or 0:>9.2f}"
+            f"{r['training_s'] or 0:>9.2f}{r['total_s'] or 0:>8.2f}{first:>11.1f}{r['peak_gib'] or 0:>7.1f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=f"qwen35_4b,{MOE_MODEL}")
+    parser.add_argument("--impls", default="ours,builtin")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--completion", type=int, default=256, help="completion tokens")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1, help="steps before the timed ones")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    date = datetime.date.today().isoformat()
+    out = (
+        Path(args.out) if args.out else ROOT.parent / "results" / "benchmarks" / f"{date}-grpo-step-{device.type}.json"
+    )
+    report = {
+        "date": date,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": git_commit(),
+        "setup": {k: getattr(args, k) for k in ("prompts", "generations", "prompt", "completion", "steps", "warmup")},
+        "rows": [],
+    }
+    for spec in args.models.split(","):
+        name, key, kwargs = config_kwargs(spec, args.tiny)
+        tokenizer = word_tokenizer(kwargs["vocab_size"])
+        for impl in args.impls.split(","):
+            model = build(key, impl, kwargs, device, dtype).train()
+            try:
+                with tempfile.TemporaryDirectory() as output_dir:
+                    result = run_trainer(model, impl, tokenizer, args, device, output_dir)
+            except torch.OutOfMemoryError as error:
+                result = {"error": f"out of memory: {str(error).splitlines()[0]}", "peak_gib": peak_gib(device)}
+            report["rows"].append({"model": name, "impl": impl, "result": result})
+            print_table(report["rows"][-1:])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1) + "\n")
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print()
+    print_table(report["rows"])
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
