@@ -50,8 +50,8 @@ import transformers
 from bench_train_step import (
     ROPE,
     batches,
-    chosen_names,
     build_pair,
+    chosen_names,
     config_fields,
     matmul_rate,
     only_on,
