@@ -57,6 +57,9 @@
 #                tokens, greedy: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and warm)   ~8 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours and the built-in,
 #                LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B, then the whole 35B-A3B    ~9 min
+#   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
+#                the stall it costs over the same row again, ours and the built-in: Qwen3.5-4B (8 layers), the
+#                35B-A3B layer shapes (4 layers)                                                     ~5 min
 #   holes        tests/gpu/test_gpu.py -k holes (masks with holes through the GPU kernels against the PyTorch path,
 #                fp32 and bf16)                                                                     ~2 min
 #
@@ -212,6 +215,9 @@ case "$stage" in
   grpo-step)
     step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"
     step grpo-step-35b python3 benchmarks/bench_grpo_step.py --models qwen35_35b_a3b --out "$OUT/grpo-step-35b.json"
+    ;;
+  changing-lengths)
+    step changing-lengths python3 benchmarks/bench_changing_lengths.py --out "$OUT/changing-lengths.json"
     ;;
   holes)
     step gpu-tests-holes env QWEN35_GPU_RESULTS="$OUT/gpu-tests-holes.json" \
