@@ -5,7 +5,9 @@ compiling a kernel for a new integer specialization, autotuning, a JIT keyed on 
 new packed row (`--docs` documents of `--min-doc`..`--max-doc` tokens, from a seed that changes every run and is
 printed), runs one forward + backward on it (a length not seen before), then the same row again (a seen length).
 The round's stall is the first step's seconds minus the second's. `--warmup` rounds come first and are reported
-apart (the first shapes of a process compile everything).
+apart (the first shapes of a process compile everything). Each step also records the Triton kernels it compiled
+(Triton's `jit_cache_hook`: a kernel's name and the integer specialization that missed the cache), which says
+whether a stall is Triton's; one without a compile there is elsewhere (tilelang, cuBLAS's heuristics, the allocator).
 
 qwen35-packed (one row, `cu_seqlens`) and the built-in on its correct packed path (cu_seq_lens + seq_idx; FLA and
 causal_conv1d where installed), the same random weights (bench_train_step.build_pair), bf16, one model on the GPU
@@ -66,6 +68,34 @@ def draw_lengths(seed: int, args) -> list[int]:
     return torch.randint(args.min_doc, args.max_doc + 1, (args.docs,), generator=gen).tolist()
 
 
+class TritonCompiles:
+    """The Triton kernels compiled while it is installed (Triton's jit_cache_hook sees every in-memory cache miss),
+    as {kernel name: count}; `take()` returns them and starts again. `available` is False where Triton or its hook
+    is missing (then nothing is recorded, and the report says so)."""
+
+    def __init__(self):
+        self.names: dict[str, int] = {}
+        try:
+            from triton import knobs
+        except ImportError:
+            knobs = None
+        self.available = hasattr(getattr(knobs, "runtime", None), "jit_cache_hook")
+        if not self.available:
+            return
+        previous = knobs.runtime.jit_cache_hook
+
+        def hook(*args, **kwargs):
+            name = kwargs["fn"].name if "fn" in kwargs else "?"
+            self.names[name] = self.names.get(name, 0) + 1
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_cache_hook = hook
+
+    def take(self) -> dict[str, int]:
+        names, self.names = self.names, {}
+        return names
+
+
 def timed_step(model, impl: str, x: dict, device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
     sync(device)
@@ -79,7 +109,7 @@ def timed_step(model, impl: str, x: dict, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def run(model, impl: str, vocab: int, args, device: torch.device) -> dict:
+def run(model, impl: str, vocab: int, args, device: torch.device, compiles: TritonCompiles) -> dict:
     """Warm-up rounds, then the measured rounds: each a new row (new length) and the same row again (seen)."""
     rounds, seen_lengths = [], set()
     for index in range(args.warmup + args.rounds):
@@ -90,10 +120,13 @@ def run(model, impl: str, vocab: int, args, device: torch.device) -> dict:
             continue
         seen_lengths.add(total)
         x = packed_inputs(lengths, vocab, device)
+        compiles.take()
         new = timed_step(model, impl, x, device)
+        compiled_new = compiles.take()
         seen = timed_step(model, impl, x, device)
         rounds.append({"seed": seed, "tokens": total, "new_s": round(new, 4), "seen_s": round(seen, 4),
-                       "stall_s": round(new - seen, 4), "warmup": index < args.warmup})  # fmt: skip
+                       "stall_s": round(new - seen, 4), "warmup": index < args.warmup,
+                       "triton_compiled_new": compiled_new, "triton_compiled_seen": compiles.take()})  # fmt: skip
     measured = [r for r in rounds if not r["warmup"]]
     stalls = [r["stall_s"] for r in measured]
     return {
@@ -150,13 +183,15 @@ def main():
         "setup": {k: getattr(args, k) for k in ("rounds", "warmup", "docs", "min_doc", "max_doc")},
         "rows": [],
     }
+    compiles = TritonCompiles()
+    report["triton_compile_hook"] = compiles.available
     for spec in args.models.split(","):
         name, builtin, ours = build(spec, args.tiny, device)
         for impl in args.impls.split(","):
             model = ours if impl == "ours" else builtin
             only_on(device, model, (builtin, ours))
             try:
-                result = run(model, impl, model.config.vocab_size, args, device)
+                result = run(model, impl, model.config.vocab_size, args, device, compiles)
             except torch.OutOfMemoryError as error:
                 result = {"error": f"out of memory: {str(error).splitlines()[0]}", "peak_gib": peak_gib(device)}
             report["rows"].append({"model": name, "impl": impl, "result": result})
