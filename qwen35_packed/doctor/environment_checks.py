@@ -103,6 +103,8 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
                    "or install the forced kernel")  # fmt: skip
         return
     gdn, norm = PATHS[choice.gdn]
+    if getattr(choice, "elementwise", None) == "triton":  # the kernel set then runs the Triton gated norm
+        norm = "Triton gated RMSNorm (tile fixed by the width)"
     conv = CONV[choice.conv]
     detail = (
         f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "

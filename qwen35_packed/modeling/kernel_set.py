@@ -112,7 +112,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         else chunk_cross_entropy,
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
-        gated_norm=_GATED_NORM[choice.gdn],
+        gated_norm=triton_elementwise.gated_rms_norm if choice.elementwise == "triton" else _GATED_NORM[choice.gdn],
         conv_step=chains["conv_step"],
         delta_rule_step=chains["delta_rule_step"],
         attention=functools.partial(

@@ -9,6 +9,12 @@ one launch each way.
 - `rms_norm(x, weight, eps)`: zero-centred RMSNorm `x * rsqrt(mean(x^2) + eps) * (1 + weight)` over the last dim of
   a 2-D x; keeps x and the per-row rstd (fp32) for the backward. The weight gradient is summed over rows in fixed
   per-program partials, then by torch: deterministic, no atomics.
+- `gated_rms_norm(x, gate, weight, eps)`: the GDN output norm `x * rsqrt(mean(x^2) + eps) * weight * silu(gate)` over
+  the last dim (the head), as FLA's fused gated norm computes it (fp32 throughout, one rounding); keeps x, gate and
+  the row scales. Its tile is fixed by the width, where FLA's is autotuned per key `NB` = the rows (tokens x heads)
+  in blocks of 65,536: a new key every 2,048 tokens at 32 heads, so a packed row of a length in a bucket not seen
+  before re-tuned both kernels inside the training step, and a stream and its documents alone could get different
+  tiles.
 - `swiglu(gate, up)`: `silu(gate) * up`; `sigmoid_gate(x, gate)`: `x * sigmoid(gate)`; each keeps its two inputs.
 - `weighted_swiglu(gate_up, weight)`: the MoE experts' `silu(gate) * up * weight` with one routing weight per row;
   the weight's gradient is each row's own sum.
@@ -71,6 +77,51 @@ if TRITON_ELEMENTWISE_AVAILABLE:
             dx = (scaled_dy - x_hat * inner[:, None]) * rstd[:, None]
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=ok)
             dw += tl.sum(dy * x_hat, axis=0)
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * width + cols, dw, mask=col_ok)
+
+    @triton.jit
+    def _gated_rms_norm_fwd(x_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, width, eps, BLOCK_M: tl.constexpr,
+                            BLOCK_H: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_H)
+        ok = (rows < n_rows)[:, None] & (cols < width)[None, :]
+        offsets = rows[:, None] * width + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
+        y = x * rstd[:, None] * w[None, :] * (g * tl.sigmoid(g))
+        tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _gated_rms_norm_bwd(x_ptr, g_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dg_ptr, dw_partial_ptr, n_rows, width,
+                            BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, ROW_BLOCKS: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < width
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for block in range(ROW_BLOCKS):
+            rows = (pid.to(tl.int64) * ROW_BLOCKS + block) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_rows
+            ok = row_ok[:, None] & col_ok[None, :]
+            offsets = rows[:, None] * width + cols[None, :]
+            x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            x_hat = x * rstd[:, None]
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            # y = x_hat * w * silu(g): silu'(g) = sig (1 + g (1 - sig)); d(x_hat)/dx = rstd (I - x_hat x_hat^T / width)
+            dg = dy * x_hat * w[None, :] * sig * (1.0 + g * (1.0 - sig))
+            d_hat = dy * w[None, :] * silu
+            inner = tl.sum(d_hat * x_hat, axis=1) / width
+            dx = (d_hat - x_hat * inner[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+            tl.store(dg_ptr + offsets, dg.to(dg_ptr.dtype.element_ty), mask=ok)
+            dw += tl.sum(dy * x_hat * silu, axis=0)
         tl.store(dw_partial_ptr + pid.to(tl.int64) * width + cols, dw, mask=col_ok)
 
     @triton.jit
@@ -234,6 +285,32 @@ class _RmsNorm(torch.autograd.Function):
         return dx, dweight, None
 
 
+class _GatedRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        n_rows, width = x.shape
+        block_m, block_h, warps = _row_tiles(width)
+        y = torch.empty_like(x)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        launch(_gated_rms_norm_fwd, (triton.cdiv(n_rows, block_m),), x, gate, weight, y, rstd, n_rows, width, eps,
+               block_m, block_h, num_warps=warps)  # fmt: skip
+        ctx.save_for_backward(x, gate, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, weight, rstd = ctx.saved_tensors
+        n_rows, width = x.shape
+        block_m, block_h, warps = _row_tiles(width)
+        programs = triton.cdiv(n_rows, block_m * _ROW_BLOCKS)
+        dx, dgate = torch.empty_like(x), torch.empty_like(gate)
+        partial = torch.zeros(programs, width, dtype=torch.float32, device=x.device)
+        launch(_gated_rms_norm_bwd, (programs,), x, gate, weight, rstd, dy.contiguous(), dx, dgate, partial, n_rows,
+               width, block_m, block_h, _ROW_BLOCKS, num_warps=warps)  # fmt: skip
+        dweight = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return dx, dgate, dweight, None
+
+
 class _TwoInputElementwise(torch.autograd.Function):
     """y = f(p, q) elementwise over two same-shape contiguous tensors (f: SWIGLU or SIGMOID_GATE); the backward
     kernel writes both gradients."""
@@ -310,6 +387,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm of a 2-D x over its last dim, fp32 inside, x's dtype out."""
     _check(x, weight)
     return _RmsNorm.apply(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight * silu(gate) over the last dim, fp32 inside, x's dtype out; x and gate of
+    one shape, weight [x.shape[-1]]."""
+    _check(x, gate, weight)
+    width = x.shape[-1]
+    out = _GatedRmsNorm.apply(x.reshape(-1, width).contiguous(), gate.reshape(-1, width).contiguous(),
+                              weight.contiguous(), float(eps))  # fmt: skip
+    return out.reshape(x.shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -332,6 +332,43 @@ def test_triton_elementwise_matches_eager_bf16():
 
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_triton_gated_norm_matches_fla_and_does_not_depend_on_the_row_count_bf16():
+    """The GDN output norm's Triton kernel (triton_elementwise.gated_rms_norm, auto on CUDA) against FLA's fused
+    gated norm, which it replaced (FLA's tile is autotuned per row count bucket): the same fp32 formula rounded once,
+    so at most one bf16 rounding apart, gradients within bf16 noise; and every slice of rows, of the lengths a packed
+    stream and its documents alone give, equal to the same rows of the whole product, bit for bit."""
+    from qwen35_packed.modeling import triton_elementwise
+
+    gen = torch.Generator().manual_seed(0)
+    rows, width = 32 * 9_000, 128  # 9,000 tokens x 32 value heads: FLA's key NB = 5
+    x, g = (torch.randn(rows, width, generator=gen).cuda().bfloat16() for _ in range(2))
+    w = (torch.rand(width, generator=gen) + 0.5).cuda().bfloat16()
+    outs, grads = {}, {}
+    for name, fn in (
+        ("triton", triton_elementwise.gated_rms_norm),
+        (
+            "fla",
+            lambda a, b, c, eps: kernel_selection.fla_rms_norm_gated(
+                x=a, g=b, weight=c, bias=None, activation="silu", eps=eps
+            ),
+        ),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (x, g, w)]
+        out = fn(*leaves, 1e-6)
+        (out.float() * torch.linspace(-1, 1, width, device="cuda")).sum().backward()
+        outs[name], grads[name] = out.float(), [t.grad.float() for t in leaves]
+    ulp = outs["fla"].abs().clamp(min=2**-126) * 2**-7
+    assert ((outs["triton"] - outs["fla"]).abs() <= ulp).all()
+    for mine, theirs in zip(grads["triton"], grads["fla"]):
+        assert ((mine - theirs).norm() / theirs.norm()).item() <= 1e-2
+    full = triton_elementwise.gated_rms_norm(x, g, w, 1e-6)
+    for count in (32, 64, 96, 32 * 7, 32 * 2_048, 32 * 2_049, rows - 32):
+        start = int(torch.randint(0, rows - count + 1, (1,), generator=gen)) // 32 * 32
+        assert torch.equal(triton_elementwise.gated_rms_norm(x[start : start + count], g[start : start + count], w,
+                                                             1e-6), full[start : start + count]), count  # fmt: skip
+
+
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_recomputed_activations_bitwise_and_smaller_bf16():
     """Recomputing norm / SwiGLU / gated-norm / gate outputs in the backward (FLA's gated norm and the Triton
     chains): bf16 gradients as close to those of keeping them as two runs that keep them are to each other (FLA's

@@ -75,6 +75,11 @@ for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         compare(f"rms_norm_{tag}_{rows}x{width}", norm_inputs(rows, width),
                 lambda x, w: reference_kernels.zero_centred_rms_norm(x, w, 1e-6), lambda x, w: te.rms_norm(x, w, 1e-6),
                 dtype, rows)
+    for rows, width in ((37, 64), (300, 128), (9, 100)):  # the GDN head widths, and one that is no power of two
+        compare(f"gated_rms_norm_{tag}_{rows}x{width}",
+                lambda gen: (*pair_inputs(rows, width)(gen), torch.rand(width, generator=gen) + 0.5),
+                lambda x, g, w: reference_kernels.gated_rms_norm(x, g, w, 1e-6),
+                lambda x, g, w: te.gated_rms_norm(x, g, w, 1e-6), dtype, rows)
     compare(f"swiglu_{tag}", pair_inputs(41, 96), reference_kernels.swiglu, te.swiglu, dtype, 1)
     compare(f"sigmoid_gate_{tag}", pair_inputs(41, 96), reference_kernels.sigmoid_gate, te.sigmoid_gate, dtype, 2)
     compare(f"gdn_gates_{tag}", gate_inputs(300, 12), lambda a, b, al, dt: reference_kernels.gdn_gates(a, b, al, dt),
@@ -93,6 +98,10 @@ x, w = torch.randn(50, 64), torch.randn(64)
 full = te.rms_norm(x, w, 1e-6)
 results["rms_norm_rows_independent"] = all(torch.equal(te.rms_norm(x[a:b], w, 1e-6), full[a:b])
                                            for a, b in ((0, 1), (3, 20), (20, 50)))
+g = torch.randn(50, 64)
+full = te.gated_rms_norm(x, g, w, 1e-6)
+results["gated_rms_norm_rows_independent"] = all(torch.equal(te.gated_rms_norm(x[a:b], g[a:b], w, 1e-6), full[a:b])
+                                                 for a, b in ((0, 1), (3, 20), (20, 50)))
 results["empty"] = [list(te.rms_norm(torch.randn(0, 64), w, 1e-6).shape), list(te.swiglu(*pair_inputs(0, 8)(
     torch.Generator()))[0:0].shape)]
 
@@ -197,6 +206,9 @@ def interpreted():
 
 CHAINS = [
     "rms_norm_{}_37x64",
+    "gated_rms_norm_{}_37x64",
+    "gated_rms_norm_{}_300x128",
+    "gated_rms_norm_{}_9x100",
     "rms_norm_{}_5x100",
     "rms_norm_{}_300x256",
     "swiglu_{}",
@@ -228,6 +240,7 @@ def test_softplus_keeps_the_digits_far_below_zero(interpreted):
 
 def test_rows_are_computed_on_their_own(interpreted):
     assert interpreted["rms_norm_rows_independent"] is True
+    assert interpreted["gated_rms_norm_rows_independent"] is True
     assert interpreted["empty"] == [[0, 64], [0, 8]]
 
 
