@@ -3,6 +3,7 @@
     python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
     python benchmarks/render_table.py --all      # every train-step file (the history)
     python benchmarks/render_table.py --moe      # the newest *-moe-*.json file (bench_moe.py)
+    (generate(): the newest *-generate-h200*.json file, bench_generate.py, in a marked section only)
     python benchmarks/render_table.py --write    # rewrite every marked section of the markdown files below
     python benchmarks/render_table.py --check    # exit 1 when a marked section differs from what the files give
 
@@ -261,6 +262,23 @@ def render_workload_summary() -> str:
     return "\n".join(lines)
 
 
+def render_generate() -> str:
+    """generate() on the GPU (bench_generate.py): every row of the newest *-generate-h200*.json file."""
+    path = sorted(RESULTS.glob("*-generate-h200*.json"), key=by_date_and_version)[-1]
+    data = json.loads(path.read_text())
+    lines = [
+        "| model | implementation | batch x prompt, new tokens | decode step ms | new tokens/s | first call s | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        r = row["result"]
+        lines.append(
+            f"| {row['model']} | {row['impl']} | {row['batch']} x {row['prompt']}, {data['new_tokens']} {row['mode']} "
+            f"| {r['decode_step_ms']} | {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
+        )
+    return "\n".join(lines + ["", f"({path.name})"])
+
+
 TABLES = {
     "dense": render,
     "dense-history": lambda: render(newest_only=False),
@@ -269,6 +287,7 @@ TABLES = {
     "moe-summary": render_moe_summary,
     "workload": render_workload,
     "workload-summary": render_workload_summary,
+    "generate": render_generate,
 }
 
 
