@@ -13,7 +13,12 @@ layers. On the built-in: transformers' own fast paths where installed (FLA, caus
 
     python benchmarks/bench_generate.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,builtin]
         [--batches 1,16,64] [--prompts 512,4096] [--new-tokens 256] [--modes greedy,sampled] [--reps 2]
-        [--device cuda] [--tiny] [--out FILE]
+        [--profile] [--device cuda] [--tiny] [--out FILE]
+
+--profile (CUDA) adds where a decode step goes to every row: a call with one new token and one with all of them
+under torch.profiler, their difference per decode step: kernel launches, kernel milliseconds by class and by name,
+the time the GPU waited for the host (the step's wall time minus its kernel time), and the host milliseconds by
+outermost operator (trace_train_step.py's readings of the trace).
 
 --tiny runs a small config (on CPU it measures the host work of a decode step, which a GPU run at small shapes is
 bound by as well). Prints a table and writes JSON under results/benchmarks/ (or --out) after every row.
@@ -22,9 +27,11 @@ bound by as well). Prints a table and writes JSON under results/benchmarks/ (or 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +39,8 @@ import torch
 import transformers
 from bench_train_step import TINY, default_dtype, model_kwargs, model_spec, peak_gib, sync
 from bench_workload import MODELS as MOE_MODELS
-from bench_workload import classes, text_config
+from bench_workload import classes, kernel_class, text_config
+from trace_train_step import host_time_by_outermost_op, kernel_time_by_name
 
 ROOT = Path(__file__).resolve().parent
 MOE_MODEL = "qwen35_35b_a3b"
@@ -100,6 +108,51 @@ def measure(model, batch, prompt, new_tokens, mode, reps, device) -> dict:
     }
 
 
+def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
+    """Per decode step, from two profiled calls (one new token: the prefill; `new_tokens`: prefill and steps)."""
+    if device.type != "cuda":
+        return {"skipped": "kernel times are read from a CUDA trace"}
+    if new_tokens < 2:
+        return {"skipped": "a decode step needs --new-tokens >= 2"}
+    from torch.profiler import ProfilerActivity, profile
+
+    readings = {}
+    for tokens in (1, new_tokens):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = timed_generate(model, batch, prompt, tokens, mode, 300 + tokens, device)
+        trace = Path(tempfile.mkdtemp()) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        by_name = kernel_time_by_name(events, top=None)
+        readings[tokens] = {
+            "wall_ms": wall * 1e3,
+            "launches": sum(e.get("cat") == "kernel" for e in events),
+            "kernel_ms": sum(by_name.values()),
+            "by_name": by_name,
+            "host": host_time_by_outermost_op(events, top=None),
+        }
+    first, full, steps = readings[1], readings[new_tokens], new_tokens - 1
+
+    def per_step(before: dict, after: dict, top: int) -> dict:
+        change = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / steps for k in after}
+        return {k: round(v, 4) for k, v in sorted(change.items(), key=lambda kv: -kv[1])[:top]}
+
+    by_class = collections.Counter()
+    for name, ms in per_step(first["by_name"], full["by_name"], top=None).items():
+        by_class[kernel_class(name)] += ms
+    wall = (full["wall_ms"] - first["wall_ms"]) / steps
+    kernels = (full["kernel_ms"] - first["kernel_ms"]) / steps
+    return {
+        "step_wall_ms_profiled": round(wall, 3),
+        "kernel_launches_per_step": round((full["launches"] - first["launches"]) / steps, 1),
+        "kernel_ms_per_step": round(kernels, 3),
+        "gpu_waiting_for_host_ms_per_step": round(wall - kernels, 3),
+        "kernel_ms_per_step_by_class": {k: round(v, 4) for k, v in by_class.most_common()},
+        "top_kernels_ms_per_step": per_step(first["by_name"], full["by_name"], top=15),
+        "host_ms_per_step_by_outermost_op": per_step(first["host"], full["host"], top=15),
+    }
+
+
 def git_commit() -> str | None:
     """The commit of the qwen35_packed tree that runs (PYTHONPATH may point at another checkout than this script's)."""
     import qwen35_packed
@@ -131,6 +184,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="where a decode step goes (CUDA, see above)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
@@ -158,6 +212,8 @@ def main():
                 for prompt in map(int, args.prompts.split(",")):
                     for mode in args.modes.split(","):
                         result = measure(model, batch, prompt, args.new_tokens, mode, args.reps, device)
+                        if args.profile:
+                            result["profile"] = profile_decode(model, batch, prompt, args.new_tokens, mode, device)
                         row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt, "mode": mode}
                         report["rows"].append({**row, "result": result})
                         print_table(report["rows"][-1:])

@@ -53,8 +53,9 @@
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
 #                offloading                                                                           ~5 min
-#   generate     bench_generate.py: generate() ours and the built-in, batch 16, prompts of 512 tokens, 64 new
-#                tokens, greedy: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and warm)   ~8 min
+#   generate     bench_generate.py --profile: generate() ours and the built-in, batch 16, prompts of 512 tokens, 64
+#                new tokens, greedy, and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole
+#                35B-A3B (first call and warm; without the profiles it took 2.5 min)                 ~4 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours and the built-in,
 #                LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B, then the whole 35B-A3B    ~9 min
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -208,9 +209,9 @@ case "$stage" in
     ;;
   generate)
     step generate-4b python3 benchmarks/bench_generate.py --models qwen35_4b:8 --batches 16 --prompts 512 \
-      --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-4b.json"
+      --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-4b.json"
     step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --batches 16 --prompts 512 \
-      --new-tokens 64 --modes greedy --reps 1 --out "$OUT/generate-35b.json"
+      --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-35b.json"
     ;;
   grpo-step)
     step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"
