@@ -69,6 +69,31 @@ eager_set = kernel_set(KernelChoice("torch", "sdpa"))
 results["bound"] = [triton_set.conv_step is conv_step_silu, triton_set.delta_rule_step is delta_rule_step,
                     eager_set.conv_step is ref.torch_causal_conv1d_step,
                     eager_set.delta_rule_step is ref.torch_gated_delta_rule_step]
+# generate() through the whole kernel set with the Triton kernels (chains, gated norm, decode steps) against the
+# eager set: the same greedy tokens and the last step's logits within fp32 rounding, dense and MoE, rows of two
+# prompt lengths (left padding).
+import sys
+sys.path.insert(0, "tests")
+from conftest import tiny_kwargs
+from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM, Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM
+
+for kind, model_class, config_class in (("dense", Qwen3_5PackedForCausalLM, Qwen3_5PackedConfig),
+                                        ("moe", Qwen3_5MoePackedForCausalLM, Qwen3_5MoePackedConfig)):
+    ids = torch.randint(3, tiny_kwargs(kind)["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    runs = {}
+    for label, choice in (("triton", KernelChoice("torch", "sdpa", elementwise="triton")),
+                          ("eager", KernelChoice("torch", "sdpa"))):
+        torch.manual_seed(0)
+        model = model_class(config_class(**tiny_kwargs(kind))).eval()
+        model.model.inject_kernels(kernel_set(choice))
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        runs[label] = (out.sequences, out.logits[-1])
+    results["generate_" + kind] = {"same_tokens": torch.equal(runs["triton"][0], runs["eager"][0]),
+                                   "last_logits_gap": gap(runs["triton"][1], runs["eager"][1])}
 print(json.dumps(results))
 """
 
@@ -99,6 +124,12 @@ def test_delta_rule_step_equals_the_pytorch_step(interpreted, name):
 
 def test_the_kernel_set_binds_them_with_the_triton_elementwise_kernels(interpreted):
     assert interpreted["bound"] == [True, True, True, True]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_generate_with_the_triton_kernels_equals_the_eager_kernels(interpreted, kind):
+    result = interpreted["generate_" + kind]
+    assert result["same_tokens"] and result["last_logits_gap"] <= 1e-4, result
 
 
 def test_bad_shapes_raise():
