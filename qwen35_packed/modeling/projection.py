@@ -107,12 +107,18 @@ def row_invariant_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return _product_for(x.device.type, x.device.index, x.dtype)(x, weight)
 
 
-def _is_dtensor(weight: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_class() -> type | None:
     if not torch.distributed.is_available():
-        return False
+        return None
     from torch.distributed.tensor import DTensor
 
-    return isinstance(weight, DTensor)
+    return DTensor
+
+
+def _is_dtensor(weight: torch.Tensor) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(weight, dtensor)
 
 
 class RowInvariantProduct(torch.autograd.Function):
@@ -149,11 +155,14 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
-    if x.dim() == 2:  # the tensor itself: a recomputed activation (recompute.py) is known by its identity
-        out = RowInvariantProduct.apply(x, weight, dtype)
-    else:
-        rows = x.reshape(-1, x.shape[-1])
-        out = RowInvariantProduct.apply(rows, weight, dtype).reshape(*x.shape[:-1], weight.shape[0])
+    # the tensor itself when 2-D: a recomputed activation (recompute.py) is known by its identity
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out = RowInvariantProduct.apply(rows, weight, dtype)
+    else:  # nothing for autograd to record (generation, eval): the Function's forward without its bookkeeping
+        out = row_invariant_product(rows.to(dtype), weight.to(dtype))
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
 
