@@ -27,11 +27,9 @@ bound by as well). Prints a table and writes JSON under results/benchmarks/ (or 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +37,8 @@ import torch
 import transformers
 from bench_train_step import TINY, default_dtype, model_kwargs, model_spec, peak_gib, sync
 from bench_workload import MODELS as MOE_MODELS
-from bench_workload import classes, kernel_class, text_config
-from trace_train_step import host_time_by_outermost_op, kernel_time_by_name
+from bench_workload import classes, kernel_ms_by_class, text_config
+from trace_train_step import host_time_by_outermost_op, kernel_time_by_name, trace_events
 
 ROOT = Path(__file__).resolve().parent
 MOE_MODEL = "qwen35_35b_a3b"
@@ -120,9 +118,7 @@ def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
     for tokens in (1, new_tokens):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = timed_generate(model, batch, prompt, tokens, mode, 300 + tokens, device)
-        trace = Path(tempfile.mkdtemp()) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+        events = trace_events(prof)
         by_name = kernel_time_by_name(events, top=None)
         readings[tokens] = {
             "wall_ms": wall * 1e3,
@@ -137,9 +133,7 @@ def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
         change = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / steps for k in after}
         return {k: round(v, 4) for k, v in sorted(change.items(), key=lambda kv: -kv[1])[:top]}
 
-    by_class = collections.Counter()
-    for name, ms in per_step(first["by_name"], full["by_name"], top=None).items():
-        by_class[kernel_class(name)] += ms
+    kernels_per_step = per_step(first["by_name"], full["by_name"], top=None)
     wall = (full["wall_ms"] - first["wall_ms"]) / steps
     kernels = (full["kernel_ms"] - first["kernel_ms"]) / steps
     return {
@@ -147,8 +141,8 @@ def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
         "kernel_launches_per_step": round((full["launches"] - first["launches"]) / steps, 1),
         "kernel_ms_per_step": round(kernels, 3),
         "gpu_waiting_for_host_ms_per_step": round(wall - kernels, 3),
-        "kernel_ms_per_step_by_class": {k: round(v, 4) for k, v in by_class.most_common()},
-        "top_kernels_ms_per_step": per_step(first["by_name"], full["by_name"], top=15),
+        "kernel_ms_per_step_by_class": {k: round(v, 4) for k, v in kernel_ms_by_class(kernels_per_step).most_common()},
+        "top_kernels_ms_per_step": dict(list(kernels_per_step.items())[:15]),
         "host_ms_per_step_by_outermost_op": per_step(first["host"], full["host"], top=15),
     }
 

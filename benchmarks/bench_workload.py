@@ -44,7 +44,6 @@ import datetime
 import gc
 import json
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ import torch
 import transformers
 from bench_moe import layer_shapes
 from bench_train_step import CONFIGS, TINY, batches, default_dtype, peak_gib, sync
-from trace_train_step import idle_gaps, kernel_time_by_name
+from trace_train_step import idle_gaps, kernel_time_by_name, trace_events
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
@@ -152,6 +151,14 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, lowered)), "other")
 
 
+def kernel_ms_by_class(by_name: dict[str, float]) -> collections.Counter:
+    """Kernel milliseconds by name summed per kernel class (KERNEL_CLASSES)."""
+    by_class = collections.Counter()
+    for name, ms in by_name.items():
+        by_class[kernel_class(name)] += ms
+    return by_class
+
+
 def profile_step(step, device, step_context) -> dict:
     """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span, the GPU's idle
     time between kernels by the outermost host operator before the next kernel, the step's wall time
@@ -175,13 +182,9 @@ def profile_step(step, device, step_context) -> dict:
         step().backward()
         sync(device)
         wall = time.perf_counter() - start
-    trace = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = trace_events(prof)
     by_name = kernel_time_by_name(events, top=None)
-    by_class = collections.Counter()
-    for name, ms in by_name.items():
-        by_class[kernel_class(name)] += ms
+    by_class = kernel_ms_by_class(by_name)
     gaps = idle_gaps(events)
     return {
         "forward_ms_unprofiled": round(forward * 1e3, 1),

@@ -41,6 +41,13 @@ from qwen35_packed import (  # noqa: E402
 MOE_MODEL = "moe_35b_a3b_shapes"
 
 
+def trace_events(prof, path: str | None = None) -> list[dict]:
+    """The events of a finished torch.profiler run, through its Chrome trace (written to `path`, or a temporary file)."""
+    trace = Path(path) if path else Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    return json.loads(trace.read_text())["traceEvents"]
+
+
 def kernel_time_by_name(events: list[dict], top: int = 30) -> dict[str, float]:
     """GPU kernel milliseconds summed per kernel name (names cut to 100 characters), the largest `top`."""
     total = collections.Counter()
@@ -160,9 +167,7 @@ def main():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    trace = Path(args.trace) if args.trace else Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = trace_events(prof, args.trace)
     result = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
