@@ -38,11 +38,6 @@ from bench_generate import MOE_MODEL, build, config_kwargs, git_commit
 from bench_train_step import peak_gib, sync
 
 ROOT = Path(__file__).resolve().parent
-LORA_MODULES = [
-    "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-    "gate_proj", "up_proj", "down_proj",
-]  # fmt: skip
-EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def word_tokenizer(vocab_size: int):
@@ -108,9 +103,9 @@ class StepTimer:
 
 def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_dir: str) -> dict:
     import trl
-    from peft import LoraConfig
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
+    from qwen35_packed.integrations.lora import lora_config
 
     trainer_cls = PackedGRPOTrainer if impl == "ours" else trl.GRPOTrainer
     total_steps = args.warmup + args.steps
@@ -130,13 +125,8 @@ def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_
         seed=0,
         generation_kwargs={"min_new_tokens": args.completion},
     )
-    lora = LoraConfig(
-        r=16,
-        lora_alpha=32,
-        lora_dropout=0.0,
-        target_modules=LORA_MODULES,
-        target_parameters=EXPERT_PARAMETERS if getattr(model.config, "num_experts", 0) else None,
-    )
+    # the project's targets (GDN, attention, MLP, the experts of a MoE), matched by name in either implementation
+    lora = lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0)
     data = prompt_dataset(args.prompts * total_steps, args.prompt, model.config.vocab_size, seed=1)
     trainer = trainer_cls(
         model=model,
