@@ -17,6 +17,14 @@ It is a transformers `Cache`, so generate(), beam search and code that reads tra
   padding tokens' keys).
 `get_seq_length()` counts the caller's columns consumed, padding included, as transformers' caches do.
 
+With a `capacity` (generate(cache_implementation="static"), generation.py) the cache is static: its buffers are
+allocated for that many tokens per row and every decode step writes them in place (keys / values at each row's
+length, the GDN states copied into theirs, the lengths and token counts incremented), so the device work of a step
+touches the same memory every time and can be replayed as a CUDA graph (decode_graph.py). A row that outgrows the
+capacity still grows the buffers (a new graph is captured then). The host-side counts of a step (columns consumed,
+each layer's row lengths) are kept apart from its device work (`count_decode_step_on_host`), since a replayed graph
+does only the latter.
+
 Supported: generate(), continuing generation from a returned cache (with the returned sequences or with
 inputs_embeds that extend the cached prompt; new tokens may be masked, as in a forward with holes: packing.py),
 beam search (`reorder_cache`), `batch_repeat_interleave` /
@@ -91,9 +99,10 @@ class PerRowKeysValues:
 
     def _reserve(self, k: torch.Tensor, longest: int) -> None:
         """Buffers for rows of up to `longest` tokens, of k's kind, grown by doubling; in the wider of their dtype
-        and k's (the prefill and the steps may run under different autocast settings)."""
+        and k's (the prefill and the steps may run under different autocast settings). A static cache allocates its
+        capacity at once."""
         if self.key_buffer is None:
-            shape = (len(self.host_lengths), max(longest, 16), *k.shape[1:])
+            shape = (len(self.host_lengths), max(longest, self._cache.capacity or 16), *k.shape[1:])
             self.key_buffer, self.value_buffer = k.new_zeros(shape), k.new_zeros(shape)
             self.lengths = torch.zeros(len(self.host_lengths), dtype=torch.long, device=k.device)
             self._row_index = torch.arange(len(self.host_lengths), device=k.device)
@@ -101,7 +110,20 @@ class PerRowKeysValues:
         dtype = torch.promote_types(self.key_buffer.dtype, k.dtype)
         if dtype != self.key_buffer.dtype:
             self.key_buffer, self.value_buffer = self.key_buffer.to(dtype), self.value_buffer.to(dtype)
-        capacity = self.key_buffer.shape[1]
+        self.make_room(longest)
+
+    @property
+    def static(self) -> bool:
+        return self._cache.static
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per row the buffers hold now (0 before the prefill)."""
+        return 0 if self.key_buffer is None else self.key_buffer.shape[1]
+
+    def make_room(self, longest: int) -> None:
+        """Grow the buffers (by doubling) so that rows of `longest` tokens fit."""
+        capacity = self.capacity
         if longest > capacity:
             grow = max(longest, 2 * capacity) - capacity
             self.key_buffer = torch.nn.functional.pad(self.key_buffer, (0, 0, 0, 0, 0, grow))
@@ -120,11 +142,16 @@ class PerRowKeysValues:
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=k.device)
 
     def append_one_each(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A generation step: one new key / value per row, k / v [B, kv_heads, head_dim], written at once."""
+        """A generation step: one new key / value per row, k / v [B, kv_heads, head_dim], written at once, in place
+        (the device work reads no host value: a CUDA graph replays it)."""
         self._reserve(k, max(self.host_lengths) + 1)
         self.key_buffer[self._row_index, self.lengths] = k.to(self.key_buffer.dtype)
         self.value_buffer[self._row_index, self.lengths] = v.to(self.value_buffer.dtype)
-        self.lengths = self.lengths + 1
+        self.lengths.add_(1)
+        self.count_one_each()
+
+    def count_one_each(self) -> None:
+        """The host side of `append_one_each`: every row holds one more token."""
         self.host_lengths = [length + 1 for length in self.host_lengths]
 
     @property
@@ -152,10 +179,12 @@ class PerRowKeysValues:
         self.host_lengths = [self.host_lengths[j] for j in order]
         if self.key_buffer is not None:
             index = index.to(self.key_buffer.device)
-            self.key_buffer = self.key_buffer.index_select(0, index)
-            self.value_buffer = self.value_buffer.index_select(0, index)
-            self.lengths = self.lengths.index_select(0, index)
-            self._row_index = torch.arange(len(order), device=index.device)
+            take = self._cache.take_rows
+            self.key_buffer = take(self.key_buffer, index)
+            self.value_buffer = take(self.value_buffer, index)
+            self.lengths = take(self.lengths, index)
+            if len(order) != self._row_index.numel():
+                self._row_index = torch.arange(len(order), device=index.device)
 
 
 def _new_linear_layer():
@@ -163,11 +192,17 @@ def _new_linear_layer():
 
 
 class Qwen3_5PackedCache(Cache):
-    is_compileable = False  # keys grow per row: no static shapes for torch.compile / CUDA graphs
+    # Not for transformers' torch.compile of the forward: a static cache's steps are captured by decode_graph.py.
+    is_compileable = False
     is_croppable = False  # a GDN state cannot be rolled back
 
-    def __init__(self, layer_types: list[str], batch_size: int):
+    def __init__(self, layer_types: list[str], batch_size: int, capacity: int | None = None):
+        """`capacity`: tokens per row to allocate at the prefill, which makes the cache static (module docstring);
+        None: a dynamic cache, grown as it decodes."""
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"a static cache needs a capacity of at least one token per row, got {capacity}")
         self._batch_size = batch_size
+        self.capacity = capacity
         super().__init__(
             layers=[
                 _new_linear_layer() if kind == "linear_attention" else PerRowKeysValues(self, batch_size)
@@ -182,6 +217,15 @@ class Qwen3_5PackedCache(Cache):
         # long [B] or None: added to the rope position of every cached step. After a multimodal prefill the next text
         # position is the prompt's largest (t, h, w) position + 1, not its token count (the built-in's rope_deltas).
         self.position_offset: torch.Tensor | None = None
+        # The boundaries of a step's stream by (rows, new tokens per row, device), made once (`decode_sequence`).
+        self._step_boundaries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The captured decode steps of a static cache on CUDA (decode_graph.DecodeGraphs), made on first use.
+        self.decode_graphs = None
+
+    @property
+    def static(self) -> bool:
+        """Whether the buffers were allocated for `capacity` tokens and every step writes them in place."""
+        return self.capacity is not None
 
     @property
     def batch_size(self) -> int:
@@ -217,7 +261,13 @@ class Qwen3_5PackedCache(Cache):
         return layer.conv_states[0], layer.recurrent_states[0]
 
     def store_linear_states(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A GDN layer's new states; a static cache copies them into the tensors it holds (same memory every step)."""
         layer = self.layers[layer_idx]
+        held_conv, held_recurrent = layer.conv_states[0], layer.recurrent_states[0]
+        if self.static and _same_kind(held_conv, conv) and _same_kind(held_recurrent, recurrent):
+            held_conv.copy_(conv)
+            held_recurrent.copy_(recurrent)
+            return
         layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
         layer.conv_kernel_size[0] = conv.shape[-1]
         layer.device, layer.dtype = conv.device, conv.dtype
@@ -236,14 +286,64 @@ class Qwen3_5PackedCache(Cache):
         start = self.seen_tokens.to(device)
         if self.position_offset is not None:
             start = start + self.position_offset.to(device)
-        return continuation_sequence(new_real, batch, q_len, start, device)
+        boundaries = None
+        if new_real is None:  # built once per shape: a step copies nothing from the host to the device
+            key = (batch, q_len, torch.device(device))
+            if key not in self._step_boundaries:
+                host = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int64)
+                self._step_boundaries[key] = (host.to(device, torch.int32), host)
+            boundaries = self._step_boundaries[key]
+        return continuation_sequence(new_real, batch, q_len, start, device, boundaries)
 
     def advance(self, packed: PackedSequence, columns: int) -> None:
+        """The cache has consumed `packed` (the stream of a forward) and `columns` of the caller's layout."""
         lengths = packed.doc_lengths().long()
-        self.seen_tokens = lengths if self.seen_tokens is None else self.seen_tokens.to(lengths.device) + lengths
+        if self.seen_tokens is None:
+            self.seen_tokens = lengths.clone()
+        elif self.seen_tokens.device == lengths.device:
+            self.seen_tokens.add_(lengths)  # in place: a captured step's graph reads and writes this tensor
+        else:
+            self.seen_tokens = self.seen_tokens.to(lengths.device) + lengths
+        self._count_columns(columns, packed.real_mask() if packed.token_index is not None else None)
+
+    def count_decode_step_on_host(self) -> None:
+        """The host-side counts of a decode step with one real token per row, which a replayed CUDA graph of the
+        step does not make: the column consumed, each attention layer's row lengths."""
+        for layer in self.layers:
+            if isinstance(layer, PerRowKeysValues):
+                layer.count_one_each()
+        self._count_columns(1, None)
+
+    def make_room_for_decode_step(self) -> None:
+        """Grow the attention buffers, where a row is full, before a decode step whose device work is replayed (a
+        captured step cannot grow them)."""
+        for layer in self.layers:
+            if isinstance(layer, PerRowKeysValues) and layer.key_buffer is not None:
+                layer.make_room(max(layer.host_lengths) + 1)
+
+    def decode_state(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes in place: a captured step is valid while these stay the same
+        tensors (decode_graph.py)."""
+        held = [self.seen_tokens, self.position_offset]
+        for layer in self.layers:
+            if isinstance(layer, PerRowKeysValues):
+                held += [layer.key_buffer, layer.value_buffer, layer.lengths, layer._row_index]
+            else:
+                held += [layer.conv_states[0], layer.recurrent_states[0]]
+        return [t for t in held if t is not None]
+
+    def take_rows(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """t's rows `index` (t [B, ...]); a static cache writes them into t itself when the row count stays, so the
+        tensors a captured step holds stay valid (beam search reorders rows every step)."""
+        rows = t.index_select(0, index.to(t.device))
+        if self.static and rows.shape == t.shape:
+            return t.copy_(rows)
+        return rows
+
+    def _count_columns(self, columns: int, real_mask: torch.Tensor | None) -> None:
         self.consumed_columns += columns
-        if packed.token_index is not None:
-            self._column_chunks.append(packed.real_mask())
+        if real_mask is not None:
+            self._column_chunks.append(real_mask)
         elif self._column_chunks and not isinstance(self._column_chunks[-1], torch.Tensor):
             self._column_chunks[-1] += columns
         else:
@@ -257,14 +357,14 @@ class Qwen3_5PackedCache(Cache):
                 continue
             for states in (layer.conv_states, layer.recurrent_states):
                 if states[0] is not None:
-                    states[0] = states[0].index_select(0, index.to(states[0].device))
+                    states[0] = self.take_rows(states[0], index)
         self._column_chunks = [
             c.index_select(0, index.to(c.device)) if isinstance(c, torch.Tensor) else c for c in self._column_chunks
         ]
         for name in ("seen_tokens", "position_offset"):
             value = getattr(self, name)
             if value is not None:
-                setattr(self, name, value.index_select(0, index.to(value.device)))
+                setattr(self, name, self.take_rows(value, index))
         self._batch_size = index.numel()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -301,6 +401,10 @@ class Qwen3_5PackedCache(Cache):
 
     def get_mask_sizes(self, *args, **kwargs):
         raise _unsupported("get_mask_sizes", "the packed model builds no transformers attention mask")
+
+
+def _same_kind(held: torch.Tensor | None, new: torch.Tensor) -> bool:
+    return held is not None and held.shape == new.shape and held.dtype == new.dtype and held.device == new.device
 
 
 def _unsupported(operation: str, reason: str) -> NotImplementedError:

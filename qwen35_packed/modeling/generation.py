@@ -1,7 +1,8 @@
 """generate() for the packed causal-LM classes (text and vision-language), with this model's own cache: one
-document per row, continued by its new tokens (cache.py). Packed rows and transformers' other caches are refused,
-prompts ending in padding are continued from their last real token, and the cached steps take only the columns
-the cache has not consumed."""
+document per row, continued by its new tokens (cache.py), dynamic or, with `cache_implementation="static"`, static
+(its decode steps replayed as CUDA graphs on the GPU: decode_graph.py). Packed rows and transformers' other caches
+are refused, prompts ending in padding are continued from their last real token, and the cached steps take only
+the columns the cache has not consumed."""
 
 from __future__ import annotations
 
@@ -92,18 +93,57 @@ def padding_moved_left(tensors: dict, attention_mask: torch.Tensor) -> dict:
     return moved
 
 
-def refuse_other_caches(default_generation_config, kwargs: dict) -> None:
-    """generate() with `cache_implementation` "static" (or any other than "dynamic") would build a transformers cache
-    that this model cannot fill (per-row keys / values without padding and GDN states): refused rather than ignored.
-    "dynamic" is what this model's own cache is (it grows with the sequence)."""
+# The cache implementations generate() takes: this model's own cache, grown as it decodes ("dynamic", the default)
+# or allocated once and written in place ("static": its decode steps replayed as CUDA graphs, decode_graph.py).
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+
+
+def requested_cache(default_generation_config, kwargs: dict) -> str | None:
+    """The cache_implementation a generate() call asks for (argument, else its generation config); any other than
+    CACHE_IMPLEMENTATIONS would build a transformers cache that this model cannot fill (per-row keys / values without
+    padding and GDN states): refused rather than ignored."""
     generation_config = kwargs.get("generation_config") or default_generation_config
     requested = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
-    if requested not in (None, "dynamic"):
+    if requested not in CACHE_IMPLEMENTATIONS:
         raise ValueError(
             f"cache_implementation={requested!r} is not supported: the packed Qwen3.5 model keeps its own cache "
-            "(Qwen3_5PackedCache: per-row keys / values without padding and the GDN states, grown as it decodes); "
-            "leave cache_implementation unset (or 'dynamic')"
+            "(Qwen3_5PackedCache: per-row keys / values without padding and the GDN states); use 'dynamic' (the "
+            "default, grown as it decodes) or 'static' (allocated once, decode steps replayed as CUDA graphs)"
         )
+    return requested
+
+
+def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config) -> dict:
+    """generate()'s arguments for a static cache of this model: cache_implementation "dynamic" for transformers
+    (its StaticCache is not this model's), the capacity per row passed on to `prepare_inputs_for_generation`, which makes the
+    cache at the prefill (it knows the row count after generate() expands the rows for beams or several sequences),
+    and transformers' torch.compile of the forward off (the decode steps are captured as CUDA graphs instead).
+
+    The capacity is the prompt's columns plus max_new_tokens (else generate()'s max_length): a row that outgrows it
+    still grows the cache, so it is a size to allocate, not a limit."""
+    kwargs = dict(kwargs)
+    # transformers then makes an empty DynamicCache, which the prefill replaces by this model's static cache
+    kwargs["cache_implementation"] = "dynamic"
+    generation_config = kwargs.get("generation_config") or default_generation_config
+    if kwargs.get("compile_config") is not None or getattr(generation_config, "compile_config", None) is not None:
+        log_once(
+            logger,
+            "static-cache-compile",
+            "generate(cache_implementation='static'): compile_config is not used; the packed model replays its "
+            "decode steps as CUDA graphs instead of compiling the forward",
+        )
+    kwargs["disable_compile"] = True
+    prompt = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs") if kwargs.get(k) is not None), None)
+    columns = prompt.shape[-1] if prompt is not None else 0
+    if kwargs.get("inputs_embeds") is not None:
+        columns = max(columns, kwargs["inputs_embeds"].shape[1])
+    max_new_tokens = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+    if max_new_tokens is not None:
+        capacity = columns + max_new_tokens
+    else:
+        capacity = max(kwargs.get("max_length", generation_config.max_length) or 0, columns + 1)
+    kwargs["static_cache_capacity"] = capacity
+    return kwargs
 
 
 class PackedGeneration:
@@ -112,9 +152,11 @@ class PackedGeneration:
 
     def generate(self, *args, **kwargs):
         """GenerationMixin.generate, refusing packed rows (generation continues one document per row) and caches
-        other than this model's own."""
+        other than this model's own; `cache_implementation="static"` makes this model's cache static
+        (`static_cache_arguments`)."""
         refuse_packed_generation(args, kwargs)
-        refuse_other_caches(self.generation_config, kwargs)
+        if requested_cache(self.generation_config, kwargs) == "static":
+            kwargs = static_cache_arguments(args, kwargs, self.generation_config)
         return GenerationMixin.generate(self, *args, **kwargs)
 
     def prepare_inputs_for_generation(
@@ -125,10 +167,16 @@ class PackedGeneration:
         inputs_embeds=None,
         cache=None,
         use_cache=True,
+        static_cache_capacity=None,
         **kwargs,
     ):
         cache = as_packed_cache(cache if cache is not None else past_key_values)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
+        if cache is None and static_cache_capacity is not None and use_cache:  # the prefill makes the static cache
+            rows = (input_ids if input_ids is not None and input_ids.numel() else inputs_embeds).shape[0]
+            layer_types = self.config.get_text_config().layer_types
+            cache = Qwen3_5PackedCache(layer_types, rows, capacity=static_cache_capacity)
+            inputs[CACHE_FIELD] = cache
         if cache is not None and cache.has_state:
             count = new_columns(input_ids, attention_mask, inputs_embeds, cache)
             if count <= input_ids.shape[1]:
@@ -146,7 +194,8 @@ class PackedGeneration:
         for name in ("position_ids", "cache_position", "next_sequence_length", "is_first_iteration"):
             kwargs.pop(name, None)
         inputs.update(kwargs)
-        if CACHE_FIELD not in inputs and attention_mask is not None and attention_mask.ndim == 2:
+        prefill = cache is None or not cache.has_state
+        if prefill and attention_mask is not None and attention_mask.ndim == 2:
             if not bool(attention_mask[:, -1].bool().all()):  # a prefill with prompts ending in padding
                 per_column = {name: inputs[name] for name in PER_COLUMN_INPUTS if inputs.get(name) is not None}
                 inputs.update(padding_moved_left(per_column, attention_mask))

@@ -325,7 +325,8 @@ def attention_step(q, k, v, rows, scale: float) -> torch.Tensor:
     attends to the row's keys, the padding of shorter rows masked out. The query heads that share a key head are
     that head's queries ([B, Hkv, H / Hkv, D]), so no key is repeated per query head."""
     rows.append_one_each(k, v)
-    longest = max(rows.host_lengths)
+    # A static cache attends over its whole capacity: the same shapes every step, so a CUDA graph replays it.
+    longest = rows.capacity if rows.static else max(rows.host_lengths)
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     keys, values = (buffer[:, :longest].transpose(1, 2) for buffer in (rows.key_buffer, rows.value_buffer))

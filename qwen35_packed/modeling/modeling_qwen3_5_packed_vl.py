@@ -42,6 +42,7 @@ from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401
+from .decode_graph import DecodeGraphs  # noqa: F401
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .generation import PackedGeneration
@@ -508,12 +509,16 @@ class Qwen3_5PackedForConditionalGeneration(
         )
         return input_ids, {**model_kwargs, **vision}
 
-    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, static_cache_capacity=None, **kwargs):
         """The text model's inputs; images, videos and their token types go into the prefill only. `inputs_embeds`
-        is named: generate() reads this signature to decide whether a model can start from embeddings."""
+        and `static_cache_capacity` are named: generate() reads this signature to decide whether a model can start
+        from embeddings and which model kwargs it takes."""
         vision = {name: kwargs.pop(name, None) for name in VISION_ARGUMENTS}
-        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs, **vision)
-        if CACHE_FIELD in inputs:
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, inputs_embeds=inputs_embeds, static_cache_capacity=static_cache_capacity, **kwargs, **vision
+        )
+        cache = inputs.get(CACHE_FIELD)
+        if cache is not None and cache.has_state:  # a cached step: the prefill took the images
             for name in VISION_ARGUMENTS:
                 inputs.pop(name, None)
         return inputs

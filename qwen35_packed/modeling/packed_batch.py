@@ -90,6 +90,11 @@ def _switch(config, name: str, requested, default: bool = False) -> bool:
     return bool(getattr(config, name, default) if requested is None else requested)
 
 
+def wants_hidden_states(config, requested) -> bool:
+    """output_hidden_states by argument, else by config."""
+    return _switch(config, "output_hidden_states", requested)
+
+
 def wants_attentions(config, requested) -> bool:
     """output_attentions by argument, else by config; a vision-language config's switch is on the composite or on
     its text_config (the built-in's text model reads its own config, so setting text_config's is enough there)."""
@@ -159,7 +164,10 @@ def check_token_ranges(vocab_size: int, ids: torch.Tensor | None, targets: torch
     in the loss `targets` (taken from the caller's `labels_name`), where IGNORE_INDEX also counts as valid: the
     embedding would fail with an index error (a device-side assert on CUDA), the loss with one that does not mention
     labels. One reduction per tensor, read on the host together: the one host synchronisation these checks add to a
-    forward."""
+    forward. Skipped inside a CUDA graph capture, which cannot read the device: the captured decode step's runner
+    checks the token ids it copies in (decode_graph.py)."""
+    if ids is not None and ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     found = []
     if ids is not None and ids.numel():
         found += list(torch.aminmax(ids))
@@ -304,7 +312,7 @@ def open_packed_batch(
         num_items_in_batch=num_items_in_batch,
         logits_to_keep=logits_to_keep,
         routed_experts=routed_experts,
-        output_hidden_states=_switch(config, "output_hidden_states", output_hidden_states),
+        output_hidden_states=wants_hidden_states(config, output_hidden_states),
         output_router_logits=output_router_logits,
         output_attentions=bool(output_attentions),
         vision=vision_layout,

@@ -99,7 +99,9 @@ class PackedSequence:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens_cpu()[-1])
+        if "num_tokens" not in self._derived:
+            self._derived["num_tokens"] = int(self.cu_seqlens_cpu()[-1])
+        return self._derived["num_tokens"]
 
     @property
     def num_docs(self) -> int:
@@ -493,19 +495,28 @@ def _check_positions_agree(packed: PackedSequence, position_ids: torch.Tensor, s
 
 
 def continuation_sequence(
-    new_real: torch.Tensor | None, batch: int, columns: int, first_position: torch.Tensor, device
+    new_real: torch.Tensor | None,
+    batch: int,
+    columns: int,
+    first_position: torch.Tensor,
+    device,
+    boundaries: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedSequence:
     """The packed view of a cached step: row b is document b, continuing its cached tokens; its positions count
     on from `first_position[b]`. `new_real` (bool [batch, columns], None when every new token is real) marks the
     new tokens that are real: the masked ones are dropped, and where they come before a row's last real token the
-    Gated DeltaNet layers read them as zero inputs (RecurrentSpans), as in a forward with holes."""
+    Gated DeltaNet layers read them as zero inputs (RecurrentSpans), as in a forward with holes. `boundaries`:
+    (int32 on the device, int64 on the host) of `columns` tokens per row, when the caller keeps them."""
     if new_real is None:
-        host_cu = torch.arange(0, (batch + 1) * columns, columns, dtype=torch.int64)
+        if boundaries is None:
+            host_cu = torch.arange(0, (batch + 1) * columns, columns, dtype=torch.int64)
+            boundaries = (host_cu.to(device, torch.int32), host_cu)
         positions = (first_position.unsqueeze(1) + torch.arange(columns, device=device)).reshape(-1)
         # The boundaries are built on the host, so no decode step copies them back from the device.
-        return PackedSequence(
-            host_cu.to(device, torch.int32), columns, positions, None, (batch, columns), host_cu_seqlens=host_cu
-        )
+        device_cu, host_cu = boundaries
+        packed = PackedSequence(device_cu, columns, positions, None, (batch, columns), host_cu_seqlens=host_cu)
+        packed._derived["num_tokens"] = batch * columns  # known here: a decode step reads no tensor for it
+        return packed
     counts = new_real.sum(dim=1).cpu()
     if bool((counts == 0).any()):
         rows = torch.nonzero(counts == 0).flatten().tolist()

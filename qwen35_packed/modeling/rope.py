@@ -51,6 +51,7 @@ class MRotaryEmbedding(nn.Module):
         self.theta = rope["rope_theta"]
         self.sections = list(rope["mrope_section"])
         self.interleaved = bool(rope["mrope_interleaved"])
+        self._axes: dict[tuple, torch.Tensor] = {}  # mrope_axis_of_frequency on each device (`_axis_on`)
 
     def inverse_frequencies(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         """(fp32 inverse frequencies [rotary_dim/2], attention scaling of cos / sin) for this call's positions."""
@@ -87,10 +88,18 @@ class MRotaryEmbedding(nn.Module):
             position_ids = position_ids.unsqueeze(0).expand(3, -1)
         inv_freq, scaling = self.inverse_frequencies(position_ids)
         freqs = position_ids[..., None].float() * inv_freq.to(device=device, dtype=torch.float32)  # [3, N, half]
-        axis = mrope_axis_of_frequency(self.sections, self.interleaved, freqs.shape[-1]).to(device)
+        axis = self._axis_on(device, freqs.shape[-1])
         freqs = torch.gather(freqs, 0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+    def _axis_on(self, device: torch.device, half: int) -> torch.Tensor:
+        # Made once per device: a copy from the host in every forward is a wait, and not allowed in a captured
+        # decode step (decode_graph.py).
+        key = (device, half)
+        if key not in self._axes:
+            self._axes[key] = mrope_axis_of_frequency(self.sections, self.interleaved, half).to(device)
+        return self._axes[key]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         """The built-in rotary embedding's interface: position_ids [batch, seq] or [3, batch, seq] -> (cos, sin)

@@ -423,7 +423,7 @@ def test_outputs_carry_attentions_as_none_and_moe_classes_generate(kind):
 
 
 @pytest.mark.parametrize("how", ["argument", "generation_config"])
-@pytest.mark.parametrize("implementation", ["static", "offloaded", "sliding_window"])
+@pytest.mark.parametrize("implementation", ["offloaded", "sliding_window", "quantized"])
 def test_caches_other_than_its_own_are_refused_by_generate(how, implementation):
     from transformers import GenerationConfig
 

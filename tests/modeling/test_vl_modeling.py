@@ -548,9 +548,11 @@ def test_reference_configs_give_builtin_keys_and_shapes(name):
     assert ours == ref
 
 
-def test_generate_with_images_equals_the_builtin():
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_generate_with_images_equals_the_builtin(cache_implementation):
     """generate() from a left-padded batch with images: the prefill encodes them, decode steps continue the text
-    at the prompt's largest MRoPE position + 1; greedy output equals the built-in composite class."""
+    at the prompt's largest MRoPE position + 1; greedy output equals the built-in composite class, with this model's
+    dynamic and static cache."""
     ref, ours = builtin_vl_pair("dense")
     grids = [[1, 4, 4], [1, 2, 4]]
     rows = [[5, 6] + image_tokens(grids[0]) + [7, 8, 9], [10] + image_tokens(grids[1]) + [11]]
@@ -572,7 +574,12 @@ def test_generate_with_images_equals_the_builtin():
             **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True
         )
         got = ours.generate(
-            **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True
+            **inputs,
+            max_new_tokens=6,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            cache_implementation=cache_implementation,
         )
     assert torch.equal(got.sequences, expected.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores)) <= 1e-4

@@ -1,0 +1,170 @@
+"""Decode steps of a static cache replayed as CUDA graphs: one launch of the whole step instead of the Python of
+every layer, which is what a decode step at small batch spends its time on.
+
+When: the causal-LM forward of a static cache (`generate(cache_implementation="static")`, cache.py) on CUDA, with
+autograd off, for a decode step: one new token id per row and nothing else asked of the forward (no labels,
+embeddings, hidden states, router logits, attentions, routed experts or packing arguments). Everything else runs the
+eager forward, which computes the same step.
+
+How: the first decode step of a cache runs eagerly (it compiles the Triton kernels and settles the GEMMs'
+workspaces). The next one is captured: the eager forward runs inside `torch.cuda.graph` on a token-id tensor owned
+here, recording its kernels on the cache's buffers, which a static cache writes in place; the graph is then
+replayed for that step and every later one, after the new token ids are copied in. What the forward does on the
+host (the cache's counts of columns and row lengths) ran once during the capture; each replay repeats it with
+`Qwen3_5PackedCache.count_decode_step_on_host`. A step is captured again when a tensor it holds is no longer the
+cache's (a row outgrew the capacity, rows were dropped, a dtype widened) or when its settings differ
+(`logits_to_keep`, the row count).
+
+The token ids a replay copies in are checked against the vocabulary first, as the eager forward checks them (one
+read on the host per step). A capture that fails (a kernel that reads the device on the host, e.g. a rope variant
+that sizes itself by the largest position) is said once in the log and the cache's steps run eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .cache import PerRowKeysValues, Qwen3_5PackedCache
+from .packed_batch import check_token_ranges
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """Capture `step` (device work only, on tensors that outlive the graph) as a CUDA graph and run it once ->
+    (its output, a function that replays it and returns the same output tensor, rewritten)."""
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a CUDA call of another thread (a data loader, a logger) does not invalidate this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        output = step()
+    graph.replay()  # capturing ran nothing
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+
+    return output, replay
+
+
+class CapturedStep:
+    """One decode step's graph: its token-id input, its replay and the cache tensors it holds."""
+
+    def __init__(self, token_ids: torch.Tensor, replay: Callable[[], torch.Tensor], state: list[torch.Tensor]):
+        self.token_ids = token_ids
+        self.replay = replay
+        self.state = state
+
+    def holds(self, state: list[torch.Tensor]) -> bool:
+        return len(state) == len(self.state) and all(a is b for a, b in zip(state, self.state))
+
+
+class DecodeGraphs:
+    """The captured decode steps of one static cache (kept on it as `cache.decode_graphs`)."""
+
+    def __init__(self, capture=cuda_graph_capture):
+        self.capture = capture  # the graph backend; tests replay traced graphs on the CPU
+        self.eager_steps = 0
+        self.disabled = False
+        self.capturing = False  # the forward that a capture runs is the eager one
+        self.steps: dict[tuple, CapturedStep] = {}
+
+    def run(self, forward, cache: Qwen3_5PackedCache, input_ids: torch.Tensor, logits_to_keep) -> torch.Tensor | None:
+        """The logits of the decode step `input_ids` [B, 1] through a graph, or None where the step is to run
+        eagerly (the first one, or after a failed capture). `forward(input_ids)` runs the eager forward of the
+        step and returns its logits."""
+        if self.disabled or self.eager_steps == 0:
+            self.eager_steps += 1
+            return None
+        check_token_ranges(forward.vocab_size, input_ids, None, "labels")
+        cache.make_room_for_decode_step()
+        key = (input_ids.shape[0], _settings_key(logits_to_keep))
+        captured = self.steps.get(key)
+        if captured is not None and captured.holds(cache.decode_state()):
+            captured.token_ids.copy_(input_ids)
+            logits = captured.replay()
+            cache.count_decode_step_on_host()
+            return logits.clone()
+        return self._capture(forward, cache, input_ids, key)
+
+    def _capture(self, forward, cache, input_ids, key) -> torch.Tensor | None:
+        self.steps.pop(key, None)  # its graph's memory goes back before the new capture takes its own
+        token_ids = input_ids.clone()
+        counts = _host_counts(cache)
+        self.capturing = True
+        try:
+            logits, replay = self.capture(lambda: forward(token_ids))
+        except RuntimeError as error:  # e.g. "operation not permitted when stream is capturing"
+            _restore_host_counts(cache, counts)
+            self.disabled = True
+            log_once(
+                logger,
+                ("decode-graph", type(error).__name__, str(error)[:200]),
+                "qwen35-packed: a decode step of the static cache could not be captured as a CUDA graph (%s); the "
+                "decode steps run eagerly (the same results, without the graph's speed)",
+                error,
+            )
+            return None
+        finally:
+            self.capturing = False
+        self.steps[key] = CapturedStep(token_ids, replay, cache.decode_state())
+        return logits.clone()
+
+
+def _settings_key(logits_to_keep):
+    return ("index", tuple(logits_to_keep.tolist())) if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep
+
+
+def _host_counts(cache: Qwen3_5PackedCache) -> tuple:
+    lengths = [list(layer.host_lengths) for layer in cache.layers if isinstance(layer, PerRowKeysValues)]
+    return cache.consumed_columns, list(cache._column_chunks), lengths
+
+
+def _restore_host_counts(cache: Qwen3_5PackedCache, counts: tuple) -> None:
+    cache.consumed_columns, chunks, lengths = counts
+    cache._column_chunks = chunks
+    for layer, held in zip((layer for layer in cache.layers if isinstance(layer, PerRowKeysValues)), lengths):
+        layer.host_lengths = held
+
+
+def decode_step_logits(model, cache, input_ids, attention_mask, logits_to_keep, eligible: bool) -> torch.Tensor | None:
+    """The logits of a causal-LM forward's decode step through the cache's graphs, or None: the forward runs
+    eagerly (the step is not a graph's: module docstring). `eligible`: the forward asked for nothing beyond the
+    logits of `input_ids` continuing `cache`."""
+    if not (
+        eligible
+        and isinstance(cache, Qwen3_5PackedCache)
+        and cache.static
+        and cache.has_state
+        and input_ids is not None
+        # CUDA, or graphs a test set up on the cache (traced ones on the CPU)
+        and (input_ids.is_cuda or cache.decode_graphs is not None)
+        and input_ids.dim() == 2
+        and input_ids.shape[1] == 1
+        and input_ids.shape[0] == cache.batch_size
+        and not torch.is_grad_enabled()
+        and not (cache.decode_graphs is not None and cache.decode_graphs.capturing)
+    ):
+        return None
+    if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
+        return None  # a masked new token: the eager forward drops it
+    if cache.decode_graphs is None:
+        cache.decode_graphs = DecodeGraphs()
+    return cache.decode_graphs.run(_EagerStep(model, cache, logits_to_keep), cache, input_ids, logits_to_keep)
+
+
+class _EagerStep:
+    """The eager forward of a decode step, as the graphs capture it."""
+
+    def __init__(self, model, cache, logits_to_keep):
+        self.model, self.cache, self.logits_to_keep = model, cache, logits_to_keep
+        self.vocab_size = model.config.get_text_config().vocab_size
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        output = self.model(
+            input_ids=token_ids, cache=self.cache, use_cache=True, logits_to_keep=self.logits_to_keep, return_dict=True
+        )
+        return output.logits
