@@ -11,9 +11,13 @@ time, so a 35B-A3B fits).
 Models: Qwen3.5-0.8B, 4B and 35B-A3B text configs (examples/configs; vocab 248,320); `name:L` keeps the first L
 layers. On the built-in: transformers' own fast paths where installed (FLA, causal_conv1d).
 
-    python benchmarks/bench_generate.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,builtin]
+    python benchmarks/bench_generate.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--batches 1,16,64] [--prompts 512,4096] [--new-tokens 256] [--modes greedy,sampled] [--reps 2]
         [--profile] [--device cuda] [--tiny] [--out FILE]
+
+An implementation `NAME:static` runs generate(cache_implementation="static"): ours then writes a static cache in
+place and replays its decode steps as CUDA graphs; the built-in builds transformers' StaticCache (and compiles its
+forward, as generate() does for a static cache). The rows record the cache.
 
 --profile (CUDA) adds where a decode step goes to every row: a call with one new token and one with all of them
 under torch.profiler, their difference per decode step: kernel launches, kernel milliseconds by class and by name,
@@ -71,10 +75,12 @@ def build(key: str, impl: str, kwargs: dict, device: torch.device, dtype: torch.
     return model.eval()
 
 
-def timed_generate(model, batch: int, prompt: int, new_tokens: int, mode: str, seed: int, device) -> float:
+def timed_generate(model, batch: int, prompt: int, new_tokens: int, mode: str, seed: int, device, cache: str) -> float:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=generator).to(device)
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
     if mode == "sampled":
         options.update(do_sample=True, top_k=50, temperature=1.0)
     else:
@@ -88,12 +94,12 @@ def timed_generate(model, batch: int, prompt: int, new_tokens: int, mode: str, s
     return time.perf_counter() - start
 
 
-def measure(model, batch, prompt, new_tokens, mode, reps, device) -> dict:
+def measure(model, batch, prompt, new_tokens, mode, reps, device, cache) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    first = timed_generate(model, batch, prompt, new_tokens, mode, 1, device)
-    full = [timed_generate(model, batch, prompt, new_tokens, mode, 2 + r, device) for r in range(reps)]
-    prefill = [timed_generate(model, batch, prompt, 1, mode, 100 + r, device) for r in range(reps)]
+    first = timed_generate(model, batch, prompt, new_tokens, mode, 1, device, cache)
+    full = [timed_generate(model, batch, prompt, new_tokens, mode, 2 + r, device, cache) for r in range(reps)]
+    prefill = [timed_generate(model, batch, prompt, 1, mode, 100 + r, device, cache) for r in range(reps)]
     full_s, prefill_s = sum(full) / reps, sum(prefill) / reps
     step_ms = (full_s - prefill_s) / max(new_tokens - 1, 1) * 1e3
     return {
@@ -106,7 +112,7 @@ def measure(model, batch, prompt, new_tokens, mode, reps, device) -> dict:
     }
 
 
-def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
+def profile_decode(model, batch, prompt, new_tokens, mode, device, cache) -> dict:
     """Per decode step, from two profiled calls (one new token: the prefill; `new_tokens`: prefill and steps)."""
     if device.type != "cuda":
         return {"skipped": "kernel times are read from a CUDA trace"}
@@ -117,7 +123,7 @@ def profile_decode(model, batch, prompt, new_tokens, mode, device) -> dict:
     readings = {}
     for tokens in (1, new_tokens):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = timed_generate(model, batch, prompt, tokens, mode, 300 + tokens, device)
+            wall = timed_generate(model, batch, prompt, tokens, mode, 300 + tokens, device, cache)
         events = trace_events(prof)
         by_name = kernel_time_by_name(events, top=None)
         readings[tokens] = {
@@ -160,19 +166,21 @@ def git_commit() -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':<28}{'impl':<9}{'batch':>6}{'prompt':>7}{'mode':>9}{'step ms':>9}{'tok/s':>9}{'first s':>9}")
+    print(f"{'model':<28}{'impl':<16}{'batch':>6}{'prompt':>7}{'mode':>9}{'step ms':>9}{'tok/s':>9}{'first s':>9}")
     for row in rows:
         r = row["result"]
-        print(
-            f"{row['model']:<28}{row['impl']:<9}{row['batch']:>6}{row['prompt']:>7}{row['mode']:>9}"
-            f"{r['decode_step_ms']:>9.2f}{r['new_tokens_per_s']:>9.1f}{r['first_call_s']:>9.2f}"
-        )
+        impl = f"{row['impl']}:{row['cache']}"
+        head = f"{row['model']:<28}{impl:<16}{row['batch']:>6}{row['prompt']:>7}{row['mode']:>9}"
+        if "error" in r:
+            print(f"{head}  {r['error']}")
+            continue
+        print(f"{head}{r['decode_step_ms']:>9.2f}{r['new_tokens_per_s']:>9.1f}{r['first_call_s']:>9.2f}")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="qwen35_0p8b,qwen35_4b,qwen35_35b_a3b")
-    parser.add_argument("--impls", default="ours,builtin")
+    parser.add_argument("--impls", default="ours,ours:static,builtin", help="NAME or NAME:static (see above)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompts", default="512,4096")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -200,15 +208,25 @@ def main():
     }
     for spec in args.models.split(","):
         name, key, kwargs = config_kwargs(spec, args.tiny)
-        for impl in args.impls.split(","):
+        for spec_impl in args.impls.split(","):
+            impl, _, cache = spec_impl.partition(":")
+            cache = cache or "dynamic"
+            if cache not in ("dynamic", "static"):
+                raise SystemExit(f"--impls: {spec_impl!r}: the cache is 'dynamic' or 'static'")
             model = build(key, impl, kwargs, device, dtype)
             for batch in map(int, args.batches.split(",")):
                 for prompt in map(int, args.prompts.split(",")):
                     for mode in args.modes.split(","):
-                        result = measure(model, batch, prompt, args.new_tokens, mode, args.reps, device)
-                        if args.profile:
-                            result["profile"] = profile_decode(model, batch, prompt, args.new_tokens, mode, device)
-                        row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt, "mode": mode}
+                        try:
+                            result = measure(model, batch, prompt, args.new_tokens, mode, args.reps, device, cache)
+                        except Exception as error:  # e.g. the built-in's static cache: recorded, the next rows run
+                            result = {"error": f"{type(error).__name__}: {error}"[:500]}
+                        if args.profile and "error" not in result:
+                            result["profile"] = profile_decode(
+                                model, batch, prompt, args.new_tokens, mode, device, cache
+                            )
+                        row = {"model": name, "impl": impl, "cache": cache, "batch": batch, "prompt": prompt}
+                        row["mode"] = mode
                         report["rows"].append({**row, "result": result})
                         print_table(report["rows"][-1:])
                         out.parent.mkdir(parents=True, exist_ok=True)

@@ -272,8 +272,13 @@ def render_generate() -> str:
     ]
     for row in data["rows"]:
         r = row["result"]
+        impl = row["impl"] + (", static cache" if row.get("cache") == "static" else "")
+        shape = f"{row['batch']} x {row['prompt']}, {data['new_tokens']} {row['mode']}"
+        if "error" in r:
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | |")
+            continue
         lines.append(
-            f"| {row['model']} | {row['impl']} | {row['batch']} x {row['prompt']}, {data['new_tokens']} {row['mode']} "
+            f"| {row['model']} | {impl} | {shape} "
             f"| {r['decode_step_ms']} | {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
         )
     return "\n".join(lines + ["", f"({path.name})"])

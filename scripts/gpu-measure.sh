@@ -53,9 +53,12 @@
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
 #                offloading                                                                           ~5 min
-#   generate     bench_generate.py --profile: generate() ours and the built-in, batch 16, prompts of 512 tokens, 64
-#                new tokens, greedy, and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole
-#                35B-A3B (first call and warm; without the profiles it took 2.5 min)                 ~4 min
+#   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
+#                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
+#                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
+#                warm; without the profiles and the static rows it took 2.5 min)                    ~6 min
+#   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
+#                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers)  ~2 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours and the built-in,
 #                LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B, then the whole 35B-A3B    ~9 min
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -75,7 +78,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | holes | real-shapes \
-    | any-batch-* | invariance-cost) needed="a b" ;;
+    | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -208,10 +211,14 @@ case "$stage" in
       --out "$OUT/trace-moe-4l.json"
     ;;
   generate)
-    step generate-4b python3 benchmarks/bench_generate.py --models qwen35_4b:8 --batches 16 --prompts 512 \
-      --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-4b.json"
-    step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --batches 16 --prompts 512 \
-      --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-35b.json"
+    step generate-4b python3 benchmarks/bench_generate.py --models qwen35_4b:8 --impls ours,ours:static,builtin \
+      --batches 16 --prompts 512 --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-4b.json"
+    step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --impls ours,ours:static,builtin \
+      --batches 16 --prompts 512 --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-35b.json"
+    ;;
+  generate-tests)
+    step gpu-tests-generate env QWEN35_GPU_RESULTS="$OUT/gpu-tests-generate.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_generate.py
     ;;
   grpo-step)
     step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"

@@ -176,6 +176,7 @@ class PackedGeneration:
             rows = (input_ids if input_ids is not None and input_ids.numel() else inputs_embeds).shape[0]
             layer_types = self.config.get_text_config().layer_types
             cache = Qwen3_5PackedCache(layer_types, rows, capacity=static_cache_capacity)
+        if cache is not None:  # this model's cache, filled or to be filled by the prefill
             inputs[CACHE_FIELD] = cache
         if cache is not None and cache.has_state:
             count = new_columns(input_ids, attention_mask, inputs_embeds, cache)
@@ -183,7 +184,6 @@ class PackedGeneration:
                 inputs["input_ids"] = input_ids[:, -count:]
             else:  # continuing a cache from inputs_embeds that extend the cached prompt
                 inputs["inputs_embeds"] = inputs_embeds[:, -count:]
-            inputs[CACHE_FIELD] = cache
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
         else:

@@ -192,3 +192,16 @@ def test_generate_with_a_static_cache_equals_the_builtin_greedy():
 def test_a_static_cache_needs_a_capacity_of_a_token():
     with pytest.raises(ValueError, match="capacity of at least one token"):
         Qwen3_5PackedCache(["full_attention"], 2, capacity=0)
+
+
+def test_generate_fills_a_static_cache_the_caller_passes():
+    model = _model("dense")
+    ids, mask = _prompts(model.config.vocab_size)
+    given = Qwen3_5PackedCache(model.config.layer_types, ids.shape[0], capacity=40)
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(ids, return_dict_in_generate=True, **{CACHE_FIELD: given}, **options)
+        want = model.generate(ids, **options)
+    assert _cache_of(out) is given and given.consumed_columns == ids.shape[1] + 4
+    assert given.layers[model.config.layer_types.index("full_attention")].capacity == 40
+    assert torch.equal(out.sequences, want)
