@@ -67,6 +67,14 @@ def config_kwargs(spec: str, tiny: bool) -> tuple[str, str, dict]:
     return name, key, model_kwargs(key, kept)
 
 
+def implementation_and_cache(spec: str) -> tuple[str, str]:
+    """'ours' -> ('ours', 'dynamic'); 'ours:static' -> ('ours', 'static'): an --impls entry."""
+    impl, _, cache = spec.partition(":")
+    if impl not in ("ours", "builtin") or cache not in ("", "dynamic", "static"):
+        raise SystemExit(f"--impls: {spec!r} is not ours or builtin, optionally :dynamic or :static")
+    return impl, cache or "dynamic"
+
+
 def build(key: str, impl: str, kwargs: dict, device: torch.device, dtype: torch.dtype):
     model_cls, config_cls = classes(MOE_MODEL if key == MOE_MODEL else "qwen35_4b", impl)
     torch.manual_seed(0)
@@ -208,11 +216,7 @@ def main():
     }
     for spec in args.models.split(","):
         name, key, kwargs = config_kwargs(spec, args.tiny)
-        for spec_impl in args.impls.split(","):
-            impl, _, cache = spec_impl.partition(":")
-            cache = cache or "dynamic"
-            if cache not in ("dynamic", "static"):
-                raise SystemExit(f"--impls: {spec_impl!r}: the cache is 'dynamic' or 'static'")
+        for impl, cache in map(implementation_and_cache, args.impls.split(",")):
             model = build(key, impl, kwargs, device, dtype)
             for batch in map(int, args.batches.split(",")):
                 for prompt in map(int, args.prompts.split(",")):

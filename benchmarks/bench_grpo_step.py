@@ -14,9 +14,12 @@ log-probs) and training (the rest of `training_step`: loss forward, backward). T
 compilation, autotuning) are reported apart from the timed ones. Weights are random (seed 0); both implementations
 get the same shapes, not the same weights (one model is built at a time, so a 35B-A3B fits).
 
-    python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,builtin]
+    python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 3] [--warmup 1]
         [--device cuda] [--tiny] [--out FILE]
+
+An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
+as CUDA graphs).
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
 JSON under results/benchmarks/ (or --out) after every model.
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_generate import MOE_MODEL, build, config_kwargs, git_commit
+from bench_generate import MOE_MODEL, build, config_kwargs, git_commit, implementation_and_cache
 from bench_train_step import peak_gib, sync
 
 ROOT = Path(__file__).resolve().parent
@@ -101,7 +104,7 @@ class StepTimer:
         self.current = {}
 
 
-def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_dir: str) -> dict:
+def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.device, output_dir: str) -> dict:
     import trl
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
@@ -124,6 +127,7 @@ def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_
         save_strategy="no",
         seed=0,
         generation_kwargs={"min_new_tokens": args.completion},
+        cache_implementation="static" if cache == "static" else None,
     )
     # the project's targets (GDN, attention, MLP, the experts of a MoE), matched by name in either implementation
     lora = lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0)
@@ -159,15 +163,16 @@ def run_trainer(model, impl: str, tokenizer, args, device: torch.device, output_
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':<30}{'impl':<9}{'gen s':>8}{'score s':>9}{'train s':>9}{'step s':>8}{'warm-up s':>11}{'GiB':>7}")
+    print(f"{'model':<30}{'impl':<16}{'gen s':>8}{'score s':>9}{'train s':>9}{'step s':>8}{'warm-up s':>11}{'GiB':>7}")
     for row in rows:
         r = row["result"]
+        impl = f"{row['impl']}:{row['cache']}"
         if "error" in r:
-            print(f"{row['model']:<30}{row['impl']:<9}  {r['error'][:80]}")
+            print(f"{row['model']:<30}{impl:<16}  {r['error'][:80]}")
             continue
         first = sum(s["total_s"] for s in r["warmup_steps"])
         print(
-            f"{row['model']:<30}{row['impl']:<9}{r['generation_s'] or 0:>8.2f}{r['scoring_s'] or 0:>9.2f}"
+            f"{row['model']:<30}{impl:<16}{r['generation_s'] or 0:>8.2f}{r['scoring_s'] or 0:>9.2f}"
             f"{r['training_s'] or 0:>9.2f}{r['total_s'] or 0:>8.2f}{first:>11.1f}{r['peak_gib'] or 0:>7.1f}"
         )
 
@@ -175,7 +180,7 @@ def print_table(rows: list[dict]) -> None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=f"qwen35_4b,{MOE_MODEL}")
-    parser.add_argument("--impls", default="ours,builtin")
+    parser.add_argument("--impls", default="ours,ours:static,builtin", help="as bench_generate.py's")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
@@ -204,14 +209,14 @@ def main():
     for spec in args.models.split(","):
         name, key, kwargs = config_kwargs(spec, args.tiny)
         tokenizer = word_tokenizer(kwargs["vocab_size"])
-        for impl in args.impls.split(","):
+        for impl, cache in map(implementation_and_cache, args.impls.split(",")):
             model = build(key, impl, kwargs, device, dtype).train()
             try:
                 with tempfile.TemporaryDirectory() as output_dir:
-                    result = run_trainer(model, impl, tokenizer, args, device, output_dir)
+                    result = run_trainer(model, impl, cache, tokenizer, args, device, output_dir)
             except torch.OutOfMemoryError as error:
                 result = {"error": f"out of memory: {str(error).splitlines()[0]}", "peak_gib": peak_gib(device)}
-            report["rows"].append({"model": name, "impl": impl, "result": result})
+            report["rows"].append({"model": name, "impl": impl, "cache": cache, "result": result})
             print_table(report["rows"][-1:])
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1) + "\n")

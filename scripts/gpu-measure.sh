@@ -59,8 +59,10 @@
 #                warm; without the profiles and the static rows it took 2.5 min)                    ~6 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers)  ~2 min
-#   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours and the built-in,
-#                LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B, then the whole 35B-A3B    ~9 min
+#   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours (dynamic and
+#                static cache) and the built-in, LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B
+#                (not run yet; estimated from the generate stage)                                   ~5 min
+#   grpo-step-35b  the same for the whole 35B-A3B                                                    ~7 min
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
 #                the stall it costs over the same row again, ours and the built-in: Qwen3.5-4B (8 layers), the
 #                35B-A3B layer shapes (4 layers)                                                     ~5 min
@@ -222,6 +224,8 @@ case "$stage" in
     ;;
   grpo-step)
     step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"
+    ;;
+  grpo-step-35b)
     step grpo-step-35b python3 benchmarks/bench_grpo_step.py --models qwen35_35b_a3b --out "$OUT/grpo-step-35b.json"
     ;;
   changing-lengths)

@@ -6,6 +6,7 @@ the columns the cache has not consumed."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -122,8 +123,6 @@ def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config)
     The capacity is the prompt's columns plus max_new_tokens (else generate()'s max_length): a row that outgrows it
     still grows the cache, so it is a size to allocate, not a limit."""
     kwargs = dict(kwargs)
-    # transformers then makes an empty DynamicCache, which the prefill replaces by this model's static cache
-    kwargs["cache_implementation"] = "dynamic"
     generation_config = kwargs.get("generation_config") or default_generation_config
     if kwargs.get("compile_config") is not None or getattr(generation_config, "compile_config", None) is not None:
         log_once(
@@ -132,7 +131,16 @@ def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config)
             "generate(cache_implementation='static'): compile_config is not used; the packed model replays its "
             "decode steps as CUDA graphs instead of compiling the forward",
         )
-    kwargs["disable_compile"] = True
+    # transformers then makes an empty DynamicCache, which the prefill replaces by this model's static cache. Set on the
+    # caller's generation config (a copy) where there is one: transformers warns when one comes with such arguments.
+    settings = {"cache_implementation": "dynamic", "disable_compile": True}
+    if kwargs.get("generation_config") is not None:
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs.pop("cache_implementation", None)
+        for name, value in settings.items():
+            setattr(kwargs["generation_config"], name, value)
+    else:
+        kwargs.update(settings)
     prompt = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs") if kwargs.get(k) is not None), None)
     columns = prompt.shape[-1] if prompt is not None else 0
     if kwargs.get("inputs_embeds") is not None:
