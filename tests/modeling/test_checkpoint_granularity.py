@@ -40,6 +40,10 @@ def _model(kind: str):
         from qwen35_packed.integrations.lora import lora_config
 
         model = get_peft_model(model, lora_config(model, r=4, lora_dropout=0.0))
+        # The embeddings require grad, as trainers set them up for PEFT with checkpointing (transformers 5's
+        # gradient_checkpointing_enable does it itself, 4.x only for adapters it loaded): with use_reentrant=True, a
+        # layer checkpointed whole on a frozen input would give its adapters no gradient.
+        model.enable_input_require_grads()
         torch.manual_seed(2)
         with torch.no_grad():
             for name, param in model.named_parameters():
