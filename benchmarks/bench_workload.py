@@ -6,7 +6,9 @@ with random weights (seed 0). A row is BATCH:SETUP:
   BATCH  rl (bench_train_step's RL batch: 16 documents, 26,354 tokens, packed in one row) or doc_N (one document of
          N tokens);
   SETUP  lora (PEFT LoRA r=16 on GDN + attention + the experts, base frozen) | lora_no_experts (GDN + attention) |
-         full (every parameter trains), each with decoder-layer checkpointing; a `_no_ckpt` suffix turns it off;
+         full (every parameter trains), each with decoder-layer checkpointing; a `_no_ckpt` suffix turns it off,
+         and for ours `_ckpt_mlp` / `_ckpt_mixer` recompute only that segment of each layer (the config's
+         checkpoint_granularity, recorded in the row's setup; "layer" without either);
          for ours and the MoE, `lora_low_rank` / `lora_peft_fold` force moe_lora_kernel (the expert adapters as
          low-rank products on the expert rows / PEFT's rebuilt expert weights); `lora` is moe_lora_kernel="auto".
          Before `_no_ckpt`, `_offload` runs each step inside TRL's activation offloading (what
@@ -68,6 +70,8 @@ LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn
 # Setup suffixes (field, value), stripped from the end of a setup's name in this order.
 SUFFIXES = (
     ("_no_ckpt", "checkpointing", False),
+    ("_ckpt_mlp", "checkpoint_granularity", "mlp"),
+    ("_ckpt_mixer", "checkpoint_granularity", "mixer"),
     ("_autocast", "autocast", True),
     ("_bf16_adapters", "bf16_adapters", True),
     ("_offload", "offloading", "trl"),
@@ -89,6 +93,7 @@ KERNEL_CLASSES = (
 class Setup:
     lora_groups: tuple[str, ...] | None  # None: a full fine-tune
     checkpointing: bool = True
+    checkpoint_granularity: str = "layer"  # ours only: what the backward of a checkpointed layer reruns
     moe_lora_kernel: str | None = None  # ours only; None keeps the config's ("auto")
     offloading: str | None = None  # "trl" | "save_on_cpu": where the step's saved tensors wait for the backward
     bf16_adapters: bool = False  # LoRA adapters kept in the base's bf16 instead of PEFT's fp32
@@ -100,6 +105,10 @@ def parse_setup(name: str) -> Setup:
     for suffix, field, value in SUFFIXES:
         if base.endswith(suffix):
             base, fields[field] = base[: -len(suffix)], value
+    if not fields.get("checkpointing", True) and "checkpoint_granularity" in fields:
+        raise SystemExit(
+            f"{name!r}: _ckpt_mlp / _ckpt_mixer choose what checkpointing recomputes; _no_ckpt turns it off"
+        )
     kernel = {"lora_low_rank": "low_rank", "lora_peft_fold": "peft"}.get(base)
     groups_key = "lora" if kernel else base
     if groups_key == "full":
@@ -109,7 +118,7 @@ def parse_setup(name: str) -> Setup:
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
-            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_no_ckpt]"
+            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -243,6 +252,8 @@ class Workload:
     def apply(self, setup: Setup):
         if setup.moe_lora_kernel and self.impl != "ours":
             raise SystemExit("lora_low_rank / lora_peft_fold are ours-only setups")
+        if setup.checkpoint_granularity != "layer" and self.impl != "ours":
+            raise SystemExit("_ckpt_mlp / _ckpt_mixer are ours-only setups")
         groups = (setup.lora_groups, setup.bf16_adapters) if setup.lora_groups else "full"
         if groups != self.groups:
             if self.model is not self.base:
@@ -268,6 +279,7 @@ class Workload:
             self.model.gradient_checkpointing_disable()
         if self.impl == "ours":
             self.base.config.moe_lora_kernel = setup.moe_lora_kernel or "auto"
+            self.base.config.checkpoint_granularity = setup.checkpoint_granularity
         self.model.train()
 
     def step_fn(self, lengths: list[int]):
@@ -358,6 +370,10 @@ def main():
     for name, value in fields.items():
         if not hasattr(workload.base.config, name):
             raise SystemExit(f"--config: the config has no field {name!r}")
+        if name == "checkpoint_granularity":  # each row sets it (Workload.apply), which would override this
+            raise SystemExit(
+                "--config: checkpoint_granularity is chosen per row, by the _ckpt_mlp / _ckpt_mixer setups"
+            )
         setattr(workload.base.config, name, value)
     choice = (
         kernel_selection.select_kernels(workload.reference_config, device, torch.bfloat16)

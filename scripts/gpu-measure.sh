@@ -53,6 +53,9 @@
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast; then one 131,072-token document under TRL's activation
 #                offloading                                                                           ~5 min
+#   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
+#                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
+#                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
 #   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
@@ -79,8 +82,8 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | holes | real-shapes \
-    | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | recompute-35b \
+    | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
 for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
@@ -239,6 +242,11 @@ case "$stage" in
     step adapters-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload \
       --profile rl:lora_low_rank_bf16_adapters --out "$OUT/adapters-35b.json"
+    ;;
+  recompute-35b)
+    step recompute-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer \
+      --out "$OUT/recompute-35b.json"
     ;;
   offload-4b)
     step offload-4b python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \

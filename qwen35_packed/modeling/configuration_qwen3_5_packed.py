@@ -71,6 +71,8 @@ KERNEL_FIELDS = {
     "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
     "moe_lora_kernel": ("auto", "low_rank", "peft"),  # read by MoE models only: PEFT LoRA on the experts
 }
+# What the backward of a checkpointed decoder layer recomputes (modeling/checkpoint_granularity.py).
+CHECKPOINT_GRANULARITIES = ("layer", "mlp", "mixer")
 
 
 def _written_by_transformers_5(writer_version) -> bool:
@@ -185,6 +187,12 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     where trainers read the loss only; True always (transformers' contract); False never. Where they are not kept
     the loss and gradients are the same, [tokens x vocab] is never materialised, and `logits` holds a
     `LogitsNotKept` placeholder that raises on use (modeling/loss.py).
+
+    `checkpoint_granularity` decides what the backward of a decoder layer recomputes once
+    `gradient_checkpointing_enable()` checkpoints it: "layer" (default) the whole layer, as transformers does; "mlp"
+    only the post-attention norm and the MLP / MoE block; "mixer" only the input norm and the token mixer (Gated
+    DeltaNet or attention). The other part keeps its activations. Without checkpointing it changes nothing
+    (modeling/checkpoint_granularity.py).
     """
 
     model_type = "qwen3_5_text"
@@ -245,6 +253,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         long_document_attention: str = "auto",
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool | str = "auto",
+        checkpoint_granularity: str = "layer",
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
@@ -280,6 +289,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.long_document_attention = long_document_attention
         self.elementwise_kernel = elementwise_kernel
         self.return_logits_with_loss = return_logits_with_loss
+        self.checkpoint_granularity = checkpoint_granularity
         self.conv_kernel = conv_kernel
         self.moe_kernel = moe_kernel
         self.moe_combine_kernel = moe_combine_kernel
@@ -411,6 +421,11 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         if not (isinstance(self.return_logits_with_loss, bool) or self.return_logits_with_loss == "auto"):
             raise ValueError(
                 f"return_logits_with_loss must be 'auto', True or False, got {self.return_logits_with_loss!r}"
+            )
+        if self.checkpoint_granularity not in CHECKPOINT_GRANULARITIES:
+            raise ValueError(
+                f"checkpoint_granularity must be one of {', '.join(map(repr, CHECKPOINT_GRANULARITIES))}, got "
+                f"{self.checkpoint_granularity!r}"
             )
         for field_name, allowed in KERNEL_FIELDS.items():
             if getattr(self, field_name) not in allowed:

@@ -24,6 +24,7 @@ from .attention import GatedAttention
 from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache
 from .causal_lm_head import LM_HEAD_TP_PLAN, PackedCausalLMHead
+from .checkpoint_granularity import SegmentCheckpointing
 from .checkpoint_keys import (
     IGNORED_UNEXPECTED_EXPERT_KEYS,
     TEXT_KEY_MAPPING,
@@ -96,12 +97,14 @@ Qwen3_5PackedCausalLMOutput = output_class(
 )
 
 
-class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
+class Qwen3_5PackedDecoderLayer(SegmentCheckpointing, GradientCheckpointingLayer):
     """A decoder layer; `gradient_checkpointing_enable()` checkpoints it as transformers checkpoints the built-in's
-    (GradientCheckpointingLayer: the hidden states positional, everything else keyword arguments)."""
+    (GradientCheckpointingLayer: the hidden states positional, everything else keyword arguments), or only its
+    mixer or its MLP segment, as the config's `checkpoint_granularity` says (checkpoint_granularity.py)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config, layer_idx)
@@ -117,22 +120,30 @@ class Qwen3_5PackedDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, batch: PackedBatch, routed_experts=None):
         """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None, attention probabilities or
         None); `routed_experts` [N, k]: the experts to replay in this layer's MoE block (routing_replay.py)."""
-        kernels = batch.kernels
-        normed = self.input_layernorm(hidden_states, kernels)
-        probabilities = None
-        if self.layer_type == "linear_attention":
-            mixed = self.linear_attn(normed, batch)
-        else:
-            mixed, probabilities = self.self_attn(normed, batch)
+        mixed, probabilities = self.run_segment("mixer", self.mix, hidden_states, batch=batch)
         # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
         # backward recomputes the normed input of the MLP exactly (recompute.py).
         residual = hidden_states + mixed
-        normed = self.post_attention_layernorm(residual, kernels)
-        mlp_out = self.mlp(normed, kernels, routed_experts) if routed_experts is not None else self.mlp(normed, kernels)
-        router_logits = None
-        if isinstance(mlp_out, tuple):
-            mlp_out, router_logits = mlp_out
+        mlp_out, router_logits = self.run_segment(
+            "mlp", self.feed_forward, residual, batch=batch, routed_experts=routed_experts
+        )
         return residual + mlp_out, router_logits, probabilities
+
+    def mix(self, hidden_states, batch: PackedBatch):
+        """The mixer segment, input_layernorm and the token mixer: hidden_states [N, H] -> (mixer output [N, H],
+        attention probabilities or None)."""
+        normed = self.input_layernorm(hidden_states, batch.kernels)
+        if self.layer_type == "linear_attention":
+            return self.linear_attn(normed, batch), None
+        return self.self_attn(normed, batch)
+
+    def feed_forward(self, residual, batch: PackedBatch, routed_experts=None):
+        """The MLP segment, post_attention_layernorm and the MLP / MoE block: residual [N, H] -> (output [N, H],
+        router logits [N, E] or None)."""
+        kernels = batch.kernels
+        normed = self.post_attention_layernorm(residual, kernels)
+        out = self.mlp(normed, kernels, routed_experts) if routed_experts is not None else self.mlp(normed, kernels)
+        return out if isinstance(out, tuple) else (out, None)
 
 
 class Qwen3_5PackedPreTrainedModel(PackedModelConventions, PreTrainedModel):
@@ -255,12 +266,15 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         all_hidden = [] if batch.output_hidden_states else None
         router_logits = [] if batch.output_router_logits else None
         attentions = [] if batch.output_attentions else None
-        checkpointing = (
-            self.training and torch.is_grad_enabled() and any(layer.gradient_checkpointing for layer in self.layers)
+        # With autograd recording, norm / SwiGLU / gate outputs are recomputed in the backward rather than kept
+        # (recompute.py): bitwise the same gradients, less memory. Not when layers are checkpointed whole, which keep
+        # nothing; a layer checkpointing one segment keeps the other's activations (checkpoint_granularity.py).
+        whole_layers_checkpointed = any(layer.recomputed_segment() == "layer" for layer in self.layers)
+        recompute = (
+            RecomputedActivations()
+            if recompute_enabled() and not whole_layers_checkpointed
+            else contextlib.nullcontext()
         )
-        # With autograd recording (and no checkpointing, which keeps nothing), norm / SwiGLU / gate outputs are
-        # recomputed in the backward rather than kept (recompute.py): bitwise the same gradients, less memory.
-        recompute = RecomputedActivations() if recompute_enabled() and not checkpointing else contextlib.nullcontext()
         with recompute:
             for layer in self.layers:
                 if all_hidden is not None:

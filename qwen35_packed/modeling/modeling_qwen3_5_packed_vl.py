@@ -37,6 +37,7 @@ from .attention import GatedAttention  # noqa: F401
 from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache  # noqa: F401
 from .causal_lm_head import LM_HEAD_TP_PLAN, PackedCausalLMHead
+from .checkpoint_granularity import SegmentCheckpointing  # noqa: F401
 from .checkpoint_keys import IGNORED_UNEXPECTED_EXPERT_KEYS, from_official_layout
 from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
