@@ -265,8 +265,9 @@ class Qwen3_5PackedCache(Cache):
         layer = self.layers[layer_idx]
         held_conv, held_recurrent = layer.conv_states[0], layer.recurrent_states[0]
         if self.static and _same_kind(held_conv, conv) and _same_kind(held_recurrent, recurrent):
-            held_conv.copy_(conv)
-            held_recurrent.copy_(recurrent)
+            for held, new in ((held_conv, conv), (held_recurrent, recurrent)):
+                if held is not new:  # the delta-rule step writes the recurrent state in place
+                    held.copy_(new)
             return
         layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
         layer.conv_kernel_size[0] = conv.shape[-1]

@@ -111,7 +111,11 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)
         if step:
-            core, final_state = kernels.delta_rule_step(q, k, v, g, beta, recurrent_state)
+            # a static cache's state is updated where it is (the tensor a captured decode step holds): no copy
+            in_place = cache.static and recurrent_state.is_contiguous()
+            core, final_state = kernels.delta_rule_step(
+                q, k, v, g, beta, recurrent_state, out_state=recurrent_state if in_place else None
+            )
         else:
             core, final_state = kernels.delta_rule(
                 q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None

@@ -50,7 +50,8 @@ class KernelSet:
     gated_norm: Callable  # (x, gate, weight, eps) -> weight * rmsnorm(x) * silu(gate)
     # a generation step with one new token per row, all rows at once (the decode kernels)
     conv_step: Callable  # (x [B, C], weight, state [B, C, K]) -> (silu(conv) [B, C], new state)
-    delta_rule_step: Callable  # (q, k, v, g, beta, state [B, Hv, Dk, Dv]) -> (o [B, Hv, Dv], new state)
+    # (q, k, v, g, beta, state [B, Hv, Dk, Dv], out_state=None) -> (o [B, Hv, Dv], new state, in out_state if given)
+    delta_rule_step: Callable
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
     cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached step of several new tokens

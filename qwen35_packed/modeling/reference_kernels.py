@@ -195,10 +195,11 @@ def torch_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=No
     return torch.cat(outs).to(dtype), final
 
 
-def torch_gated_delta_rule_step(q, k, v, g, beta, state):
+def torch_gated_delta_rule_step(q, k, v, g, beta, state, out_state=None):
     """One generation step of the delta rule, one new token per row, all rows at once: q, k [B, Hk, Dk]; v [B, Hv,
-    Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32). The
-    chunked form's arithmetic for a one-token chunk (torch_chunk_gated_delta_rule), batched over the rows."""
+    Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32, written into
+    `out_state` when given: `state` itself for a static cache). The chunked form's arithmetic for a one-token chunk
+    (torch_chunk_gated_delta_rule), batched over the rows."""
     dtype = v.dtype
     q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     decay = g.exp()
@@ -206,7 +207,7 @@ def torch_gated_delta_rule_step(q, k, v, g, beta, state):
     new_v = v * beta.unsqueeze(-1) - (w.unsqueeze(-2) @ state).squeeze(-2)
     out = ((q * decay.unsqueeze(-1)).unsqueeze(-2) @ state).squeeze(-2) + (q * k).sum(-1, keepdim=True) * new_v
     state = state * decay[..., None, None] + k.unsqueeze(-1) @ new_v.unsqueeze(-2)
-    return out.to(dtype), state
+    return out.to(dtype), (state if out_state is None else out_state.copy_(state))
 
 
 # --------------------------------------------------------------------------------------------------------------

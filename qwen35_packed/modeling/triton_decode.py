@@ -5,8 +5,9 @@ each one launch for all rows (the PyTorch forms in reference_kernels.py run a do
 inputs -> (silu(conv) [B, C] in x's dtype, the new last K inputs [B, C, K] in x's dtype). A program takes one row and
 BLOCK_C channels; the sum runs in the order of `reference_kernels.causal_conv1d_pre_activation`, in fp32.
 
-`delta_rule_step(q, k, v, g, beta, state)`: q, k [B, Hk, Dk] (before their l2 norm), v [B, Hv, Dv], g, beta [B, Hv],
-state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32): q and k l2-normalised (q scaled by
+`delta_rule_step(q, k, v, g, beta, state, out_state=None)`: q, k [B, Hk, Dk] (before their l2 norm), v [B, Hv, Dv],
+g, beta [B, Hv], state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32, written into
+`out_state` when given, which may be `state` itself: each program writes the tile it read): q and k l2-normalised (q scaled by
 Dk^-0.5), value head h reads key head h // (Hv / Hk), and with decay = exp(g)
 
     new_v = beta v - (beta decay k)^T S,   o = (decay q)^T S + (q . k) new_v,   S' = decay S + k new_v^T,
@@ -99,7 +100,7 @@ def conv_step_silu(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
     return out, new_state
 
 
-def delta_rule_step(q, k, v, g, beta, state):
+def delta_rule_step(q, k, v, g, beta, state, out_state=None):
     """One generation step of the gated delta rule in one launch (the module docstring); the kernel set's
     `delta_rule_step` on CUDA."""
     if not TRITON_DECODE_AVAILABLE:
@@ -110,8 +111,15 @@ def delta_rule_step(q, k, v, g, beta, state):
         raise ValueError(f"delta-rule step: state must be fp32 [B, Hv, Dk, Dv], got {tuple(state.shape)} {state.dtype}")
     if value_heads % key_heads:
         raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({key_heads})")
+    if out_state is not None and (out_state.shape != state.shape or out_state.dtype != state.dtype):
+        raise ValueError(
+            f"delta-rule step: out_state {tuple(out_state.shape)} {out_state.dtype} is not the state's kind"
+        )
+    if out_state is not None and not out_state.is_contiguous():
+        raise ValueError("delta-rule step: out_state must be contiguous")
     q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
-    out, new_state = torch.empty_like(v), torch.empty_like(state)
+    out = torch.empty_like(v)
+    new_state = torch.empty_like(state) if out_state is None else out_state
     block_k = triton.next_power_of_2(key_dim)
     block_v = min(STATE_COLUMNS, triton.next_power_of_2(value_dim))
     grid = (rows * value_heads, triton.cdiv(value_dim, block_v))

@@ -366,3 +366,15 @@ def test_decode_steps_equal_the_stream_kernels_continuing_a_state():
         )
         assert layer.key_rows[row].shape[0] == prompt[row] + 1 and torch.equal(layer.key_rows[row][-1], k_new[row])
         torch.testing.assert_close(got[row : row + 1], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_the_pytorch_delta_rule_step_writes_a_given_state_in_place():
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(3, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(3, 4, 8, generator=gen)
+    g, beta = -torch.rand(3, 4, generator=gen), torch.rand(3, 4, generator=gen)
+    state = torch.randn(3, 4, 16, 8, generator=gen)
+    want_out, want_state = reference_kernels.torch_gated_delta_rule_step(q, k, v, g, beta, state)
+    held = state.clone()
+    out, new_state = reference_kernels.torch_gated_delta_rule_step(q, k, v, g, beta, held, out_state=held)
+    assert new_state is held and torch.equal(held, want_state) and torch.equal(out, want_out)

@@ -56,12 +56,16 @@ for name, (rows, key_heads, value_heads, key_dim, value_dim, dtype) in DELTA.ite
     state = torch.randn(rows, value_heads, key_dim, value_dim, generator=gen)
     out, new_state = delta_rule_step(q, k, v, g, beta, state)
     want, want_state = ref.torch_gated_delta_rule_step(q, k, v, g, beta, state)
+    held = state.clone()  # a static cache's state, updated where it is
+    out_in_place, new_in_place = delta_rule_step(q, k, v, g, beta, held, out_state=held)
     alone = [delta_rule_step(q[r:r+1], k[r:r+1], v[r:r+1], g[r:r+1], beta[r:r+1], state[r:r+1]) for r in range(rows)]
     results["delta_" + name] = {"gap": gap(out, want), "scale": want.float().abs().max().item(),
                                 "state_gap": gap(new_state, want_state),
                                 "state_scale": want_state.abs().max().item(), "dtype": str(out.dtype),
                                 "rows_alone": all(torch.equal(a[0][0], out[r]) and torch.equal(a[1][0], new_state[r])
-                                                  for r, a in enumerate(alone))}
+                                                  for r, a in enumerate(alone)),
+                                "in_place": new_in_place is held and torch.equal(new_in_place, new_state)
+                                            and torch.equal(out_in_place, out)}
 
 # the kernel set binds these with the Triton elementwise kernels, the PyTorch steps otherwise
 triton_set = kernel_set(KernelChoice("torch", "sdpa", elementwise="triton"))
@@ -120,6 +124,7 @@ def test_delta_rule_step_equals_the_pytorch_step(interpreted, name):
     assert result["gap"] <= _tolerance(result["dtype"]) * max(result["scale"], 1.0), result
     assert result["state_gap"] <= 1e-5 * max(result["state_scale"], 1.0), result  # the state stays fp32
     assert result["rows_alone"], result
+    assert result["in_place"], result  # written into the state it read: the same outputs bit for bit
 
 
 def test_the_kernel_set_binds_them_with_the_triton_elementwise_kernels(interpreted):
