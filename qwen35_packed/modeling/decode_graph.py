@@ -15,6 +15,10 @@ host (the cache's counts of columns and row lengths) ran once during the capture
 cache's (a row outgrew the capacity, rows were dropped, a dtype widened) or when its settings differ
 (`logits_to_keep`, the row count).
 
+Not captured where the forward's Python does more than launch kernels on tensors that stay put: parameters
+sharded by FSDP2 or tensor parallelism (DTensors gathered in forward hooks), partitioned by DeepSpeed ZeRO-3, or
+moved by Accelerate's offloading hooks (`graph_refusal`); those steps run eagerly, said once in the log.
+
 The token ids a replay copies in are checked against the vocabulary first, as the eager forward checks them (one
 read on the host per step). A capture that fails (a kernel that reads the device on the host, e.g. a rope variant
 that sizes itself by the largest position) is said once in the log and the cache's steps run eagerly from then on.
@@ -29,6 +33,7 @@ import torch
 
 from .cache import PerRowKeysValues, Qwen3_5PackedCache
 from .packed_batch import check_token_ranges
+from .projection import is_dtensor
 from .utils import log_once
 
 logger = logging.getLogger(__name__)
@@ -130,6 +135,21 @@ def _restore_host_counts(cache: Qwen3_5PackedCache, counts: tuple) -> None:
         layer.host_lengths = held
 
 
+def graph_refusal(model) -> str | None:
+    """Why the decode steps of `model` cannot be replayed as a graph (module docstring), or None."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "the model is dispatched over several devices (device_map)"
+    for module in model.modules():
+        if getattr(module, "_hf_hook", None) is not None:
+            return "Accelerate hooks move its weights in the forward (offloading)"
+    for parameter in model.parameters():
+        if is_dtensor(parameter):
+            return "its parameters are sharded (DTensor: FSDP2 or tensor parallelism)"
+        if hasattr(parameter, "ds_id"):
+            return "its parameters are partitioned by DeepSpeed ZeRO-3"
+    return None
+
+
 def decode_step_logits(model, cache, input_ids, attention_mask, logits_to_keep, eligible: bool) -> torch.Tensor | None:
     """The logits of a causal-LM forward's decode step through the cache's graphs, or None: the forward runs
     eagerly (the step is not a graph's: module docstring). `eligible`: the forward asked for nothing beyond the
@@ -153,6 +173,15 @@ def decode_step_logits(model, cache, input_ids, attention_mask, logits_to_keep, 
         return None  # a masked new token: the eager forward drops it
     if cache.decode_graphs is None:
         cache.decode_graphs = DecodeGraphs()
+        refusal = graph_refusal(model)
+        if refusal is not None:
+            cache.decode_graphs.disabled = True
+            log_once(
+                logger,
+                ("decode-graph-refused", refusal),
+                "qwen35-packed: the static cache's decode steps run eagerly, not as CUDA graphs: %s",
+                refusal,
+            )
     return cache.decode_graphs.run(_EagerStep(model, cache, logits_to_keep), cache, input_ids, logits_to_keep)
 
 

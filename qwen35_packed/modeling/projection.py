@@ -102,7 +102,7 @@ def plain_products() -> Iterator[None]:
 
 def row_invariant_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (both in the compute dtype), each row's result independent of M (see above)."""
-    if not ROW_INVARIANT or _is_dtensor(weight):  # tensor parallelism: the sharded product is DTensor's own
+    if not ROW_INVARIANT or is_dtensor(weight):  # tensor parallelism: the sharded product is DTensor's own
         return plain_product(x, weight)
     return _product_for(x.device.type, x.device.index, x.dtype)(x, weight)
 
@@ -116,7 +116,8 @@ def _dtensor_class() -> type | None:
     return DTensor
 
 
-def _is_dtensor(weight: torch.Tensor) -> bool:
+def is_dtensor(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a DTensor (sharded by FSDP2 or a tensor-parallel plan)."""
     dtensor = _dtensor_class()
     return dtensor is not None and isinstance(weight, dtensor)
 

@@ -24,6 +24,7 @@ from qwen35_packed import (  # noqa: E402
     Qwen3_5PackedForCausalLM,
 )
 from qwen35_packed.integrations.fsdp2 import gated_deltanet_modules, shard_gdn_decay_fp32  # noqa: E402
+from qwen35_packed.modeling.decode_graph import graph_refusal  # noqa: E402
 
 LENGTHS = [37, 5, 64, 19, 80, 33, 1, 50]
 
@@ -165,6 +166,8 @@ def main():
             "fresh_A_log_dtype_after_bf16_cast": str(gdn.A_log.dtype),
             "fresh_vs_sharded_max_abs_logit_diff": (fresh_logits - probe_logits).abs().max().item(),
             "probe_logits": probe_logits.flatten().tolist(),
+            # why a static cache's decode steps of the sharded model are not replayed as CUDA graphs
+            "decode_graph_refusal": graph_refusal(model),
             **meta_report,
         }
         args.out.write_text(json.dumps(report))

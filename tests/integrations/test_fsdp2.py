@@ -50,6 +50,7 @@ def test_fsdp2_step_matches_single_process_and_keeps_decay_fp32(tmp_path, lora):
     assert sharded["state_dict_A_log_dtype"] == "torch.float32"
     assert sharded["fresh_A_log_dtype_after_bf16_cast"] == "torch.float32"
     assert sharded["fresh_vs_sharded_max_abs_logit_diff"] == 0.0
+    assert "sharded (DTensor" in sharded["decode_graph_refusal"]
     diff = (torch.tensor(sharded["probe_logits"]) - torch.tensor(single["probe_logits"])).abs().max().item()
     assert diff <= 5e-2
 

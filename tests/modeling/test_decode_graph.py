@@ -205,3 +205,20 @@ def test_generate_fills_a_static_cache_the_caller_passes():
     assert _cache_of(out) is given and given.consumed_columns == ids.shape[1] + 4
     assert given.layers[model.config.layer_types.index("full_attention")].capacity == 40
     assert torch.equal(out.sequences, want)
+
+
+def test_models_whose_forward_moves_or_gathers_weights_are_not_captured():
+    """Parameters that forward hooks gather (ZeRO-3) or move (Accelerate's offloading), or a model dispatched over
+    devices: the decode steps run eagerly."""
+    from qwen35_packed.modeling.decode_graph import graph_refusal
+
+    model = _model("dense")
+    assert graph_refusal(model) is None
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cpu"}
+    assert "several devices" in graph_refusal(model)
+    del model.hf_device_map
+    model.model.layers[0]._hf_hook = object()
+    assert "Accelerate hooks" in graph_refusal(model)
+    del model.model.layers[0]._hf_hook
+    next(model.parameters()).ds_id = 0
+    assert "ZeRO-3" in graph_refusal(model)
