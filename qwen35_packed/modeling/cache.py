@@ -315,6 +315,18 @@ class Qwen3_5PackedCache(Cache):
                 layer.count_one_each()
         self._count_columns(1, None)
 
+    def host_counts(self) -> tuple:
+        """The host-side counts (columns consumed, their chunks, each attention layer's row lengths), to put back
+        with `restore_host_counts`."""
+        lengths = [list(layer.host_lengths) for layer in self.layers if isinstance(layer, PerRowKeysValues)]
+        return self.consumed_columns, list(self._column_chunks), lengths
+
+    def restore_host_counts(self, counts: tuple) -> None:
+        self.consumed_columns, chunks, lengths = counts
+        self._column_chunks = list(chunks)
+        for layer, held in zip((layer for layer in self.layers if isinstance(layer, PerRowKeysValues)), lengths):
+            layer.host_lengths = list(held)
+
     def make_room_for_decode_step(self) -> None:
         """Grow the attention buffers, where a row is full, before a decode step whose device work is replayed (a
         captured step cannot grow them)."""

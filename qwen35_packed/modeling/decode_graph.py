@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import PerRowKeysValues, Qwen3_5PackedCache
+from .cache import Qwen3_5PackedCache
 from .packed_batch import check_token_ranges
 from .projection import is_dtensor
 from .utils import log_once
@@ -98,12 +98,12 @@ class DecodeGraphs:
     def _capture(self, forward, cache, input_ids, key) -> torch.Tensor | None:
         self.steps.pop(key, None)  # its graph's memory goes back before the new capture takes its own
         token_ids = input_ids.clone()
-        counts = _host_counts(cache)
+        counts = cache.host_counts()
         self.capturing = True
         try:
             logits, replay = self.capture(lambda: forward(token_ids))
         except RuntimeError as error:  # e.g. "operation not permitted when stream is capturing"
-            _restore_host_counts(cache, counts)
+            cache.restore_host_counts(counts)  # the capture ran the forward's Python, not its device work
             self.disabled = True
             log_once(
                 logger,
@@ -121,18 +121,6 @@ class DecodeGraphs:
 
 def _settings_key(logits_to_keep):
     return ("index", tuple(logits_to_keep.tolist())) if isinstance(logits_to_keep, torch.Tensor) else logits_to_keep
-
-
-def _host_counts(cache: Qwen3_5PackedCache) -> tuple:
-    lengths = [list(layer.host_lengths) for layer in cache.layers if isinstance(layer, PerRowKeysValues)]
-    return cache.consumed_columns, list(cache._column_chunks), lengths
-
-
-def _restore_host_counts(cache: Qwen3_5PackedCache, counts: tuple) -> None:
-    cache.consumed_columns, chunks, lengths = counts
-    cache._column_chunks = chunks
-    for layer, held in zip((layer for layer in cache.layers if isinstance(layer, PerRowKeysValues)), lengths):
-        layer.host_lengths = held
 
 
 def graph_refusal(model) -> str | None:
