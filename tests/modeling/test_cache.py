@@ -90,15 +90,18 @@ def test_the_cache_holds_what_the_builtin_cache_holds(kind):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("form", ["input_ids", "inputs_embeds"])
-def test_continuing_from_a_returned_cache_equals_one_generate_call(kind, form):
-    """3 tokens, then 1 more from the returned cache: the tokens and the final cache of a single 4-token call."""
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_continuing_from_a_returned_cache_equals_one_generate_call(kind, form, cache):
+    """3 tokens, then 1 more from the returned cache: the tokens and the final cache of a single 4-token call. A
+    static cache continues as one (its capacity of prompt + 3 grows for the fourth token)."""
     model = packed_model(kind)
     ids, mask = _left_padded_prompt(seed=1)
     embed = model.get_input_embeddings()
+    options = {**GREEDY, "cache_implementation": cache}
     with torch.no_grad():
         if form == "input_ids":
-            whole = model.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
-            first = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+            whole = model.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **options)
+            first = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **options)
             grown = torch.cat([mask, mask.new_ones(2, first.sequences.shape[1] - ids.shape[1])], dim=1)
             rest = model.generate(
                 first.sequences, attention_mask=grown, past_key_values=first.past_key_values, max_new_tokens=1,
@@ -107,14 +110,15 @@ def test_continuing_from_a_returned_cache_equals_one_generate_call(kind, form):
             assert torch.equal(rest.sequences, whole.sequences)
         else:  # without a mask: generate() continues embeddings of the prompt and the tokens so far
             prompt = embed(ids)
-            whole = model.generate(inputs_embeds=prompt, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
-            first = model.generate(inputs_embeds=prompt, max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+            whole = model.generate(inputs_embeds=prompt, max_new_tokens=4, return_dict_in_generate=True, **options)
+            first = model.generate(inputs_embeds=prompt, max_new_tokens=3, return_dict_in_generate=True, **options)
             rest = model.generate(
                 inputs_embeds=torch.cat([prompt, embed(first.sequences)], dim=1), past_key_values=first.past_key_values,
                 max_new_tokens=1, return_dict_in_generate=True, **GREEDY,
             )  # fmt: skip
             assert torch.equal(torch.cat([first.sequences, rest.sequences], dim=1), whole.sequences)
     _assert_caches_equal(rest.past_key_values, whole.past_key_values)
+    assert rest.past_key_values.static == whole.past_key_values.static == (cache == "static")
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
