@@ -32,23 +32,23 @@ from collections.abc import Callable
 import torch
 
 from .cache import Qwen3_5PackedCache
-from .packed_batch import check_token_ranges
+from .packed_batch import check_token_ranges, wants_attentions, wants_hidden_states, wants_router_logits
 from .projection import is_dtensor
 from .utils import log_once
 
 logger = logging.getLogger(__name__)
 
 
-def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+def cuda_graph_capture(step: Callable[[], tuple]) -> tuple[tuple, Callable[[], tuple]]:
     """Capture `step` (device work only, on tensors that outlive the graph) as a CUDA graph and run it once ->
-    (its output, a function that replays it and returns the same output tensor, rewritten)."""
+    (its output tensors, a function that replays it and returns the same tensors, rewritten)."""
     graph = torch.cuda.CUDAGraph()
     # thread_local: a CUDA call of another thread (a data loader, a logger) does not invalidate this capture
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         output = step()
     graph.replay()  # capturing ran nothing
 
-    def replay() -> torch.Tensor:
+    def replay() -> tuple:
         graph.replay()
         return output
 
@@ -58,7 +58,7 @@ def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, 
 class CapturedStep:
     """One decode step's graph: its token-id input, its replay and the cache tensors it holds."""
 
-    def __init__(self, token_ids: torch.Tensor, replay: Callable[[], torch.Tensor], state: list[torch.Tensor]):
+    def __init__(self, token_ids: torch.Tensor, replay: Callable[[], tuple], state: list[torch.Tensor]):
         self.token_ids = token_ids
         self.replay = replay
         self.state = state
@@ -77,31 +77,31 @@ class DecodeGraphs:
         self.capturing = False  # the forward that a capture runs is the eager one
         self.steps: dict[tuple, CapturedStep] = {}
 
-    def run(self, forward, cache: Qwen3_5PackedCache, input_ids: torch.Tensor, logits_to_keep) -> torch.Tensor | None:
-        """The logits of the decode step `input_ids` [B, 1] through a graph, or None where the step is to run
-        eagerly (the first one, or after a failed capture). `forward(input_ids)` runs the eager forward of the
-        step and returns its logits."""
+    def run(self, forward, cache: Qwen3_5PackedCache, input_ids: torch.Tensor, logits_to_keep) -> tuple | None:
+        """The output tensors of the decode step `input_ids` [B, 1] through a graph, or None where the step is to
+        run eagerly (the first one, or after a failed capture). `forward(input_ids)` runs the eager forward of the
+        step and returns those tensors."""
         if self.disabled or self.eager_steps == 0:
             self.eager_steps += 1
             return None
         check_token_ranges(forward.vocab_size, input_ids, None, "labels")
         cache.make_room_for_decode_step()
-        key = (input_ids.shape[0], _settings_key(logits_to_keep))
+        key = (input_ids.shape[0], _settings_key(logits_to_keep), forward.fields)
         captured = self.steps.get(key)
         if captured is not None and captured.holds(cache.decode_state()):
             captured.token_ids.copy_(input_ids)
-            logits = captured.replay()
+            outputs = captured.replay()
             cache.count_decode_step_on_host()
-            return logits.clone()
+            return tuple(t.clone() for t in outputs)
         return self._capture(forward, cache, input_ids, key)
 
-    def _capture(self, forward, cache, input_ids, key) -> torch.Tensor | None:
+    def _capture(self, forward, cache, input_ids, key) -> tuple | None:
         self.steps.pop(key, None)  # its graph's memory goes back before the new capture takes its own
         token_ids = input_ids.clone()
         counts = cache.host_counts()
         self.capturing = True
         try:
-            logits, replay = self.capture(lambda: forward(token_ids))
+            outputs, replay = self.capture(lambda: forward(token_ids))
         except RuntimeError as error:  # e.g. "operation not permitted when stream is capturing"
             cache.restore_host_counts(counts)  # the capture ran the forward's Python, not its device work
             self.disabled = True
@@ -116,7 +116,7 @@ class DecodeGraphs:
         finally:
             self.capturing = False
         self.steps[key] = CapturedStep(token_ids, replay, cache.decode_state())
-        return logits.clone()
+        return tuple(t.clone() for t in outputs)
 
 
 def _settings_key(logits_to_keep):
@@ -138,10 +138,41 @@ def graph_refusal(model) -> str | None:
     return None
 
 
-def decode_step_logits(model, cache, input_ids, attention_mask, logits_to_keep, eligible: bool) -> torch.Tensor | None:
-    """The logits of a causal-LM forward's decode step through the cache's graphs, or None: the forward runs
-    eagerly (the step is not a graph's: module docstring). `eligible`: the forward asked for nothing beyond the
-    logits of `input_ids` continuing `cache`."""
+def asks_only_logits(
+    config,
+    *,
+    labels,
+    inputs_embeds,
+    position_ids,
+    use_cache,
+    routed_experts,
+    output_attentions,
+    output_hidden_states,
+    output_router_logits,
+    others=(),
+) -> bool:
+    """Whether a causal-LM forward asks for nothing but the logits of its token ids (what a captured decode step
+    gives): no labels, embeddings, positions, hidden states, attentions, router logits or replayed experts, a cache
+    not refused, and every argument in `others` (packing boundaries, vision inputs, shift_labels) None."""
+    return not (
+        labels is not None
+        or inputs_embeds is not None
+        or position_ids is not None
+        or use_cache is False
+        or routed_experts is not None
+        or wants_attentions(config, output_attentions)
+        or wants_hidden_states(config, output_hidden_states)
+        or wants_router_logits(config, output_router_logits)
+        or any(value is not None for value in others)
+    )
+
+
+def decode_step_outputs(
+    model, cache, input_ids, attention_mask, logits_to_keep, eligible: bool, fields: tuple[str, ...] = ("logits",)
+) -> dict | None:
+    """The output `fields` (tensors of the model's output, by name) of a causal-LM forward's decode step through the
+    cache's graphs, or None: the forward runs eagerly (the step is not a graph's: module docstring). `eligible`: the
+    forward asked for nothing beyond the logits of `input_ids` continuing `cache`."""
     if not (
         eligible
         and isinstance(cache, Qwen3_5PackedCache)
@@ -170,18 +201,20 @@ def decode_step_logits(model, cache, input_ids, attention_mask, logits_to_keep, 
                 "qwen35-packed: the static cache's decode steps run eagerly, not as CUDA graphs: %s",
                 refusal,
             )
-    return cache.decode_graphs.run(_EagerStep(model, cache, logits_to_keep), cache, input_ids, logits_to_keep)
+    step = _EagerStep(model, cache, logits_to_keep, fields)
+    outputs = cache.decode_graphs.run(step, cache, input_ids, logits_to_keep)
+    return None if outputs is None else dict(zip(fields, outputs))
 
 
 class _EagerStep:
-    """The eager forward of a decode step, as the graphs capture it."""
+    """The eager forward of a decode step, as the graphs capture it: its output `fields`."""
 
-    def __init__(self, model, cache, logits_to_keep):
-        self.model, self.cache, self.logits_to_keep = model, cache, logits_to_keep
+    def __init__(self, model, cache, logits_to_keep, fields: tuple[str, ...]):
+        self.model, self.cache, self.logits_to_keep, self.fields = model, cache, logits_to_keep, fields
         self.vocab_size = model.config.get_text_config().vocab_size
 
-    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, token_ids: torch.Tensor) -> tuple:
         output = self.model(
             input_ids=token_ids, cache=self.cache, use_cache=True, logits_to_keep=self.logits_to_keep, return_dict=True
         )
-        return output.logits
+        return tuple(getattr(output, name) for name in self.fields)

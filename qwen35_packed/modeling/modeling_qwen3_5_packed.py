@@ -33,7 +33,7 @@ from .checkpoint_keys import (
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401  (gated_deltanet.py's and kernels.py's)
-from .decode_graph import decode_step_logits
+from .decode_graph import asks_only_logits, decode_step_outputs
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
 from .generation import PackedGeneration
@@ -58,7 +58,6 @@ from .packed_batch import (
     open_packed_batch,
     returns_dict,
     wants_attentions,
-    wants_hidden_states,
     wants_router_logits,
 )
 from .packing import PackedSequence
@@ -418,21 +417,21 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, PackedGeneration, Qwen3_5Pack
         adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
         cache = cache if cache is not None else past_key_values
         output_attentions = wants_attentions(self.config, kwargs.get("output_attentions"))
-        only_logits = not (
-            labels is not None
-            or inputs_embeds is not None
-            or position_ids is not None
-            or use_cache is False
-            or routed_experts is not None
-            or output_attentions
-            or wants_hidden_states(self.config, output_hidden_states)
-            or wants_router_logits(self.config, output_router_logits)
-            or kwargs.get("shift_labels") is not None
-            or any(value is not None for value in (cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx))
+        only_logits = asks_only_logits(
+            self.config,
+            labels=labels,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            routed_experts=routed_experts,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            others=(kwargs.get("shift_labels"), cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx),
         )
-        step_logits = decode_step_logits(self, cache, input_ids, attention_mask, logits_to_keep, eligible=only_logits)
-        if step_logits is not None:  # a decode step of a static cache, replayed as a CUDA graph (decode_graph.py)
-            output = Qwen3_5PackedCausalLMOutput(logits=step_logits, **{CACHE_FIELD: cache})
+        step = decode_step_outputs(self, cache, input_ids, attention_mask, logits_to_keep, eligible=only_logits)
+        if step is not None:  # a decode step of a static cache, replayed as a CUDA graph (decode_graph.py)
+            output = Qwen3_5PackedCausalLMOutput(**step, **{CACHE_FIELD: cache})
             return output if returns_dict(self.config, return_dict) else output.to_tuple()
         batch = self.model.open_batch(
             input_ids=input_ids,

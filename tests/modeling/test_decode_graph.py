@@ -222,3 +222,38 @@ def test_models_whose_forward_moves_or_gathers_weights_are_not_captured():
     del model.model.layers[0]._hf_hook
     next(model.parameters()).ds_id = 0
     assert "ZeRO-3" in graph_refusal(model)
+
+
+def test_vision_language_decode_steps_replay_after_a_prefill_with_images():
+    """The vision-language class: a prefill with images (the next text position is the prompt's largest 3D position
+    + 1), then traced graph steps against the dynamic cache's steps: the same logits and 3D rope positions."""
+    from vl_tiny import PAD, grid_tensor, image_tokens, packed_vl_model, pixels_for, token_types
+
+    model = packed_vl_model("dense")
+    grids = [[1, 4, 4], [1, 2, 4]]
+    rows = [[5, 6] + image_tokens(grids[0]) + [7, 8, 9], [10] + image_tokens(grids[1]) + [11]]
+    width = max(len(row) for row in rows)
+    ids, mask = torch.full((2, width), PAD), torch.zeros(2, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+    vision = dict(
+        pixel_values=pixels_for(grids, torch.Generator().manual_seed(0)),
+        image_grid_thw=grid_tensor(grids),
+        mm_token_type_ids=token_types(ids),
+    )
+    graphs = TracedGraphs()
+    layer_types = model.config.get_text_config().layer_types
+    static = Qwen3_5PackedCache(layer_types, 2, capacity=width + 8)
+    static.decode_graphs = DecodeGraphs(capture=graphs)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, cache=static, use_cache=True, **vision)
+        dynamic = _cache_of(model(input_ids=ids, attention_mask=mask, use_cache=True, **vision))
+        token = first.logits[:, -1:].argmax(-1)
+        for _ in range(5):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            ours = model(input_ids=token, attention_mask=mask, cache=static, use_cache=True)
+            want = model(input_ids=token, attention_mask=mask, cache=dynamic, use_cache=True)
+            torch.testing.assert_close(ours.logits, want.logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(ours.rope_position_ids, want.rope_position_ids)
+            token = want.logits[:, -1:].argmax(-1)
+    assert not static.decode_graphs.disabled and (graphs.captures, graphs.replays) == (1, 3)
