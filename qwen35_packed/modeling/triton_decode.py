@@ -7,8 +7,8 @@ BLOCK_C channels; the sum runs in the order of `reference_kernels.causal_conv1d_
 
 `delta_rule_step(q, k, v, g, beta, state, out_state=None)`: q, k [B, Hk, Dk] (before their l2 norm), v [B, Hv, Dv],
 g, beta [B, Hv], state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] in v's dtype, the new state fp32, written into
-`out_state` when given, which may be `state` itself: each program writes the tile it read): q and k l2-normalised (q scaled by
-Dk^-0.5), value head h reads key head h // (Hv / Hk), and with decay = exp(g)
+`out_state` when given, which may be `state` itself: each program writes the tile it read): q and k l2-normalised
+(q scaled by Dk^-0.5), value head h reads key head h // (Hv / Hk), and with decay = exp(g)
 
     new_v = beta v - (beta decay k)^T S,   o = (decay q)^T S + (q . k) new_v,   S' = decay S + k new_v^T,
 
