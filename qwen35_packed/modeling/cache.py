@@ -281,7 +281,8 @@ class Qwen3_5PackedCache(Cache):
 
     def decode_sequence(self, batch: int, q_len: int, device, new_real: torch.Tensor | None = None) -> PackedSequence:
         """The packed view of a cached step: row b is document b, positions continue after its cached tokens;
-        `new_real` (bool [batch, q_len]) marks the real new tokens when some are masked (packing.continuation_sequence)."""
+        `new_real` (bool [batch, q_len]) marks the real new tokens when some are masked
+        (packing.continuation_sequence)."""
         if batch != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows but the input has {batch}")
         start = self.seen_tokens.to(device)
