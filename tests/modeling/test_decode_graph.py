@@ -65,12 +65,20 @@ def _cache_of(output):
     return getattr(output, CACHE_FIELD)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_replayed_steps_equal_the_dynamic_cache_steps(kind):
+@pytest.mark.parametrize("kind, lora", [("dense", False), ("moe", False), ("moe", True)])
+def test_replayed_steps_equal_the_dynamic_cache_steps(kind, lora):
     """Prefill, then decode steps fed back greedily, on a static cache whose steps are traced graphs and on the
     dynamic cache: the same logits at every step (within fp32 rounding once attention runs over a grown capacity),
-    the same counts, one capture until a row outgrows the capacity, then one more."""
+    the same counts, one capture until a row outgrows the capacity, then one more. With `lora`: PEFT LoRA (non-zero
+    B) on every projection and the experts, as GRPO generates without vLLM."""
     model = _model(kind)
+    if lora:
+        from peft import get_peft_model
+
+        from qwen35_packed.integrations.lora import lora_config
+
+        torch.manual_seed(2)
+        model = get_peft_model(model, lora_config(model, r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False))
     ids, mask = _prompts(model.config.vocab_size)
     graphs = TracedGraphs()
     static = Qwen3_5PackedCache(model.config.layer_types, ids.shape[0], capacity=9)
