@@ -48,7 +48,12 @@ class SegmentCheckpointing:
 
     @property
     def _gradient_checkpointing_func(self):
-        return self.checkpoint_function if self.granularity() == "layer" else _run_unchecked
+        # Without autograd recording there is no backward to rerun anything: a plain call, as transformers 5 decides
+        # itself (4.x checkpoints a training-mode layer even then, e.g. generating in training mode, where a checkpoint
+        # would read the RNG state, which a CUDA graph capture of the step refuses: decode_graph.py).
+        if self.granularity() == "layer" and torch.is_grad_enabled():
+            return self.checkpoint_function
+        return _run_unchecked
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, function):

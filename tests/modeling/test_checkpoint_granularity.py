@@ -230,6 +230,24 @@ def test_without_checkpointing_or_without_gradients_the_granularity_changes_noth
             assert torch.equal(model(**inputs).loss, scored)
 
 
+def test_a_forward_without_gradients_never_calls_the_checkpoint_function():
+    """Generation from a model in training mode with checkpointing on (GRPO without vLLM): nothing to rerun, so no
+    layer goes through the checkpoint function, whatever the transformers version decides around it."""
+    model, config = _model("dense")
+    _set_checkpointing(model, config, "layer")
+    calls = []
+    for layer in model.model.layers:
+        installed = layer.checkpoint_function
+        layer.checkpoint_function = lambda *args, installed=installed, **kwargs: (
+            calls.append(1) or installed(*args, **kwargs)
+        )
+    with torch.no_grad():
+        model(**_inputs(config))
+    assert calls == []
+    model(**_inputs(config)).loss.backward()
+    assert len(calls) == len(model.model.layers)
+
+
 @pytest.mark.parametrize("config_class", [Qwen3_5PackedConfig, Qwen3_5MoePackedConfig])
 def test_an_unknown_granularity_raises(config_class):
     kind = "moe" if config_class.is_moe else "dense"
