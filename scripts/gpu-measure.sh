@@ -60,6 +60,9 @@
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
 #                warm; without the profiles and the static rows it took 2.5 min)                    ~6 min
+#   generate-4b-sweep  bench_generate.py, Qwen3.5-4B (first 8 layers), ours (dynamic and static cache) and the
+#                built-in, batch 1 / 16 / 64, prompts of 512 tokens, 256 new tokens, greedy and sampled (not run yet;
+#                estimated from the generate stage)                                                 ~8 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers)  ~2 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours (dynamic and
@@ -220,6 +223,10 @@ case "$stage" in
       --batches 16 --prompts 512 --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-4b.json"
     step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --impls ours,ours:static,builtin \
       --batches 16 --prompts 512 --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-35b.json"
+    ;;
+  generate-4b-sweep)
+    step generate-4b-sweep python3 benchmarks/bench_generate.py --models qwen35_4b:8 --impls ours,ours:static,builtin \
+      --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy,sampled --reps 1 --out "$OUT/generate-4b-sweep.json"
     ;;
   generate-tests)
     step gpu-tests-generate env QWEN35_GPU_RESULTS="$OUT/gpu-tests-generate.json" \
