@@ -226,7 +226,8 @@ case "$stage" in
     ;;
   generate-4b-sweep)
     step generate-4b-sweep python3 benchmarks/bench_generate.py --models qwen35_4b:8 --impls ours,ours:static,builtin \
-      --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy,sampled --reps 1 --out "$OUT/generate-4b-sweep.json"
+      --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy,sampled --reps 1 \
+      --out "$OUT/generate-4b-sweep.json"
     ;;
   generate-tests)
     step gpu-tests-generate env QWEN35_GPU_RESULTS="$OUT/gpu-tests-generate.json" \
