@@ -204,3 +204,32 @@ def test_vision_varlen_kernels_match_sdpa():
         got = attention(kernel)(q, k, v, cu, max(lengths), 0.125, False).float()
         RESULTS[f"vision_{kernel}_vs_sdpa_bf16"] = (got - ref).abs().max().item()
         assert (got - ref).abs().max().item() <= 2e-2
+
+
+def test_static_cache_generate_with_an_image_replays_graph_steps_bf16():
+    """generate(cache_implementation="static") from a prompt with an image: its decode steps replayed as CUDA graphs
+    give the sequence of the same static cache's eager steps, with one capture. The document is drawn from a seed
+    that changes every run (printed)."""
+    import time
+
+    from qwen35_packed.modeling.cache import Qwen3_5PackedCache
+    from qwen35_packed.modeling.decode_graph import DecodeGraphs
+    from qwen35_packed.modeling.outputs import CACHE_FIELD
+
+    seed = time.time_ns() % 1_000_000
+    print(f"static-cache generate with an image: seed {seed}")
+    model = _model(torch.bfloat16)
+    ids, grids, pixels = _documents(3, seed=seed)[1]  # the second document has one image
+    inputs = dict(pixel_values=pixels.to("cuda", torch.bfloat16), image_grid_thw=_grid(grids))
+    options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        graphed = model.generate(ids[None], cache_implementation="static", return_dict_in_generate=True, **inputs,
+                                 **options)  # fmt: skip
+        captured = len(getattr(graphed, CACHE_FIELD).decode_graphs.steps)
+        eager = Qwen3_5PackedCache(model.config.get_text_config().layer_types, 1, capacity=ids.numel() + 24)
+        eager.decode_graphs = DecodeGraphs()
+        eager.decode_graphs.disabled = True
+        want = model.generate(ids[None], **{CACHE_FIELD: eager}, **inputs, **options)
+    RESULTS["static_generate_with_image"] = {"seed": seed, "captured_steps": captured}
+    assert captured == 1
+    assert torch.equal(graphed.sequences, want)
