@@ -64,7 +64,8 @@
 #                built-in, batch 1 / 16 / 64, prompts of 512 tokens, 256 new tokens, greedy and sampled (not run yet;
 #                estimated from the generate stage)                                                 ~8 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
-#                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers)  ~2 min
+#                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers);
+#                test_gpu_vl.py -k static_cache (generate with an image)                               ~2 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours (dynamic and
 #                static cache) and the built-in, LoRA, 8 prompts x 8 completions of 256 tokens after 512: Qwen3.5-4B
 #                (not run yet; estimated from the generate stage)                                   ~5 min
@@ -232,6 +233,8 @@ case "$stage" in
   generate-tests)
     step gpu-tests-generate env QWEN35_GPU_RESULTS="$OUT/gpu-tests-generate.json" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_generate.py
+    step gpu-tests-generate-vl env QWEN35_GPU_VL_RESULTS="$OUT/gpu-tests-generate-vl.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
   grpo-step)
     step grpo-step-4b python3 benchmarks/bench_grpo_step.py --models qwen35_4b --out "$OUT/grpo-step-4b.json"
