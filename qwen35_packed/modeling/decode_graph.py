@@ -168,14 +168,14 @@ def asks_only_logits(
 
 
 def decode_step_outputs(
-    model, cache, input_ids, attention_mask, logits_to_keep, eligible: bool, fields: tuple[str, ...] = ("logits",)
+    model, cache, input_ids, attention_mask, logits_to_keep, asked: dict, fields: tuple[str, ...] = ("logits",)
 ) -> dict | None:
     """The output `fields` (tensors of the model's output, by name) of a causal-LM forward's decode step through the
-    cache's graphs, or None: the forward runs eagerly (the step is not a graph's: module docstring). `eligible`: the
-    forward asked for nothing beyond the logits of `input_ids` continuing `cache`."""
+    cache's graphs, or None: the forward runs eagerly (the step is not a graph's: module docstring). `asked`: the
+    forward's other arguments, by `asks_only_logits`' names, read only for a decode step of a static cache (every
+    other forward, training included, stops at the first checks)."""
     if not (
-        eligible
-        and isinstance(cache, Qwen3_5PackedCache)
+        isinstance(cache, Qwen3_5PackedCache)
         and cache.static
         and cache.has_state
         and input_ids is not None
@@ -186,6 +186,7 @@ def decode_step_outputs(
         and input_ids.shape[0] == cache.batch_size
         and not torch.is_grad_enabled()
         and not (cache.decode_graphs is not None and cache.decode_graphs.capturing)
+        and asks_only_logits(model.config, **asked)
     ):
         return None
     if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):

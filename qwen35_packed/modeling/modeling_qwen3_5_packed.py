@@ -33,7 +33,7 @@ from .checkpoint_keys import (
 from .configuration_qwen3_5_packed import Qwen3_5MoePackedConfig, Qwen3_5PackedConfig
 from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401  (gated_deltanet.py's and kernels.py's)
-from .decode_graph import asks_only_logits, decode_step_outputs
+from .decode_graph import decode_step_outputs
 from .expert_lora import ExpertWeight  # noqa: F401  (moe.py's; named for transformers 4.x, see below)
 from .gated_deltanet import GatedDeltaNet
 from .generation import PackedGeneration
@@ -417,8 +417,7 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, PackedGeneration, Qwen3_5Pack
         adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
         cache = cache if cache is not None else past_key_values
         output_attentions = wants_attentions(self.config, kwargs.get("output_attentions"))
-        only_logits = asks_only_logits(
-            self.config,
+        asked = dict(
             labels=labels,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
@@ -429,7 +428,7 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, PackedGeneration, Qwen3_5Pack
             output_router_logits=output_router_logits,
             others=(kwargs.get("shift_labels"), cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, seq_idx),
         )
-        step = decode_step_outputs(self, cache, input_ids, attention_mask, logits_to_keep, eligible=only_logits)
+        step = decode_step_outputs(self, cache, input_ids, attention_mask, logits_to_keep, asked)
         if step is not None:  # a decode step of a static cache, replayed as a CUDA graph (decode_graph.py)
             output = Qwen3_5PackedCausalLMOutput(**step, **{CACHE_FIELD: cache})
             return output if returns_dict(self.config, return_dict) else output.to_tuple()

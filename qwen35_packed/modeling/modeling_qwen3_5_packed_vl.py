@@ -43,7 +43,7 @@ from .configuration_qwen3_5_packed import Qwen3_5PackedConfig  # noqa: F401
 from .configuration_qwen3_5_packed_vl import Qwen3_5MoePackedVLConfig, Qwen3_5PackedVLConfig
 from .context_parallel import shard_packed_row  # noqa: F401
 from .conv_lora import effective_conv  # noqa: F401
-from .decode_graph import asks_only_logits, decode_step_outputs
+from .decode_graph import decode_step_outputs
 from .expert_lora import ExpertWeight  # noqa: F401
 from .gated_deltanet import GatedDeltaNet  # noqa: F401
 from .generation import PackedGeneration
@@ -444,8 +444,7 @@ class Qwen3_5PackedForConditionalGeneration(
         check_extra_arguments(kwargs)
         adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
         cache = cache if cache is not None else past_key_values
-        only_logits = asks_only_logits(
-            self.config,
+        asked = dict(
             labels=labels,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
@@ -458,7 +457,7 @@ class Qwen3_5PackedForConditionalGeneration(
                     pixel_values_videos, image_grid_thw, video_grid_thw, mm_token_type_ids),
         )  # fmt: skip
         step = decode_step_outputs(
-            self, cache, input_ids, attention_mask, logits_to_keep, only_logits, ("logits", "rope_position_ids")
+            self, cache, input_ids, attention_mask, logits_to_keep, asked, ("logits", "rope_position_ids")
         )
         if step is not None:  # a decode step of a static cache, replayed as a CUDA graph (decode_graph.py)
             output = Qwen3_5PackedVLCausalLMOutput(**step, **{CACHE_FIELD: cache})
