@@ -18,6 +18,8 @@ with random weights (seed 0). A row is BATCH:SETUP:
          LoRA adapters are PEFT's default, fp32 beside the bf16 base (`autocast_adapter_dtype=True`); `_bf16_adapters`
          keeps them in bf16 (`autocast_adapter_dtype=False`, what TRL passes under ZeRO-3); `_autocast` runs each step
          under `torch.autocast(bfloat16)`, as Accelerate's bf16 mixed precision (TRL's `bf16=True`) runs the forward.
+         Ours takes a plain adapter's sum in place (modeling/adapter_products.py); a last `_peft_sums` runs PEFT's
+         own LoRA forward instead (`peft_adapter_sums()`), to measure what that saves.
 A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
 decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
@@ -63,12 +65,14 @@ from qwen35_packed import (
 )
 from qwen35_packed.integrations.lora import lora_config
 from qwen35_packed.modeling import kernel_selection
+from qwen35_packed.modeling.adapter_products import peft_adapter_sums
 
 ROOT = Path(__file__).resolve().parent
 MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5-4B.config.json"}
 LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
 # Setup suffixes (field, value), stripped from the end of a setup's name in this order.
 SUFFIXES = (
+    ("_peft_sums", "peft_adapter_sums", True),
     ("_no_ckpt", "checkpointing", False),
     ("_ckpt_mlp", "checkpoint_granularity", "mlp"),
     ("_ckpt_mixer", "checkpoint_granularity", "mixer"),
@@ -98,6 +102,7 @@ class Setup:
     offloading: str | None = None  # "trl" | "save_on_cpu": where the step's saved tensors wait for the backward
     bf16_adapters: bool = False  # LoRA adapters kept in the base's bf16 instead of PEFT's fp32
     autocast: bool = False  # the step under torch.autocast(bfloat16)
+    peft_adapter_sums: bool = False  # ours only: PEFT's own LoRA forward instead of the in-place sum
 
 
 def parse_setup(name: str) -> Setup:
@@ -118,7 +123,7 @@ def parse_setup(name: str) -> Setup:
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
-            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt]"
+            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -226,17 +231,18 @@ class Workload:
         if impl == "builtin" and model == "qwen35_35b_a3b":
             self.base.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
         self.model, self.groups = self.base, "none"
-        self.offloading_kind, self.trl_offloading, self.autocast = None, None, False
+        self.offloading_kind, self.trl_offloading, self.autocast, self.peft_sums = None, None, False, False
 
     def step_context(self):
         """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu, each under
-        autocast where the setup asks for it."""
+        autocast and with PEFT's own LoRA sums where the setup asks for them."""
+        stack = contextlib.ExitStack()
         if self.autocast:
-            stack = contextlib.ExitStack()
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
-            stack.enter_context(self._offloading())
-            return stack
-        return self._offloading()
+        if self.peft_sums:
+            stack.enter_context(peft_adapter_sums())
+        stack.enter_context(self._offloading())
+        return stack
 
     def _offloading(self):
         if self.offloading_kind == "save_on_cpu":
@@ -254,6 +260,8 @@ class Workload:
             raise SystemExit("lora_low_rank / lora_peft_fold are ours-only setups")
         if setup.checkpoint_granularity != "layer" and self.impl != "ours":
             raise SystemExit("_ckpt_mlp / _ckpt_mixer are ours-only setups")
+        if setup.peft_adapter_sums and (self.impl != "ours" or not setup.lora_groups):
+            raise SystemExit("_peft_sums is a setup of ours with LoRA")
         groups = (setup.lora_groups, setup.bf16_adapters) if setup.lora_groups else "full"
         if groups != self.groups:
             if self.model is not self.base:
@@ -272,7 +280,7 @@ class Workload:
             gc.collect()
         if setup.offloading == "trl" and self.device.type != "cuda":
             raise SystemExit("_offload runs TRL's activation offloading, which needs an accelerator")
-        self.offloading_kind, self.autocast = setup.offloading, setup.autocast
+        self.offloading_kind, self.autocast, self.peft_sums = setup.offloading, setup.autocast, setup.peft_adapter_sums
         if setup.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .adapter_products import adopt_adapter_products
 from .attention import GatedAttention
 from .attention_probabilities import stream_attention_probabilities  # noqa: F401
 from .cache import Qwen3_5PackedCache
@@ -61,7 +62,7 @@ from .packed_batch import (
     wants_router_logits,
 )
 from .packing import PackedSequence
-from .projection import RowInvariantLinear, adopt_adapter_products
+from .projection import RowInvariantLinear
 from .recompute import RecomputedActivations, recompute_enabled
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
@@ -313,7 +314,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> Qwen3_5PackedModelOutput | tuple:
         check_extra_arguments(kwargs)
-        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        adopt_adapter_products(self)  # PEFT's LoRA wrappers: row-invariant products, the sum in place
         if wants_router_logits(self.config, output_router_logits) and self.config.router_aux_loss_coef:
             # The backbone returns router logits; trainers such as TRL then add coef * load-balancing loss.
             log_once(
@@ -414,7 +415,7 @@ class Qwen3_5PackedForCausalLM(PackedCausalLMHead, PackedGeneration, Qwen3_5Pack
         **kwargs: Unpack[TransformersKwargs],
     ) -> Qwen3_5PackedCausalLMOutput | tuple:
         check_extra_arguments(kwargs)
-        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        adopt_adapter_products(self)  # PEFT's LoRA wrappers: row-invariant products, the sum in place
         cache = cache if cache is not None else past_key_values
         output_attentions = wants_attentions(self.config, kwargs.get("output_attentions"))
         asked = dict(
@@ -535,7 +536,7 @@ class Qwen3_5PackedForSequenceClassification(Qwen3_5PackedPreTrainedModel):
     ) -> Qwen3_5PackedSequenceClassifierOutput | tuple:
         """`labels`: one per document ([documents] or [documents, num_labels]), in the order of `logits`."""
         check_extra_arguments(kwargs)
-        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        adopt_adapter_products(self)  # PEFT's LoRA wrappers: row-invariant products, the sum in place
         batch = self.model.open_batch(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -30,6 +30,8 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from .adapter_products import adopt_adapter_products
+
 # transformers 4.x copies into its module cache only the files this module names in its own `from .name import`
 # lines, not the ones those import: every file of the text model is named here too (the imports marked
 # `noqa: F401`), so that a folder loads with a fresh cache (tests/conversion/test_remote_code_audit.py checks the list).
@@ -67,7 +69,7 @@ from .packed_batch import (
     wants_attentions,
 )
 from .packing import PackedSequence  # noqa: F401
-from .projection import RowInvariantLinear, adopt_adapter_products
+from .projection import RowInvariantLinear
 from .recompute import recompute_enabled  # noqa: F401
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding  # noqa: F401
@@ -290,7 +292,7 @@ class Qwen3_5PackedVLModel(Qwen3_5PackedVLPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> Qwen3_5PackedVLModelOutput | tuple:
         check_extra_arguments(kwargs)
-        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        adopt_adapter_products(self)  # PEFT's LoRA wrappers: row-invariant products, the sum in place
         batch = self.open_batch(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -442,7 +444,7 @@ class Qwen3_5PackedForConditionalGeneration(
         **kwargs: Unpack[TransformersKwargs],
     ) -> Qwen3_5PackedVLCausalLMOutput | tuple:
         check_extra_arguments(kwargs)
-        adopt_adapter_products(self)  # PEFT's LoRA products made row-invariant like the projections they wrap
+        adopt_adapter_products(self)  # PEFT's LoRA wrappers: row-invariant products, the sum in place
         cache = cache if cache is not None else past_key_values
         asked = dict(
             labels=labels,

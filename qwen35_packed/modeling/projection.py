@@ -23,9 +23,9 @@ How, by device and dtype (`row_invariant_product`, resolved once per (device, dt
 Only the forward decides a token's result: the backward is two plain GEMMs (`RowInvariantProduct`).
 
 `RowInvariantLinear` is an nn.Linear (same parameters, state-dict keys and PEFT targets) whose forward runs that
-product; every projection of the model is one, and `adopt_adapter_products` turns the low-rank products PEFT adds
-around them (its `lora_A` / `lora_B` nn.Linear modules) into row-invariant ones too. `plain_products()` turns the
-whole mechanism off for a block of code (plain products everywhere: what the benchmarks use to measure its cost).
+product; every projection of the model is one, and the low-rank products PEFT adds around them become row-invariant
+too (adapter_products.py). `plain_products()` turns the whole mechanism off for a block of code (plain products
+everywhere: what the benchmarks use to measure its cost).
 """
 
 from __future__ import annotations
@@ -67,15 +67,18 @@ def grouped_mm_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def row_block_product(x: torch.Tensor, weight: torch.Tensor, rows: int = CUDA_ROW_BLOCK) -> torch.Tensor:
     """x [M, K] @ weight^T over blocks of `rows` rows, the last one zero-padded: every block is one GEMM shape.
-    Each block's product is written straight into its rows of the result; only the partial block is copied."""
+    Each whole block's product is written straight into its rows of the result; only the partial block's goes
+    through a padded buffer, so the result owns exactly its M rows (a tensor autograd saves holds no padding)."""
     n = x.shape[0]
-    out = x.new_empty((-(-n // rows) * rows, weight.shape[0]))
-    for start in range(0, n, rows):
-        block = x[start : start + rows]
-        if block.shape[0] < rows:
-            block = F.pad(block, (0, 0, 0, rows - block.shape[0]))
-        torch.mm(block, weight.t(), out=out[start : start + rows])
-    return out[:n]
+    out = x.new_empty((n, weight.shape[0]))
+    whole = n - n % rows
+    for start in range(0, whole, rows):
+        torch.mm(x[start : start + rows], weight.t(), out=out[start : start + rows])
+    if whole < n:  # out= products are not autocast: every block is computed in x's dtype
+        tail = x.new_empty((rows, weight.shape[0]))
+        torch.mm(F.pad(x[whole:], (0, 0, 0, rows - (n - whole))), weight.t(), out=tail)
+        out[whole:] = tail[: n - whole]
+    return out
 
 
 @functools.cache
@@ -122,12 +125,19 @@ def is_dtensor(weight: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(weight, dtensor)
 
 
+def backward_dtype(dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of a product's backward GEMMs: its forward's `dtype` where that is no wider than x; a product
+    widened to fp32 from narrower inputs keeps its backward in the inputs' dtype when both share it, else fp32."""
+    if dtype.itemsize <= x.dtype.itemsize:
+        return dtype
+    return x.dtype if x.dtype == weight.dtype else torch.float32
+
+
 class RowInvariantProduct(torch.autograd.Function):
     """x [N, in] @ weight^T in `dtype` through `row_invariant_product`. Only the forward decides a token's result,
-    so only it needs the invariant kernel: the backward is two plain GEMMs. They run in the forward's `dtype` where
-    that is no wider than x (autocast, or fp32 adapter weights on bf16 activations: tensor-core GEMMs with fp32
-    accumulation, as autograd through an autocast F.linear computes them); a product widened to fp32 from bf16
-    inputs (the router's logits) keeps its backward in the inputs' dtype when both share it, else fp32. It saves x
+    so only it needs the invariant kernel: the backward is two plain GEMMs, in `backward_dtype` (the forward's dtype
+    under autocast or for fp32 adapter weights on bf16 activations: tensor-core GEMMs with fp32 accumulation, as
+    autograd through an autocast F.linear computes them; the inputs' dtype for the router's widened logits). It saves x
     itself, not a cast copy, so an activation recomputed in the backward (recompute.py) is known by its
     identity."""
 
@@ -140,10 +150,7 @@ class RowInvariantProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        if ctx.dtype.itemsize <= x.dtype.itemsize:
-            dtype = ctx.dtype
-        else:
-            dtype = x.dtype if x.dtype == weight.dtype else torch.float32
+        dtype = backward_dtype(ctx.dtype, x, weight)
         grad = grad.to(dtype)  # the incoming gradient's dtype is the caller's (bf16 where it cast the logits)
         grad_x = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -172,44 +179,3 @@ class RowInvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_invariant_linear(x, self.weight, self.bias)
-
-
-class _CastOutsideAutocast:
-    """The value of a PEFT LoRA layer's `cast_input_dtype_enabled` (PEFT casts the layer's input to the adapter
-    weights' dtype while it is truthy): true outside autocast, where the adapter's products then run in the weights'
-    dtype (fp32 for PEFT's default adapters) as PEFT computes them; false under autocast, where they run in the
-    autocast dtype whatever the input's dtype, so the cast would only copy every adapted projection's [tokens,
-    hidden] input to fp32 and back, and skipping it changes no bit (tests/modeling/test_projection.py)."""
-
-    def __bool__(self) -> bool:
-        return not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
-
-    def __repr__(self) -> str:
-        return "cast outside autocast"
-
-
-CAST_OUTSIDE_AUTOCAST = _CastOutsideAutocast()
-
-
-def adopt_adapter_products(model: nn.Module) -> None:
-    """Turn the plain nn.Linear low-rank products of PEFT's LoRA wrappers in `model` (their `lora_A` / `lora_B`
-    module dicts) into RowInvariantLinear: the same parameters and keys, so PEFT saves, merges and unloads them as
-    before, and an adapter's rank-r products no longer vary with the row count. The wrappers cast their input to the
-    adapter weights' dtype outside autocast only (`CAST_OUTSIDE_AUTOCAST`; a wrapper whose casting is already off
-    stays off). PEFT records the adapters it injects in `model.peft_config` (a dict by adapter name, also for
-    adapters added later); the modules are walked only when that record changes, so every forward calls this for
-    the price of an attribute read."""
-    adapters = model.__dict__.get("peft_config")
-    key = tuple(adapters) if isinstance(adapters, dict) else None
-    if model.__dict__.get("_row_invariant_adapters") == key:
-        return
-    for module in model.modules():
-        for name in ("lora_A", "lora_B"):
-            products = module.__dict__["_modules"].get(name)
-            if isinstance(products, nn.ModuleDict):
-                for product in products.values():
-                    if type(product) is nn.Linear:
-                        product.__class__ = RowInvariantLinear
-                if name == "lora_A" and module.__dict__.get("cast_input_dtype_enabled") is True:
-                    module.cast_input_dtype_enabled = CAST_OUTSIDE_AUTOCAST
-    model.__dict__["_row_invariant_adapters"] = key

@@ -123,59 +123,6 @@ def test_row_invariant_linear_backward_under_autocast_runs_in_the_autocast_dtype
     assert torch.equal(ours[0], x_plain.grad) and torch.equal(ours[1], layer.weight.grad)
 
 
-def _default_adapters_step(model, ids, cu, cast: bool):
-    """One autocast bf16 training step of PEFT's default (fp32) adapters on a bf16 model: the wrapped model, the
-    loss, the gradients, and whether PEFT copied an adapted projection's input to fp32; `cast` forces PEFT's input
-    cast on."""
-    wrapped = lora(model)
-    with torch.no_grad():
-        wrapped(ids[:, :2], use_cache=False)  # the first forward adopts the adapters (projection.py)
-    layers = [m for m in wrapped.modules() if hasattr(m, "lora_A") and hasattr(m, "cast_input_dtype_enabled")]
-    copies = []
-    for layer in layers:
-        if cast:
-            layer.cast_input_dtype_enabled = True
-        original = layer._cast_input_dtype
-
-        def spying(x, dtype, original=original):
-            out = original(x, dtype)
-            copies.append(out is not x)
-            return out
-
-        layer._cast_input_dtype = spying
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = wrapped(ids, cu_seqlens=cu, labels=ids, use_cache=False).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in wrapped.named_parameters() if p.grad is not None}
-    return wrapped, loss.detach(), grads, any(copies)
-
-
-def test_default_adapters_under_autocast_skip_the_input_cast_and_change_no_bit():
-    """PEFT's default adapters (fp32 weights) on a bf16 model under bf16 autocast, as TRL's bf16=True trains them:
-    the adapted projections' inputs are not copied to fp32 (PEFT casts them outside autocast only), and loss and
-    every gradient equal those with PEFT's cast bit for bit. The adapters stay fp32, get fp32 gradients, and an
-    optimizer step moves them."""
-    lengths = [9, 1, 14]
-    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
-    cu = torch.tensor([0, *lengths]).cumsum(0)
-    runs = {}
-    for cast in (False, True):
-        torch.manual_seed(0)
-        runs[cast] = _default_adapters_step(packed_model("dense").to(torch.bfloat16), ids, cu, cast)
-    wrapped, loss, grads, copied = runs[False]
-    assert not copied and runs[True][3]  # the spy sees the cast when it is forced on
-    assert torch.equal(loss, runs[True][1])
-    assert set(grads) == set(runs[True][2]) and all(torch.equal(grads[n], runs[True][2][n]) for n in grads)
-    adapters = {n: p for n, p in wrapped.named_parameters() if "lora_" in n}
-    assert adapters and all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in adapters.values())
-    before = {n: p.detach().clone() for n, p in adapters.items()}
-    torch.optim.AdamW(adapters.values(), lr=1e-3).step()
-    assert all(not torch.equal(p, before[n]) for n, p in adapters.items())
-    # outside autocast PEFT's cast stays: the adapters' products run in fp32 as PEFT computes them
-    layer = next(m for m in wrapped.modules() if hasattr(m, "lora_A") and hasattr(m, "cast_input_dtype_enabled"))
-    assert bool(layer.cast_input_dtype_enabled)
-
-
 def test_plain_products_turns_the_blocks_off_for_its_block_only():
     x, weight = torch.randn(10, 8), torch.randn(4, 8)
     with WeightProducts({"w": weight}) as seen, projection.plain_products():
