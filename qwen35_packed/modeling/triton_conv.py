@@ -63,7 +63,7 @@ DEFAULT_BLOCKS = ConvBlocks()
 
 if TRITON_CONV_AVAILABLE:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _conv_silu_forward_kernel(
         x_ptr, w_ptr, pos_ptr, y_ptr, n_rows, n_channels, channel_offset, seg_channels,
         KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -114,7 +114,7 @@ if TRITON_CONV_AVAILABLE:
         tl.store(dw_partial_ptr + (pid_t.to(tl.int64) * n_channels + channels[:, None]) * KERNEL + taps[None, :], dw,
                  mask=col_ok[:, None] & (taps < KERNEL)[None, :])  # fmt: skip
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _conv_silu_backward_kernel(
         x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_channels, channel_offset, seg_channels,
         KERNEL: tl.constexpr, KERNEL_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,

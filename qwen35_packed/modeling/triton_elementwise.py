@@ -41,7 +41,7 @@ _ROW_BLOCKS = 16  # row blocks per program of the row backwards (fewer weight-gr
 if TRITON_ELEMENTWISE_AVAILABLE:
     _SWIGLU_OP = tl.constexpr(SWIGLU)  # what a kernel may read of a global
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, width, eps, BLOCK_M: tl.constexpr,
                       BLOCK_H: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,7 +54,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(y_ptr + offsets, (x * rstd[:, None] * scale[None, :]).to(y_ptr.dtype.element_ty), mask=ok)
         tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_norm_bwd(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, width,
                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, ROW_BLOCKS: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -79,7 +79,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
             dw += tl.sum(dy * x_hat, axis=0)
         tl.store(dw_partial_ptr + pid.to(tl.int64) * width + cols, dw, mask=col_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_fwd(x_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, width, eps, BLOCK_M: tl.constexpr,
                             BLOCK_H: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,7 +94,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=ok)
         tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_bwd(x_ptr, g_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dg_ptr, dw_partial_ptr, n_rows, width,
                             BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, ROW_BLOCKS: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -155,7 +155,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(dp_ptr + i, dp.to(dp_ptr.dtype.element_ty), mask=ok)
         tl.store(dq_ptr + i, dq.to(dq_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _weighted_swiglu_fwd(gate_up_ptr, weight_ptr, y_ptr, n_rows, inter, BLOCK_M: tl.constexpr,
                              BLOCK_I: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -169,7 +169,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         y = g * tl.sigmoid(g) * u * w[:, None]
         tl.store(y_ptr + rows[:, None] * inter + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _weighted_swiglu_bwd(gate_up_ptr, weight_ptr, dy_ptr, dgate_up_ptr, dweight_ptr, n_rows, inter,
                              BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,7 +198,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
         return tl.where(x > 20.0, x, log1p)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gdn_gates_fwd(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n_rows, heads,
                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -213,7 +213,7 @@ if TRITON_ELEMENTWISE_AVAILABLE:
         tl.store(g_ptr + offsets, -decay_rate[None, :] * _softplus(a + dt_bias[None, :]), mask=ok)
         tl.store(beta_ptr + offsets, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gdn_gates_bwd(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, dg_ptr, dbeta_ptr, da_ptr, db_ptr, partial_ptr,
                        n_rows, heads, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                        ROW_BLOCKS: tl.constexpr):  # fmt: skip

@@ -38,7 +38,7 @@ DEFAULT_BLOCKS = GatherSumBlocks()
 
 if TRITON_GATHER_SUM_AVAILABLE:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_groups"])
     def _gather_sum_kernel(
         src_ptr, index_ptr, out_ptr, n_groups, width,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,

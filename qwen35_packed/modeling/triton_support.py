@@ -4,6 +4,14 @@ checks of a kernel's 2-D input, and the launch.
 `triton` and `tl` are None without Triton. Kernels decorated while TRITON_INTERPRET=1 is set run on CPU tensors in
 Triton's interpreter (the tests' way of running them without a GPU): `INTERPRETED` says whether that is the case in
 this process, read off a kernel decorated here, as the kernel files' are, at import.
+
+A kernel argument that counts a row's tokens (`n_rows`, `n_groups`) is declared `do_not_specialize`: Triton keys a
+compiled kernel on whether each int argument is 1 or a multiple of 16, so a packed row whose length first falls in
+another of those classes would compile the kernel again inside a training step. Those counts bound row masks, which
+are constant along the contiguous columns, so the knowledge buys no vectorisation there
+(tests/modeling/test_triton_compile.py checks the keys). The flat kernels' element count `n` (tokens x width) stays
+specialized: it bounds the mask along the contiguous axis, where a multiple of 16 allows vector loads, and it is one
+a multiple of 16 for every official width, whatever the token count.
 """
 
 from __future__ import annotations

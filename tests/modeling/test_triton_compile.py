@@ -9,6 +9,7 @@ use.
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -94,6 +95,43 @@ def test_every_kernel_is_listed():
         if isinstance(value, triton.runtime.JITFunction) and name.endswith(("_kernel", "_fwd", "_bwd"))
     }
     assert found == listed
+
+
+# The runtime arguments that count a packed row's tokens (the flat kernels' `n` is tokens x width: triton_support.py)
+ROW_COUNTS = ("n_rows", "n_groups")
+ROW_KERNELS = [row for row in KERNELS if set(row[2]) & set(ROW_COUNTS)]
+POINTER_DTYPES = {BF16: torch.bfloat16, FP32: torch.float32, I64: torch.int64}
+
+
+@pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("module, name, signature, constexprs, warps", ROW_KERNELS, ids=[r[1] for r in ROW_KERNELS])
+def test_a_new_row_length_reuses_the_compiled_kernel(module, name, signature, constexprs, warps):
+    """The specialization Triton keys a compiled kernel on (with the sm_90 backend's rules) is the same for every
+    token count, 1 and multiples of 16 included: a packed row of a length never seen reuses the kernel compiled for
+    the first one, where a specialized count compiles it again inside the step (triton_support.py)."""
+    from triton.compiler import make_backend
+
+    bind = getattr(triton.runtime.jit, "create_function_from_signature", None)
+    assert bind is not None, f"Triton {triton.__version__}: no create_function_from_signature to read the key with"
+    kernel = getattr(module, name)
+    binder = bind(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+    def key(count: int):
+        args = []
+        for param in kernel.params:
+            kind = signature.get(param.name)
+            if param.name in constexprs:
+                args.append(constexprs[param.name])
+            elif kind in POINTER_DTYPES:
+                args.append(torch.empty(64, dtype=POINTER_DTYPES[kind]))
+            elif param.name in ROW_COUNTS:
+                args.append(count)
+            else:
+                args.append(0.5 if kind == "fp32" else 96)
+        return str(binder(*args)[1])
+
+    assert {key(count) for count in (1, 16, 1000, 1024, 26_354, 65_536)} == {key(7)}
+    assert set(signature) & set(ROW_COUNTS)
 
 
 @pytest.mark.skipif(triton_support.INTERPRETED, reason="kernels interpreted in this process (TRITON_INTERPRET=1)")
