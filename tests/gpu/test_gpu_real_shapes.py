@@ -8,7 +8,8 @@ A guarantee about any batch is tested on batches nobody tuned to: every case dra
 a seed that changes every run and is printed (QWEN35_GPU_SEED=N repeats a run). Cases: eval and train mode, one
 packed row (cu_seqlens) and the same documents over three padded rows (position_ids restarting per document plus
 an attention mask), without and with PEFT LoRA (r=16, non-zero B, PEFT's default fp32 adapters) on every GDN,
-attention and MLP projection and, for the MoE, on the experts (target_parameters). Each document is compared with
+attention and MLP projection and, for the MoE, on the experts (target_parameters), and the LoRA model under bf16
+autocast as TRL's bf16=True trains it (the adapters' in-place sum, adapter_products.py). Each document is compared with
 itself run alone through the same model. Random weights (seed 0, norm weights moved off zero so every layer's scale
 matters). QWEN35_GPU_RESULTS=FILE writes the measured numbers."""
 
@@ -44,8 +45,11 @@ BASE_SEED = int(os.environ.get("QWEN35_GPU_SEED", time.time_ns() % 1_000_000))
 print(f"\nrandom batches of this run: QWEN35_GPU_SEED={BASE_SEED}")
 RESULTS: dict = {"base_seed": BASE_SEED}
 KINDS = ("dense_4b_8_layers", "moe_35b_a3b_shapes_4_layers")
-# (mode, layout, lora): each case its own random batch
-CASES = (("eval", "one_row", False), ("train", "one_row", True), ("eval", "rows", True), ("train", "rows", False))
+# (mode, layout, lora, autocast): each case its own random batch
+CASES = (
+    ("eval", "one_row", False, False), ("train", "one_row", True, False), ("eval", "rows", True, False),
+    ("train", "rows", False, False), ("train", "one_row", True, True),
+)  # fmt: skip
 LORA_MODULES = [
     "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
     "gate_proj", "up_proj", "down_proj",
@@ -133,10 +137,10 @@ def packed_forward(model, docs, layout: str):
 
 
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
-@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)).replace("True", "lora").replace("False", "base") for c in CASES])  # fmt: skip
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(c[:2]) + ("-lora" if c[2] else "-base") + ("-autocast" if c[3] else "") for c in CASES])  # fmt: skip
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_equals_per_document_bitwise_on_random_batches(kind, case):
-    mode, layout, lora = CASES[case]
+    mode, layout, lora, autocast = CASES[case]
     seed = BASE_SEED + 10 * KINDS.index(kind) + case
     model = build(kind)
     if lora:
@@ -145,7 +149,7 @@ def test_packed_equals_per_document_bitwise_on_random_batches(kind, case):
     config = model.config
     choice = kernel_selection.select_kernels(config, torch.device("cuda"), torch.bfloat16)
     docs = draw_documents(seed, config.vocab_size)
-    with torch.set_grad_enabled(mode == "train"):
+    with torch.set_grad_enabled(mode == "train"), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
         packed, packed_routes = routes_of(model, lambda: packed_forward(model, docs, layout))
         worst, differing, same_routes, start = 0.0, 0, 0, 0
         for doc in docs:
@@ -160,7 +164,7 @@ def test_packed_equals_per_document_bitwise_on_random_batches(kind, case):
                 )
             start += doc.shape[0]
     row = {
-        "seed": seed, "mode": mode, "layout": layout, "lora": lora,
+        "seed": seed, "mode": mode, "layout": layout, "lora": lora, "autocast": autocast,
         "documents": [d.shape[0] for d in docs], "tokens": start,
         "kernels": {"gdn": choice.gdn, "conv": choice.conv, "attention": choice.attention, "moe": choice.moe},
         "max_abs_logit_diff": worst, "rows_not_bitwise_equal": differing,
@@ -208,3 +212,34 @@ def test_gradients_packed_vs_per_document_at_35b_a3b_shapes_bf16():
     print(errors)
     assert set(errors) == {group for group, _ in GROUPS}
     assert max(errors.values()) <= 3e-2, errors
+
+
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_in_place_adapter_sum_gives_pefts_logits_bitwise_at_35b_a3b_shapes():
+    """PEFT's default adapters under bf16 autocast (TRL's bf16=True), a random batch: the adapters' in-place sum
+    gives the loss of PEFT's own LoRA forward bit for bit (scaling 2), and the gradients of every adapter
+    within the bf16 bound of the in-place input-gradient sum."""
+    from qwen35_packed.modeling.adapter_products import peft_adapter_sums
+
+    model = with_lora(build("moe_35b_a3b_shapes_4_layers")).train()
+    docs = draw_documents(BASE_SEED + 77, model.config.vocab_size)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(ids, labels=ids, cu_seqlens=cu, use_cache=False)
+        out.loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+        return out.loss.detach(), grads
+
+    ours = step()
+    with peft_adapter_sums():
+        theirs = step()
+    errors = {n: ((g - theirs[1][n]).norm() / theirs[1][n].norm().clamp_min(1e-30)).item() for n, g in ours[1].items()}
+    worst = max(errors, key=errors.get)
+    RESULTS["in_place_adapter_sum"] = {"seed": BASE_SEED + 77, "tokens": int(cu[-1]), "loss_equal": bool(torch.equal(ours[0], theirs[0])), "worst_adapter_grad_relative_error": [worst, errors[worst]]}  # fmt: skip
+    print(RESULTS["in_place_adapter_sum"])
+    assert torch.equal(ours[0], theirs[0]) and set(errors) == set(theirs[1]) and errors
+    assert errors[worst] <= 3e-2
