@@ -15,7 +15,8 @@ PEFT wraps each targeted projection (a `RowInvariantLinear`) in its LoRA `Linear
     writes a second [tokens, in] gradient and autograd adds the two; the scaling is applied to the rank-r
     gradient, not to the [tokens, out] one.
   Anything else (several active adapters, a variant, per-request `adapter_names`, fp32 adapters outside autocast on
-  a bf16 model, where PEFT computes the adapter in fp32, sharded DTensor weights) runs PEFT's own forward.
+  a bf16 model, where PEFT computes the adapter in fp32; products whose call does more than their forward: hooks,
+  Accelerate's offloading, DeepSpeed ZeRO-3 or DTensor weights) runs PEFT's own forward.
   `peft_adapter_sums()` turns the in-place sum off for a block of code (what the benchmarks compare against).
 
 Not done, on purpose: concatenating the adapter into the base GEMM. Stacking A under W ([W; A], one GEMM giving
@@ -143,8 +144,10 @@ class RowInvariantLoraForward:
         base, lora_a, lora_b = self.base_layer, self.lora_A[name], self.lora_B[name]
         if base.bias is not None or lora_b.bias is not None:
             return None
+        if any(_runs_more_than_its_forward(m) for m in (base, lora_a, lora_b)):
+            return None
         weights = (base.weight, lora_a.weight, lora_b.weight)
-        if any(is_dtensor(w) for w in weights):
+        if any(is_dtensor(w) or hasattr(w, "ds_id") for w in weights):
             return None
         dtype = _compute_dtype(self, x, lora_a.weight.dtype)
         if dtype is None:
@@ -152,6 +155,16 @@ class RowInvariantLoraForward:
         dropout = self.lora_dropout[name]
         adapter_input = None if isinstance(dropout, nn.Identity) else dropout(x)
         return adapter_input, *weights, self.scaling[name], dtype
+
+
+def _runs_more_than_its_forward(module: nn.Module) -> bool:
+    """Whether calling `module` runs more than its forward: hooks (FSDP2 or DeepSpeed gathering its weights, a user's),
+    or a forward Accelerate replaced to move the weights (offloading). The in-place sum reads the weights without
+    calling the module, so it leaves such modules to PEFT's forward, which calls them."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+        or getattr(module, "_hf_hook", None) is not None
+    )  # fmt: skip
 
 
 @functools.cache

@@ -212,6 +212,32 @@ def test_pefts_forward_runs_what_the_in_place_sum_does_not_cover(monkeypatch):
     assert _count_with(wrapped, monkeypatch)[0] == 0
 
 
+@pytest.mark.parametrize("how", ["pre_hook", "hook", "accelerate", "zero3"])
+def test_pefts_forward_runs_where_calling_a_product_does_more_than_its_forward(how, monkeypatch):
+    """The in-place sum reads the weights without calling the products: where a call would run hooks (FSDP2's or
+    DeepSpeed's gathering, a user's), Accelerate's replaced forward, or meet ZeRO-3 placeholders, that wrapper runs
+    PEFT's forward, which calls them; the others keep the in-place sum."""
+    wrapped = lora(packed_model("dense", tie_word_embeddings=False))
+    target = wrappers(wrapped)[0]
+    calls = []
+    if how == "pre_hook":
+        target.base_layer.register_forward_pre_hook(lambda module, args: calls.append(module))
+    elif how == "hook":
+        target.lora_B["default"].register_forward_hook(lambda module, args, out: calls.append(module))
+    elif how == "accelerate":
+        original = target.lora_A["default"].forward
+        target.lora_A["default"]._hf_hook = object()
+        target.lora_A["default"].forward = lambda x: calls.append(x) or original(x)
+    else:
+        target.base_layer.weight.ds_id = 0
+    ids, cu = batch(wrapped.config.vocab_size)
+    counter = SumCounter(monkeypatch)
+    with torch.no_grad():
+        wrapped(ids, cu_seqlens=cu, use_cache=False)
+    assert counter.calls == len(wrappers(wrapped)) - 1
+    assert len(calls) == (0 if how == "zero3" else 1)
+
+
 def test_adopted_wrappers_merge_unload_save_and_copy_as_pefts(tmp_path):
     """After the first forward adopted them: merge_and_unload gives back the model's own projections with the
     adapted outputs, the saved adapter has PEFT's keys, a deep copy (TRL's reference model) computes the same."""
