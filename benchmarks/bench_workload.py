@@ -28,10 +28,11 @@ of memory records the peak at failure and the next row goes on; if memory of a f
 later rows are recorded as not run (their peaks would include it), so rows expected to fail go last. --profile ROW adds the kernel time of one step of
 that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name, the GPU's idle time between
 kernels by the host operator before it, and the forward's and the backward's (recompute included) share of an
-unprofiled step.
+unprofiled step. --memory-at-peak ROW adds what is live at the peak of one step of that row, by allocating line
+(memory_peak.py).
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
-                                        [--profile ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
+                                        [--profile ROW] [--memory-at-peak ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
                                         [--out FILE] [--device cuda] [--tiny]
 
 --tiny (with --device cpu) runs the rows on a small config and short documents to check the script itself.
@@ -55,6 +56,7 @@ import torch
 import transformers
 from bench_moe import layer_shapes
 from bench_train_step import CONFIGS, TINY, batches, default_dtype, peak_gib, sync
+from memory_peak import record_step_memory
 from trace_train_step import idle_gaps, kernel_time_by_name, trace_events
 
 from qwen35_packed import (
@@ -355,6 +357,9 @@ def main():
     parser.add_argument("--impl", required=True, choices=("ours", "builtin"))
     parser.add_argument("--rows", required=True, help="comma-separated BATCH:SETUP (see the module docstring)")
     parser.add_argument("--profile", default=None, help="one of --rows: also profile one step of it")
+    parser.add_argument(
+        "--memory-at-peak", default=None, help="one of --rows: also what is live at its step's memory peak (CUDA)"
+    )
     parser.add_argument("--reps", type=int, default=2, help="timed steps per row (one for documents of >= 128k)")
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed steps first (0: the timed step includes autotuning)"
@@ -421,6 +426,13 @@ def main():
         row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
         if row_name == args.profile and "error" not in row:
             row["profile"] = profile_step(step, device, workload.step_context)
+            workload.release()
+        if row_name == args.memory_at_peak and "error" not in row:
+            row["memory_at_peak"] = (
+                record_step_memory(step, workload.step_context)
+                if device.type == "cuda"
+                else {"skipped": "the allocator history is CUDA's"}
+            )
             workload.release()
         kept = (torch.cuda.memory_allocated() - before) / 2**30 if device.type == "cuda" else 0.0
         if kept > 1.0:

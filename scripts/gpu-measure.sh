@@ -52,7 +52,8 @@
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast, each with the in-place adapter sum and with PEFT's own
-#                LoRA forward; then one 131,072-token document under TRL's activation offloading     ~7 min
+#                LoRA forward; then one 131,072-token document under TRL's activation offloading, with what
+#                is live at its memory peak by allocating line                                        ~8 min
 #   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
 #                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
 #                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
@@ -252,7 +253,8 @@ case "$stage" in
   adapters-35b)
     step adapters-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_peft_sums,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_peft_sums,doc_131072:lora_low_rank_offload \
-      --profile rl:lora_low_rank_bf16_adapters --out "$OUT/adapters-35b.json"
+      --profile rl:lora_low_rank_bf16_adapters --memory-at-peak doc_131072:lora_low_rank_offload \
+      --out "$OUT/adapters-35b.json"
     ;;
   recompute-35b)
     step recompute-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
