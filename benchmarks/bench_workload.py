@@ -19,7 +19,9 @@ with random weights (seed 0). A row is BATCH:SETUP:
          keeps them in bf16 (`autocast_adapter_dtype=False`, what TRL passes under ZeRO-3); `_autocast` runs each step
          under `torch.autocast(bfloat16)`, as Accelerate's bf16 mixed precision (TRL's `bf16=True`) runs the forward.
          Ours takes a plain adapter's sum in place (modeling/adapter_products.py); a last `_peft_sums` runs PEFT's
-         own LoRA forward instead (`peft_adapter_sums()`), to measure what that saves.
+         own LoRA forward instead (`peft_adapter_sums()`), to measure what that saves. For ours and the MoE,
+         `_moe_chunk` (after every other suffix) runs each MoE block in checkpointed chunks of 16,384 tokens
+         (the config's moe_token_chunk).
 A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
 decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
@@ -74,6 +76,7 @@ MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5
 LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
 # Setup suffixes (field, value), stripped from the end of a setup's name in this order.
 SUFFIXES = (
+    ("_moe_chunk", "moe_token_chunk", 16384),
     ("_peft_sums", "peft_adapter_sums", True),
     ("_no_ckpt", "checkpointing", False),
     ("_ckpt_mlp", "checkpoint_granularity", "mlp"),
@@ -105,6 +108,7 @@ class Setup:
     bf16_adapters: bool = False  # LoRA adapters kept in the base's bf16 instead of PEFT's fp32
     autocast: bool = False  # the step under torch.autocast(bfloat16)
     peft_adapter_sums: bool = False  # ours only: PEFT's own LoRA forward instead of the in-place sum
+    moe_token_chunk: int | None = None  # ours only, MoE: tokens per checkpointed chunk of each MoE block
 
 
 def parse_setup(name: str) -> Setup:
@@ -125,7 +129,8 @@ def parse_setup(name: str) -> Setup:
     if groups_key not in LORA_GROUPS:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
-            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums]"
+            "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums] "
+            "[_moe_chunk]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -219,6 +224,7 @@ class Workload:
     """One model of one implementation on the device, with the training setup of the current row applied."""
 
     def __init__(self, model: str, impl: str, device: torch.device, tiny: bool):
+        self.tiny = tiny
         self.impl, self.device = impl, device
         self.kwargs = text_config(model, tiny)
         model_cls, config_cls = classes(model, impl)
@@ -264,6 +270,8 @@ class Workload:
             raise SystemExit("_ckpt_mlp / _ckpt_mixer are ours-only setups")
         if setup.peft_adapter_sums and (self.impl != "ours" or not setup.lora_groups):
             raise SystemExit("_peft_sums is a setup of ours with LoRA")
+        if setup.moe_token_chunk and (self.impl != "ours" or not self.base.config.is_moe):
+            raise SystemExit("_moe_chunk is a setup of ours on the MoE model")
         groups = (setup.lora_groups, setup.bf16_adapters) if setup.lora_groups else "full"
         if groups != self.groups:
             if self.model is not self.base:
@@ -290,6 +298,9 @@ class Workload:
         if self.impl == "ours":
             self.base.config.moe_lora_kernel = setup.moe_lora_kernel or "auto"
             self.base.config.checkpoint_granularity = setup.checkpoint_granularity
+            if self.base.config.is_moe:  # --tiny's documents are 64x shorter: so are its chunks
+                chunk = setup.moe_token_chunk
+                self.base.config.moe_token_chunk = chunk // 64 if chunk and self.tiny else chunk
         self.model.train()
 
     def step_fn(self, lengths: list[int]):

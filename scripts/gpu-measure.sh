@@ -52,8 +52,10 @@
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
 #                (profiled), fp32 adapters under autocast, each with the in-place adapter sum and with PEFT's own
-#                LoRA forward; then one 131,072-token document under TRL's activation offloading, with what
-#                is live at its memory peak by allocating line                                        ~8 min
+#                LoRA forward                                                                         ~5 min
+#   long-doc-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, one 131,072-token document under
+#                TRL's activation offloading: as is, with what is live at its memory peak by allocating line, then
+#                with the MoE blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk)        ~5 min
 #   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
 #                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
 #                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
@@ -87,7 +89,8 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
-  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | recompute-35b \
+  workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
+    | recompute-35b \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -252,9 +255,13 @@ case "$stage" in
     ;;
   adapters-35b)
     step adapters-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_peft_sums,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_peft_sums,doc_131072:lora_low_rank_offload \
-      --profile rl:lora_low_rank_bf16_adapters --memory-at-peak doc_131072:lora_low_rank_offload \
-      --out "$OUT/adapters-35b.json"
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_peft_sums,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_peft_sums \
+      --profile rl:lora_low_rank_bf16_adapters --out "$OUT/adapters-35b.json"
+    ;;
+  long-doc-35b)
+    step long-doc-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows doc_131072:lora_low_rank_offload,doc_131072:lora_low_rank_offload_moe_chunk \
+      --memory-at-peak doc_131072:lora_low_rank_offload --out "$OUT/long-doc-35b.json"
     ;;
   recompute-35b)
     step recompute-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \

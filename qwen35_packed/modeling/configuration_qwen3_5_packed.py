@@ -460,6 +460,7 @@ MOE_FIELDS = {
     "mlp_only_layers": (None, "list[int] | None"),
     "output_router_logits": (False, "bool"),
     "router_aux_loss_coef": (0.001, "float"),
+    "moe_token_chunk": (None, "int | None"),
 }
 MOE_SHAPE_DEFAULTS = {"hidden_size": 2048, "intermediate_size": None, "num_hidden_layers": 40, "num_key_value_heads": 2}
 
@@ -489,6 +490,12 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
     `router_aux_loss_coef` is kept as given, but the load-balancing loss is only added to the loss when the
     caller asks for router logits (`output_router_logits=True`) *and* the coefficient is > 0: RL must not get it
     by accident.
+
+    `moe_token_chunk` (None: off) runs each MoE block over the packed stream in chunks of that many tokens, each
+    chunk's activations recomputed in the backward: a long document's expert rows (k per token) then live one chunk
+    at a time, for one more forward of the MoE block per step. On CUDA in bf16 each token's outputs are the same
+    bits whatever the chunking (every op of the block is row-invariant there); weight gradients are summed chunk by
+    chunk (modeling/moe.py).
     """
 
     model_type = "qwen3_5_moe_text"
@@ -528,6 +535,10 @@ class Qwen3_5MoePackedConfig(Qwen3_5PackedConfig):
         if isinstance(coef, bool) or not isinstance(coef, (int, float)):
             raise ValueError(f"router_aux_loss_coef must be a number, got {coef!r} ({type(coef).__name__})")
         self.router_aux_loss_coef = float(coef)
+        chunk = kwargs.pop("moe_token_chunk")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"moe_token_chunk must be None or a positive number of tokens, got {chunk!r}")
+        self.moe_token_chunk = chunk
 
     def validate_layout(self) -> None:
         super().validate_layout()

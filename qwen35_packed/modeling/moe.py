@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from .expert_lora import ExpertWeight
@@ -198,6 +199,7 @@ class _Move(torch.autograd.Function):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
+        self.config = config  # read at each forward: `moe_token_chunk` may be set after the model is built
         self.gate = TopKRouter(config)
         self.experts = FusedExperts(config)
         # The shared expert and its [hidden -> 1] gate are row-invariant projections like every other
@@ -208,7 +210,28 @@ class SparseMoeBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, kernels: KernelSet = REFERENCE_KERNELS, routed_experts: torch.Tensor | None = None
     ):
-        """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter."""
+        """x [N, H] -> (out [N, H], router logits [N, E] fp32); `routed_experts` [N, k]: see TopKRouter. With the
+        config's `moe_token_chunk` and more tokens than that, the block runs chunk by chunk, each chunk checkpointed
+        while autograd records: only one chunk's expert rows are alive at a time, in the forward and in the
+        backward. On CUDA in bf16 every op of the block computes a token's row alone (row-invariant products and
+        grouped GEMMs, per-token routing and combine), so the outputs are those of one call, bit for bit; the CPU's
+        expert products round by their row counts."""
+        chunk = getattr(self.config, "moe_token_chunk", None)
+        if not chunk or x.shape[0] <= chunk:
+            return self._tokens(x, kernels, routed_experts)
+        outs, logits = [], []
+        for start in range(0, x.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            replay = None if routed_experts is None else routed_experts[rows]
+            if torch.is_grad_enabled():  # the block draws no random numbers: no RNG state to restore
+                out, part = checkpoint(self._tokens, x[rows], kernels, replay, use_reentrant=False, preserve_rng_state=False)  # fmt: skip
+            else:
+                out, part = self._tokens(x[rows], kernels, replay)
+            outs.append(out)
+            logits.append(part)
+        return torch.cat(outs), torch.cat(logits)
+
+    def _tokens(self, x: torch.Tensor, kernels: KernelSet, routed_experts: torch.Tensor | None):
         logits, top_weights, top_index = self.gate(x, routed_experts)
         plan = kernels.expert_lora(self.experts)  # PEFT LoRA on the experts: the bare experts and its factors
         if plan is None:

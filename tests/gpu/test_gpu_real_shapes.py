@@ -243,3 +243,33 @@ def test_in_place_adapter_sum_gives_pefts_logits_bitwise_at_35b_a3b_shapes():
     print(RESULTS["in_place_adapter_sum"])
     assert torch.equal(ours[0], theirs[0]) and set(errors) == set(theirs[1]) and errors
     assert errors[worst] <= 3e-2
+
+
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_moe_token_chunks_give_one_calls_logits_bitwise_at_35b_a3b_shapes():
+    """moe_token_chunk=4096 on a random batch (tens of thousands of tokens) at the 35B-A3B layer shapes with expert
+    LoRA: the eval logits and the training loss are those of unchunked MoE blocks bit for bit (every op of the block
+    is row-invariant on the GPU), the adapters' gradients within the bf16 bound of summing them chunk by chunk."""
+    model = with_lora(build("moe_35b_a3b_shapes_4_layers"))
+    docs = draw_documents(BASE_SEED + 55, model.config.vocab_size)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+
+    def run(chunk):
+        model.config.moe_token_chunk = chunk
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, cu_seqlens=cu, use_cache=False).logits
+        model.train().zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return logits, loss.detach(), grads
+
+    whole, chunked = run(None), run(4096)
+    errors = {n: ((g - whole[2][n]).norm() / whole[2][n].norm().clamp_min(1e-30)).item() for n, g in chunked[2].items()}
+    worst = max(errors, key=errors.get)
+    RESULTS["moe_token_chunks"] = {"seed": BASE_SEED + 55, "tokens": int(cu[-1]), "chunk": 4096, "logits_equal": bool(torch.equal(chunked[0], whole[0])), "loss_equal": bool(torch.equal(chunked[1], whole[1])), "worst_grad_relative_error": [worst, errors[worst]]}  # fmt: skip
+    print(RESULTS["moe_token_chunks"])
+    assert int(cu[-1]) > 4096 and torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    assert errors[worst] <= 3e-2

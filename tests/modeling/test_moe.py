@@ -409,3 +409,93 @@ def test_shared_expert_and_its_gate_do_not_depend_on_what_runs_with_them():
             for start, length in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths):
                 alone = module(x[start : start + length])
                 assert torch.equal(alone, packed[start : start + length]), (name, start, length)
+
+
+def _chunk_inputs(model, replay: bool) -> dict:
+    """A packed row of four documents (100 tokens), with router logits asked for, optionally replayed experts."""
+    g = torch.Generator().manual_seed(8)
+    lengths = [20, 1, 70, 9]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = dict(input_ids=ids, cu_seqlens=cu, labels=ids, output_router_logits=True, use_cache=False)
+    if replay:
+        layers = sum(model.config.layer_uses_moe(i) for i in range(model.config.num_hidden_layers))
+        scores = torch.rand(ids.shape[1], layers, model.config.num_experts, generator=g)
+        inputs["routed_experts"] = scores.argsort(dim=-1)[..., : model.config.num_experts_per_tok]
+    return inputs
+
+
+def _chunked_step(model, chunk, inputs, checkpointing: bool):
+    model.config.moe_token_chunk = chunk  # read at every forward
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), torch.stack(out.router_logits).detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("moe_kernel", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("setup", ["plain", "lora", "replay", "checkpointing"])
+def test_moe_token_chunks_give_one_calls_outputs(moe_kernel, setup):
+    """moe_token_chunk splits each MoE block's 100 tokens into chunks of 32 (the last of 4), each checkpointed: the
+    first MoE layer's router logits are those of one call bit for bit (its input is the same and the router's
+    product row-invariant); the logits, the other router logits, the loss and the gradients agree within fp32
+    rounding (the CPU's expert products are not row-invariant; on the GPU the outputs are bitwise:
+    tests/gpu/test_gpu_real_shapes.py), with LoRA on the experts and the shared expert, with replayed experts, and
+    inside checkpointed decoder layers."""
+    model = _model(moe_kernel).train()
+    if setup == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=["gate_proj", "up_proj", "down_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ))  # fmt: skip
+    inputs = _chunk_inputs(model, setup == "replay")
+    whole = _chunked_step(model, None, inputs, setup == "checkpointing")
+    chunked = _chunked_step(model, 32, inputs, setup == "checkpointing")
+    assert torch.equal(chunked[1][0], whole[1][0])
+    for ours, theirs in zip(chunked[:3], whole[:3]):
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    assert chunked[3].keys() == whole[3].keys() and chunked[3]
+    for name, grad in chunked[3].items():
+        ref = whole[3][name]
+        assert (grad - ref).norm() <= 1e-5 * ref.norm() + 1e-9, name
+
+
+def test_moe_token_chunks_keep_one_chunks_expert_rows_for_the_backward():
+    """A training forward with chunks saves, for the MoE blocks' backward, each chunk's input and not its expert
+    rows: fewer saved bytes than one call, which keeps the (token, expert) rows of the whole stream."""
+    model = _model("grouped_mm").train()
+    inputs = _chunk_inputs(model, replay=False)
+
+    def saved_bytes(chunk) -> int:
+        model.config.moe_token_chunk = chunk
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**inputs).loss.backward()
+        return sum(s.nbytes() for s in storages.values())
+
+    whole, chunked = saved_bytes(None), saved_bytes(16)
+    assert chunked < whole
+
+
+@pytest.mark.parametrize("value", [0, -4, True, 2.5, "64"])
+def test_moe_token_chunk_must_be_a_positive_count(value):
+    with pytest.raises(ValueError, match="moe_token_chunk"):
+        Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_token_chunk=value)
+
+
+def test_moe_token_chunk_is_saved_and_loaded(tmp_path):
+    config = Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), moe_token_chunk=4096)
+    config.save_pretrained(tmp_path)
+    assert Qwen3_5MoePackedConfig.from_pretrained(tmp_path).moe_token_chunk == 4096
