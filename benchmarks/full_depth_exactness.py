@@ -13,11 +13,12 @@ is skipped and says why). Writes results/gpu/<date>-full-depth-exactness.json (o
 
 With --random-batches N: N batches drawn by bench_train_step.random_longtail (1- to 3-token documents among long
 ones, shuffled) from --seed (default: from the clock, printed), ours only, optionally with PEFT LoRA (--lora: r=16
-with a random B on every GDN, attention and MLP projection and the experts, PEFT's default fp32 adapters). Writes
-results/gpu/<date>-h200-any-batch-<model>.json (or --out), one entry per batch.
+with a random B on every GDN, attention and MLP projection and the experts, PEFT's default fp32 adapters) and
+under bf16 autocast as TRL's bf16=True runs a model (--autocast: the fp32 adapters then compute in bf16, through
+the adapters' in-place sum). Writes results/gpu/<date>-h200-any-batch-<model>.json (or --out), one entry per batch.
 
     python benchmarks/full_depth_exactness.py [--model 35b_a3b|4b] [--layers N] [--skip-builtin]
-                                              [--random-batches N] [--seed S] [--lora] [--out FILE]
+                                              [--random-batches N] [--seed S] [--lora] [--autocast] [--out FILE]
 """
 
 from __future__ import annotations
@@ -173,12 +174,14 @@ def random_batches(args):
         docs = [torch.randint(0, kwargs["vocab_size"], (n,), generator=gen).cuda() for n in lengths]
         cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
         flat = torch.cat(docs)[None]
-        measured = compare(
-            lambda: ours(flat, cu_seqlens=cu, use_cache=False).logits[0],
-            lambda doc: ours(doc[None], use_cache=False).logits[0],
-            docs,
-        )
-        entry = {"model": name, "seed": seed, "documents": lengths, "lora": bool(args.lora), **measured}
+        with torch.autocast("cuda", torch.bfloat16, enabled=args.autocast):
+            measured = compare(
+                lambda: ours(flat, cu_seqlens=cu, use_cache=False).logits[0],
+                lambda doc: ours(doc[None], use_cache=False).logits[0],
+                docs,
+            )
+        entry = {"model": name, "seed": seed, "documents": lengths, "lora": bool(args.lora), "autocast": args.autocast}
+        entry.update(measured)
         entry["tokens"] = sum(lengths)
         result["batches"].append(entry)
         print(entry, flush=True)
@@ -193,6 +196,7 @@ def main():
     parser.add_argument("--random-batches", type=int, default=0)
     parser.add_argument("--seed", type=int, default=time.time_ns() % 1_000_000)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--autocast", action="store_true", help="--random-batches: every forward under bf16 autocast")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.random_batches:

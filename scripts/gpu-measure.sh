@@ -25,7 +25,8 @@
 #                tests/gpu/test_gpu_projection.py (the row-invariant product over row counts)          ~5 min
 #   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
 #   any-batch-35b  full_depth_exactness.py --random-batches: the whole 35B-A3B, 5 random long-tail batches, then 3
-#                with PEFT LoRA (GDN, attention, experts), from one seed (SEED, default the clock; printed)     ~6 min
+#                with PEFT LoRA (GDN, attention, experts) under bf16 autocast (TRL's bf16=True: the adapters'
+#                in-place sum), from one seed (SEED, default the clock; printed)                      ~6 min
 #   any-batch-4b   the same for Qwen3.5-4B (all 32 layers)                                              ~3 min
 #   invariance-cost  bench_moe.py (4 layers, vocab 65,536) and bench_train_step.py (hybrid 1.4B), RL batch: ours
 #                with the row-invariant products and with plain GEMMs, side by side in one process each   ~3 min
@@ -172,7 +173,7 @@ case "$stage" in
     echo "any-batch seed $seed"
     step "$stage-base" python3 benchmarks/full_depth_exactness.py --model "$model" --random-batches 5 --seed "$seed" \
       --out "$OUT/any-batch-$model-base.json"
-    step "$stage-lora" python3 benchmarks/full_depth_exactness.py --model "$model" --random-batches 3 --lora \
+    step "$stage-lora" python3 benchmarks/full_depth_exactness.py --model "$model" --random-batches 3 --lora --autocast \
       --seed "$((seed + 100))" --out "$OUT/any-batch-$model-lora.json"
     ;;
   invariance-cost)
