@@ -3,7 +3,8 @@
     python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
     python benchmarks/render_table.py --all      # every train-step file (the history)
     python benchmarks/render_table.py --moe      # the newest *-moe-*.json file (bench_moe.py)
-    (generate(): the newest *-generate-h200*.json file, bench_generate.py, in a marked section only)
+    (generate(): the newest *-generate-h100* / *-generate-h200* file, bench_generate.py, and the same for
+    *-changing-lengths-*, bench_changing_lengths.py, in marked sections only)
     python benchmarks/render_table.py --write    # rewrite every marked section of the markdown files below
     python benchmarks/render_table.py --check    # exit 1 when a marked section differs from what the files give
 
@@ -263,8 +264,9 @@ def render_workload_summary() -> str:
 
 
 def render_generate() -> str:
-    """generate() on the GPU (bench_generate.py): every row of the newest *-generate-h200*.json file."""
-    path = sorted(RESULTS.glob("*-generate-h200*.json"), key=by_date_and_version)[-1]
+    """generate() on the GPU (bench_generate.py): every row of the newest generate file of an H100 or H200 (its
+    rows all come from one machine), which the caption names."""
+    path = sorted(RESULTS.glob("*-generate-h[12]00*.json"), key=by_date_and_version)[-1]
     data = json.loads(path.read_text())
     lines = [
         "| model | implementation | batch x prompt, new tokens | decode step ms | new tokens/s | first call s | peak GiB |",
@@ -281,7 +283,30 @@ def render_generate() -> str:
             f"| {row['model']} | {impl} | {shape} "
             f"| {r['decode_step_ms']} | {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
         )
-    return "\n".join(lines + ["", f"({path.name})"])
+    return "\n".join(lines + ["", f"({path.name}, {data['device']})"])
+
+
+def render_changing_lengths() -> str:
+    """Training steps on rows of changing length (bench_changing_lengths.py): every row of the newest file of an H100
+    or H200, the rounds after warm-up."""
+    path = sorted(RESULTS.glob("*-changing-lengths-h[12]00*.json"), key=by_date_and_version)[-1]
+    data = json.loads(path.read_text())
+    lines = [
+        "| model | implementation | new lengths after warm-up | median step s (seen length) | median / largest stall s "
+        "| stalls over 0.5 s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        r = row["result"]
+        if "error" in r:
+            lines.append(f"| {row['model']} | {row['impl']} | failed: {r['error'][:60]} | | | |")
+            continue
+        rounds = sum(not x["warmup"] for x in r["rounds"])
+        lines.append(
+            f"| {row['model']} | {row['impl']} | {rounds} | {r['median_seen_s']} "
+            f"| {r['median_stall_s']} / {r['max_stall_s']} | {r['rounds_over_half_second']} |"
+        )
+    return "\n".join(lines + ["", f"({path.name}, {data['device']})"])
 
 
 TABLES = {
@@ -293,6 +318,7 @@ TABLES = {
     "workload": render_workload,
     "workload-summary": render_workload_summary,
     "generate": render_generate,
+    "changing-lengths": render_changing_lengths,
 }
 
 
