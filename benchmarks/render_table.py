@@ -121,9 +121,14 @@ def by_date_and_version(path: Path):
     return path.name[:10], int(version.group(1)) if version else 1
 
 
-def newest_moe() -> tuple[str, dict]:
-    path = sorted(RESULTS.glob("*-moe-*.json"), key=by_date_and_version)[-1]
+def newest(pattern: str) -> tuple[str, dict]:
+    """(name, contents) of the newest result file matching `pattern`."""
+    path = sorted(RESULTS.glob(pattern), key=by_date_and_version)[-1]
     return path.name, json.loads(path.read_text())
+
+
+def newest_moe() -> tuple[str, dict]:
+    return newest("*-moe-*.json")
 
 
 def render_moe() -> str:
@@ -266,8 +271,7 @@ def render_workload_summary() -> str:
 def render_generate() -> str:
     """generate() on the GPU (bench_generate.py): every row of the newest generate file of an H100 or H200 (its
     rows all come from one machine), which the caption names."""
-    path = sorted(RESULTS.glob("*-generate-h[12]00*.json"), key=by_date_and_version)[-1]
-    data = json.loads(path.read_text())
+    name, data = newest("*-generate-h[12]00*.json")
     lines = [
         "| model | implementation | batch x prompt, new tokens | decode step ms | new tokens/s | first call s | peak GiB |",
         "|---|---|---|---|---|---|---|",
@@ -283,14 +287,13 @@ def render_generate() -> str:
             f"| {row['model']} | {impl} | {shape} "
             f"| {r['decode_step_ms']} | {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
         )
-    return "\n".join(lines + ["", f"({path.name}, {data['device']})"])
+    return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
 
 def render_changing_lengths() -> str:
     """Training steps on rows of changing length (bench_changing_lengths.py): every row of the newest file of an H100
     or H200, the rounds after warm-up."""
-    path = sorted(RESULTS.glob("*-changing-lengths-h[12]00*.json"), key=by_date_and_version)[-1]
-    data = json.loads(path.read_text())
+    name, data = newest("*-changing-lengths-h[12]00*.json")
     lines = [
         "| model | implementation | new lengths after warm-up | median step s (seen length) | median / largest stall s "
         "| stalls over 0.5 s |",
@@ -306,7 +309,7 @@ def render_changing_lengths() -> str:
             f"| {row['model']} | {row['impl']} | {rounds} | {r['median_seen_s']} "
             f"| {r['median_stall_s']} / {r['max_stall_s']} | {r['rounds_over_half_second']} |"
         )
-    return "\n".join(lines + ["", f"({path.name}, {data['device']})"])
+    return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
 
 TABLES = {

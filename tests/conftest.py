@@ -172,3 +172,20 @@ def random_doc_lengths(generator: torch.Generator, n_docs: int, kernel: int = 4)
 @pytest.fixture(params=["dense", "moe"])
 def kind(request):
     return request.param
+
+
+def saved_storage_bytes(step, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves while `step()` runs a forward and its backward, without those of
+    the tensors in `exclude` (e.g. parameters, held anyway); each is kept alive until counted, so no address is
+    reused."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in excluded:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storage.nbytes() for storage in storages.values())

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .projection import RowInvariantLinear, backward_dtype, is_dtensor, row_invariant_product
+from .projection import RowInvariantLinear, backward_dtype, is_dtensor, matmul_dtype, row_invariant_product
 
 ADAPTER_SUM_IN_PLACE = True
 
@@ -117,11 +117,10 @@ def adapter_sum_linear(x, adapter_input, weight, lora_a, lora_b, scaling: float,
 def _compute_dtype(layer: nn.Module, x: torch.Tensor, adapter_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype PEFT's path computes both the base and the adapter products in, or None where they differ (fp32
     adapters on a bf16 input outside autocast, with PEFT's input cast on: PEFT then runs the adapter in fp32)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    if adapter_dtype != x.dtype and getattr(layer, "cast_input_dtype_enabled", True):
+    dtype = matmul_dtype(x)
+    if not torch.is_autocast_enabled(x.device.type) and adapter_dtype != x.dtype and layer.cast_input_dtype_enabled:
         return None
-    return x.dtype
+    return dtype
 
 
 class RowInvariantLoraForward:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .projection import row_invariant_product
+from .projection import matmul_dtype, row_invariant_product
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 4096
@@ -127,17 +127,11 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
         grad_weight += (grad_logits.t() @ h).float()
 
 
-def _logits_dtype(hidden: torch.Tensor) -> torch.dtype:
-    # What `hidden @ weight.T` returns: autocast's dtype when it is on (mm is autocast-eligible on CPU and CUDA).
-    device = hidden.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-
-
 def _project_chunk(h, weight, kept, logits_index, start: int, end: int):
     """h @ weight.T for tokens start:end, a row-invariant product (projection.py: a token's logits do not depend on
     the chunk's row count, so a document's logits packed equal its logits alone), in the dtype autocast gives a
     matmul; recorded in `kept` when logits are kept."""
-    dtype = _logits_dtype(h)
+    dtype = matmul_dtype(h)
     logits = row_invariant_product(h.to(dtype), weight.to(dtype))
     if kept is not None:
         if logits_index is None:
@@ -171,7 +165,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         autocast = torch.is_autocast_enabled(hidden.device.type)  # an out= matmul would bypass it
         kept = None
         if options.keep_logits:
-            dtype = _logits_dtype(hidden)
+            dtype = matmul_dtype(hidden)
             if logits_index is None:
                 kept = hidden.new_empty((num_tokens, weight.shape[0]), dtype=dtype)
             else:  # rows not in logits_index (the caller's pad positions) stay zero

@@ -157,12 +157,17 @@ class RowInvariantProduct(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `x @ weight.T` computes in: autocast's when it is on for x's device (mm is autocast-eligible on CPU
+    and CUDA), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through RowInvariantProduct: x [..., in] -> [..., out]. Under autocast the product runs in the
     autocast dtype, as F.linear's would; the bias is added after the product (an elementwise add per row)."""
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = matmul_dtype(x)
     # the tensor itself when 2-D: a recomputed activation (recompute.py) is known by its identity
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import packed_model
+from conftest import packed_model, saved_storage_bytes
 
 pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
@@ -149,19 +149,10 @@ def test_adapter_sum_rows_do_not_depend_on_the_row_count(dtype, dropout):
 
 
 def saved_activation_bytes(model, ids, cu) -> int:
-    """Bytes of the distinct storages other than parameters that autograd saves for the backward of one training
-    forward (each kept alive until counted, so no address is reused)."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in parameters:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, cu_seqlens=cu, labels=ids, use_cache=False).loss.backward()
-    return sum(storage.nbytes() for storage in storages.values())
+    """Bytes autograd saves for the backward of one training forward, parameters left out."""
+    return saved_storage_bytes(
+        lambda: model(ids, cu_seqlens=cu, labels=ids, use_cache=False).loss.backward(), exclude=model.parameters()
+    )
 
 
 def test_in_place_sum_saves_no_more_than_pefts_forward():

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_kwargs
+from conftest import saved_storage_bytes, tiny_kwargs
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernel_selection
@@ -475,15 +475,7 @@ def test_moe_token_chunks_keep_one_chunks_expert_rows_for_the_backward():
 
     def saved_bytes(chunk) -> int:
         model.config.moe_token_chunk = chunk
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(**inputs).loss.backward()
-        return sum(s.nbytes() for s in storages.values())
+        return saved_storage_bytes(lambda: model(**inputs).loss.backward())
 
     whole, chunked = saved_bytes(None), saved_bytes(16)
     assert chunked < whole
