@@ -15,11 +15,12 @@ compilation, autotuning) are reported apart from the timed ones. Weights are ran
 get the same shapes, not the same weights (one model is built at a time, so a 35B-A3B fits).
 
     python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
-        [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 3] [--warmup 1]
+        [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 2] [--warmup 1]
         [--device cuda] [--tiny] [--out FILE]
 
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
-as CUDA graphs).
+as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own default on CUDA is the static cache),
+`builtin` leaves TRL's default.
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
 JSON under results/benchmarks/ (or --out) after every model.
@@ -127,7 +128,9 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         save_strategy="no",
         seed=0,
         generation_kwargs={"min_new_tokens": args.completion},
-        cache_implementation="static" if cache == "static" else None,
+        # ours names its cache (PackedGRPOTrainer's own default on CUDA is the static one); the built-in's dynamic
+        # row is TRL's default
+        cache_implementation=cache if impl == "ours" or cache == "static" else None,
     )
     # the project's targets (GDN, attention, MLP, the experts of a MoE), matched by name in either implementation
     lora = lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0)

@@ -15,6 +15,10 @@ It also decides the MoE load-balancing loss: TRL turns it on whenever the config
 explicitly; when on, it is logged once with its coefficient and computed over the real tokens of the batch (the
 router logits come in the caller's padded layout; only the attention mask's real rows count).
 
+Without vLLM, completions come from `model.generate()`. On CUDA the trainer gives it the static cache unless the
+caller chose a cache (`default_generation_cache`, logged once): the static cache's decode steps replay as CUDA graphs,
+where TRL's default (the growing cache) runs each step's Python over every layer.
+
 With vLLM in colocate mode on CPU, the weight sync goes through vLLM's in-place reload (`vllm_sync`): TRL's
 per-tensor `load_weights` cannot work on vLLM's CPU backend. Elsewhere TRL's own sync runs, followed by a reset of
 vLLM's encoder cache too (TRL resets only the prefix cache; the cached image embeddings are the old weights').
@@ -57,6 +61,7 @@ from .grpo_support import (
     check_aux_loss_coef,
     check_routing_replay,
     collapse_placeholder_runs,
+    default_generation_cache,
     prompt_token_types,
     start_replay_engine,
 )
@@ -71,6 +76,7 @@ __all__ = [
     "RoutedModel",
     "start_replay_engine",
     "check_routing_replay",
+    "default_generation_cache",
 ]
 
 

@@ -1,5 +1,5 @@
 """The pieces of the packed GRPO trainer that need no TRL at import time: the aux-loss coefficient rule, the
-vision-language prompt helpers, and MoE routing replay's engine and per-row feed. integrations/grpo.py says what they
+generation cache rule, the vision-language prompt helpers, and MoE routing replay's engine and per-row feed. integrations/grpo.py says what they
 are for; integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
 
 from __future__ import annotations
@@ -22,6 +22,22 @@ def check_aux_loss_coef(value) -> float | None:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {value}")
     return value
+
+
+def default_generation_cache(args, device: torch.device) -> str | None:
+    """The cache_implementation the trainer's generate() gets where the caller chose none, or None to leave TRL's.
+
+    "static" when completions come from `model.generate()` on CUDA: the model replays a static cache's decode steps
+    as CUDA graphs, where the growing cache (what TRL's default None gives) spends each decode step in the host's
+    Python over the layers. Left alone: a cache the caller chose (`GRPOConfig.cache_implementation`, or
+    `cache_implementation` in `generation_kwargs`), generation by vLLM or by transformers' continuous batching (no
+    `generate()`), and other devices (no graphs: the static cache would only allocate its full capacity up front).
+    """
+    chosen = (getattr(args, "generation_kwargs", None) or {}).get("cache_implementation", args.cache_implementation)
+    other_generator = args.use_vllm or getattr(args, "use_transformers_continuous_batching", False)
+    if chosen is not None or other_generator or device.type != "cuda":
+        return None
+    return "static"
 
 
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:

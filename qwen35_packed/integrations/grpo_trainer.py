@@ -31,6 +31,7 @@ from .grpo_support import (
     RoutingFeed,
     check_aux_loss_coef,
     check_routing_replay,
+    default_generation_cache,
     prompt_token_types,
 )
 
@@ -52,7 +53,8 @@ def _check_packed_model(model) -> None:
 
 
 class PackedGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` for packed Qwen3.5 models: no LM-head work on padding, MoE aux loss only when asked.
+    """`trl.GRPOTrainer` for packed Qwen3.5 models: no LM-head work on padding, MoE aux loss only when asked,
+    generate() on CUDA with the static cache unless the caller chose a cache (`default_generation_cache`, logged).
 
     Same constructor as GRPOTrainer. `args.router_aux_loss_coef`: None (default) turns the MoE load-balancing
     loss off whatever the config declares; a number > 0 turns it on with that coefficient (logged once).
@@ -84,6 +86,16 @@ class PackedGRPOTrainer(GRPOTrainer):
         self.vision_token_ids = (
             (config.image_token_id, config.video_token_id) if hasattr(config, "vision_config") else None
         )
+        cache = default_generation_cache(self.args, self.accelerator.device)
+        if cache is not None:
+            # TRL hands generate() both: the generation config, and these kwargs over the model's own config
+            self.generation_config.cache_implementation = cache
+            self.generation_kwargs["cache_implementation"] = cache
+            logger.warning(
+                "GRPO: completions from generate() with cache_implementation=%r (decode steps replayed as CUDA "
+                "graphs); GRPOConfig(cache_implementation='dynamic') keeps the growing cache",
+                cache,
+            )
         generation = getattr(self, "vllm_generation", None)
         if generation is not None:
             from .vllm_sync import check_adapters_mergeable

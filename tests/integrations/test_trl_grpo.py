@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from fixtures_grpo import EXAMPLES, GRPO_CPU_STEPS, _long_tail_batch, _trainer, 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef  # noqa: E402
+from qwen35_packed.integrations import grpo_trainer  # noqa: E402
+from qwen35_packed.integrations.grpo import PackedGRPOTrainer, check_aux_loss_coef, default_generation_cache  # noqa: E402
 from qwen35_packed.integrations.lora import trl_cli_args  # noqa: E402
 
 SMALL_RUN = [*GRPO_CPU_STEPS, "--beta", "0.04"]
@@ -122,6 +124,50 @@ def test_aux_loss_coefficient_errors(value, match, folders, tmp_path):
         check_aux_loss_coef(value)
     with pytest.raises(ValueError, match=match):
         _trainer(PackedGRPOTrainer, folders, "moe", tmp_path, router_aux_loss_coef=value)
+
+
+def test_default_generation_cache_rule():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    base = dict(cache_implementation=None, generation_kwargs=None, use_vllm=False)
+    assert default_generation_cache(trl.GRPOConfig(output_dir="x", use_cpu=True), cuda) == "static"
+    for changed in (
+        dict(cache_implementation="dynamic"),
+        dict(cache_implementation="static"),  # the caller's own choice: nothing to say
+        dict(generation_kwargs={"cache_implementation": "dynamic"}),
+        dict(use_vllm=True),
+        dict(use_transformers_continuous_batching=True),
+    ):
+        assert default_generation_cache(types.SimpleNamespace(**{**base, **changed}), cuda) is None, changed
+    assert default_generation_cache(types.SimpleNamespace(**base), cpu) is None
+
+
+def _recording_generate(model):
+    """Wrap `model.generate` (an instance attribute TRL's unwrapped model keeps) to record the cache each call asks."""
+    asked, original = [], model.generate
+
+    def generate(*args, **kwargs):
+        config = kwargs.get("generation_config")
+        asked.append(kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)))
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    return asked
+
+
+def test_trainer_generates_with_the_default_cache(folders, tmp_path, monkeypatch, caplog):
+    # CPU keeps TRL's default (the growing cache); where the rule gives a cache (CUDA), a step's generate() asks for it
+    trainer = _trainer(PackedGRPOTrainer, folders, "dense", tmp_path, max_steps=1)
+    assert trainer.generation_config.cache_implementation is None
+    monkeypatch.setattr(grpo_trainer, "default_generation_cache", lambda args, device: "static")
+    with caplog.at_level(logging.WARNING):
+        trainer = _trainer(PackedGRPOTrainer, folders, "dense", tmp_path, max_steps=1)
+    assert [r.message for r in caplog.records if "cache_implementation" in r.message] == [
+        "GRPO: completions from generate() with cache_implementation='static' (decode steps replayed as CUDA graphs); "
+        "GRPOConfig(cache_implementation='dynamic') keeps the growing cache"
+    ]
+    asked = _recording_generate(trainer.model)
+    trainer.train()
+    assert asked and set(asked) == {"static"}
 
 
 def _run(cmd, cwd):
