@@ -312,6 +312,31 @@ def render_changing_lengths() -> str:
     return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
 
+def render_grpo_step() -> str:
+    """One GRPO step without vLLM (bench_grpo_step.py): every row of the newest file of an H100 or H200, the timed
+    steps' mean seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
+    name, data = newest("*-grpo-step-h[12]00*.json")
+    setup = data["setup"]
+    shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
+    lines = [
+        "| model | implementation | prompts x completions, tokens | generation s | scoring s | training s | step s "
+        "| warm-up step s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        r = row["result"]
+        impl = f"{row['impl']}, {row['cache']} cache"
+        if "error" in r:
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
+        lines.append(
+            f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
+            f"| {r['total_s']} | {warmup} | {r['peak_gib']} |"
+        )
+    return "\n".join(lines + ["", f"({name}, {data['device']})"])
+
+
 TABLES = {
     "dense": render,
     "dense-history": lambda: render(newest_only=False),
@@ -322,6 +347,7 @@ TABLES = {
     "workload-summary": render_workload_summary,
     "generate": render_generate,
     "changing-lengths": render_changing_lengths,
+    "grpo-step": render_grpo_step,
 }
 
 
