@@ -72,6 +72,11 @@
 #   generate-4b-sweep  bench_generate.py, Qwen3.5-4B (first 8 layers), ours (dynamic and static cache) and the
 #                built-in, batch 1 / 16 / 64, prompts of 512 tokens, 256 new tokens, greedy and sampled (not run yet;
 #                estimated from the generate stage)                                                 ~8 min
+#   generate-0p8b-sweep  the same for the whole Qwen3.5-0.8B (not run yet)                          ~8 min
+#   generate-4096  the same three, batch 16, prompts of 4,096 tokens, 256 new tokens, greedy: Qwen3.5-4B (first 8
+#                layers) and the whole 0.8B (not run yet)                                           ~6 min
+#   generate-35b-sweep  the same three on the whole 35B-A3B, batch 1 / 64, prompts of 512, 256 new tokens, greedy
+#                (not run yet; an H200)                                                             ~8 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers);
 #                test_gpu_vl.py -k static_cache (generate with an image)                               ~2 min
@@ -236,10 +241,20 @@ case "$stage" in
     step generate-35b python3 benchmarks/bench_generate.py --models qwen35_35b_a3b --impls ours,ours:static,builtin \
       --batches 16 --prompts 512 --new-tokens 64 --modes greedy --reps 1 --profile --out "$OUT/generate-35b.json"
     ;;
-  generate-4b-sweep)
-    step generate-4b-sweep python3 benchmarks/bench_generate.py --models qwen35_4b:8 --impls ours,ours:static,builtin \
-      --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy,sampled --reps 1 \
-      --out "$OUT/generate-4b-sweep.json"
+  generate-4b-sweep | generate-0p8b-sweep)
+    model=$([ "$stage" = generate-4b-sweep ] && echo qwen35_4b:8 || echo qwen35_0p8b)
+    step "$stage" python3 benchmarks/bench_generate.py --models "$model" --impls ours,ours:static,builtin \
+      --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy,sampled --reps 1 --out "$OUT/$stage.json"
+    ;;
+  generate-4096)
+    step generate-4096 python3 benchmarks/bench_generate.py --models qwen35_4b:8,qwen35_0p8b \
+      --impls ours,ours:static,builtin --batches 16 --prompts 4096 --new-tokens 256 --modes greedy --reps 1 \
+      --out "$OUT/generate-4096.json"
+    ;;
+  generate-35b-sweep)
+    step generate-35b-sweep python3 benchmarks/bench_generate.py --models qwen35_35b_a3b \
+      --impls ours,ours:static,builtin --batches 1,64 --prompts 512 --new-tokens 256 --modes greedy --reps 1 \
+      --out "$OUT/generate-35b-sweep.json"
     ;;
   generate-tests)
     step gpu-tests-generate env QWEN35_GPU_RESULTS="$OUT/gpu-tests-generate.json" \
