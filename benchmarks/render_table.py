@@ -312,18 +312,32 @@ def render_changing_lengths() -> str:
     return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
 
+def one_session(pattern: str) -> list[tuple[str, dict]]:
+    """The newest result file matching `pattern` and every other one of its date and device (a session's stages,
+    one file each; timings compare only on one machine), oldest first."""
+    paths = sorted(RESULTS.glob(pattern), key=lambda path: (*by_date_and_version(path), path.name))
+    files = [(path.name, json.loads(path.read_text())) for path in paths]
+    date, device = files[-1][0][:10], files[-1][1]["device"]
+    return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
+
+
 def render_grpo_step() -> str:
-    """One GRPO step without vLLM (bench_grpo_step.py): every row of the newest file of an H100 or H200, the timed
-    steps' mean seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
-    name, data = newest("*-grpo-step-h[12]00*.json")
-    setup = data["setup"]
-    shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
+    """One GRPO step without vLLM (bench_grpo_step.py): every row of the newest session's files of an H100 or H200
+    (a later file's row replaces an earlier one of the same model and implementation), the timed steps' mean seconds
+    split as the benchmark splits them, and the warm-up steps (compiles) apart."""
+    files = one_session("*-grpo-step*-h[12]00*.json")
+    rows = {
+        (row["model"], row["impl"], row["cache"]): (row, data["setup"]) for _, data in files for row in data["rows"]
+    }
     lines = [
         "| model | implementation | prompts x completions, tokens | generation s | scoring s | training s | step s "
         "| warm-up step s | peak GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in data["rows"]:
+    # each model's rows: ours (dynamic, then static cache), then the built-in
+    for key in sorted(rows, key=lambda key: (key[0], key[1] != "ours", key[2])):
+        row, setup = rows[key]
+        shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
         r = row["result"]
         impl = f"{row['impl']}, {row['cache']} cache"
         if "error" in r:
@@ -334,7 +348,7 @@ def render_grpo_step() -> str:
             f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
             f"| {r['total_s']} | {warmup} | {r['peak_gib']} |"
         )
-    return "\n".join(lines + ["", f"({name}, {data['device']})"])
+    return "\n".join(lines + ["", f"({', '.join(name for name, _ in files)}, {files[-1][1]['device']})"])
 
 
 TABLES = {

@@ -81,10 +81,12 @@
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers);
 #                test_gpu_vl.py -k static_cache (generate with an image)                               ~2 min
 #   grpo-step    bench_grpo_step.py: one GRPO step without vLLM (generation, scoring, training), ours (the static
-#                cache, PackedGRPOTrainer's default on CUDA) and the built-in, LoRA, 8 prompts x 8 completions of 256
-#                tokens after 512: Qwen3.5-4B. Ours with the dynamic cache is `grpo-step-dynamic`: on a fresh H100
-#                its row took 4.7 min (3.4 of them its first step's compiles), ours static 0.6 min after it
-#   grpo-step-35b  the same for the whole 35B-A3B (not run yet)
+#                cache, PackedGRPOTrainer's default on CUDA), LoRA, 8 prompts x 8 completions of 256 tokens after 512:
+#                Qwen3.5-4B. `grpo-step-builtin`: the built-in through TRL's GRPOTrainer; `grpo-step-dynamic`: ours with
+#                the dynamic cache. One implementation per stage: on a fresh H100 ours dynamic took 4.7 min (3.4 of
+#                them its first step's compiles), ours static 0.6 min after it, and the built-in was still compiling
+#                its first step 4 min later
+#   grpo-step-35b, grpo-step-35b-builtin  the same for the whole 35B-A3B (not run yet; an H200)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
 #                the stall it costs over the same row again, ours and the built-in: Qwen3.5-4B (8 layers), the
 #                35B-A3B layer shapes (4 layers)                                                     ~5 min
@@ -262,10 +264,11 @@ case "$stage" in
     step gpu-tests-generate-vl env QWEN35_GPU_VL_RESULTS="$OUT/gpu-tests-generate-vl.json" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
-  grpo-step | grpo-step-35b | grpo-step-dynamic)
-    read -r model impls <<< "$([ "$stage" = grpo-step-35b ] && echo qwen35_35b_a3b || echo qwen35_4b) \
-$([ "$stage" = grpo-step-dynamic ] && echo ours:dynamic || echo ours:static,builtin)"
-    step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impls" --out "$OUT/$stage.json"
+  grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin)
+    model=qwen35_4b impl=ours:static
+    case $stage in *35b*) model=qwen35_35b_a3b ;; esac
+    case $stage in *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; esac
+    step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" --out "$OUT/$stage.json"
     ;;
   changing-lengths)
     step changing-lengths python3 benchmarks/bench_changing_lengths.py --out "$OUT/changing-lengths.json"

@@ -97,22 +97,33 @@ def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_
     )
 
 
-def test_grpo_step_table_lists_every_row_of_the_newest_file(tmp_path, monkeypatch):
+def test_grpo_step_table_lists_the_rows_of_the_newest_session(tmp_path, monkeypatch):
     import json
 
     setup = {"prompts": 8, "generations": 8, "prompt": 512, "completion": 256, "steps": 2, "warmup": 1}
     timed = {"generation_s": 9.5, "scoring_s": 0.05, "training_s": 3.0, "total_s": 12.6, "peak_gib": 23.6}
-    rows = [
-        {"model": "m", "impl": "ours", "cache": "static", "result": {"warmup_steps": [{"total_s": 30.04}], **timed}},
-        {"model": "m", "impl": "builtin", "cache": "dynamic", "result": {"error": "out of memory: x", "peak_gib": 1}},
-    ]
-    for name, data_rows in (("2026-01-01-grpo-step-h200.json", rows[:1]), ("2026-01-02-grpo-step-h100.json", rows)):
-        (tmp_path / name).write_text(json.dumps({"device": "GPU", "setup": setup, "rows": data_rows}))
+    ours = {"model": "m", "impl": "ours", "cache": "static", "result": {"warmup_steps": [{"total_s": 30.04}], **timed}}
+    builtin = {
+        "model": "m",
+        "impl": "builtin",
+        "cache": "dynamic",
+        "result": {"error": "out of memory: x", "peak_gib": 1},
+    }
+    files = {
+        "2026-01-01-grpo-step-h200.json": ("H200", [builtin]),  # an older session: left out
+        "2026-01-02-grpo-step-h200.json": ("H200", [builtin]),  # the same day on another machine: left out
+        "2026-01-02-grpo-step-h100.json": ("H100", [{**ours, "result": {"error": "replaced"}}]),
+        "2026-01-02-grpo-step-builtin-h100.json": ("H100", [builtin]),
+        "2026-01-02-grpo-step-h100-v2.json": ("H100", [ours]),  # a later file's row replaces the same row
+    }
+    for name, (device, rows) in files.items():
+        (tmp_path / name).write_text(json.dumps({"device": device, "setup": setup, "rows": rows}))
     monkeypatch.setattr(render_table, "RESULTS", tmp_path)
     table = render_table.render_grpo_step().splitlines()
     assert table[2:] == [
         "| m | ours, static cache | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 | 23.6 |",
         "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | |",
         "",
-        "(2026-01-02-grpo-step-h100.json, GPU)",
+        "(2026-01-02-grpo-step-builtin-h100.json, 2026-01-02-grpo-step-h100.json, 2026-01-02-grpo-step-h100-v2.json, "
+        "H100)",
     ]
