@@ -62,7 +62,7 @@ from .packed_batch import (
     wants_router_logits,
 )
 from .packing import PackedSequence
-from .projection import RowInvariantLinear
+from .projection import RowInvariantLinear, plain_products
 from .recompute import RecomputedActivations, recompute_enabled
 from .reference_kernels import torch_gated_delta_rule_varlen  # noqa: F401
 from .rope import MRotaryEmbedding
@@ -257,7 +257,7 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
     def run_layers(self, hidden: torch.Tensor, batch: PackedBatch) -> DecoderRun:
         """Run the decoder layers and the final norm on the packed stream `hidden` [N, H] of `batch`: a cache
         advances by the stream and the caller's columns, MoE layers replay `batch.routed_experts`
-        (routing_replay.py)."""
+        (routing_replay.py), a generation step without autograd runs plain products."""
         replay = None
         if batch.routed_experts is not None:
             stream = routed_experts_stream(batch.routed_experts, batch.packed, self.config, hidden.device)
@@ -275,7 +275,11 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
             if recompute_enabled() and not whole_layers_checkpointed
             else contextlib.nullcontext()
         )
-        with recompute:
+        # A generation step's few rows run plain products, which use the whole GPU (projection.plain_products); not
+        # where autograd records: a checkpointed layer would rerun its forward with the invariant ones
+        generation_step = batch.one_token_per_row and not torch.is_grad_enabled()
+        products = plain_products() if generation_step else contextlib.nullcontext()
+        with recompute, products:
             for layer in self.layers:
                 if all_hidden is not None:
                     hidden = _record_hidden(hidden, batch, all_hidden)

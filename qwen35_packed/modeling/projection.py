@@ -24,13 +24,14 @@ Only the forward decides a token's result: the backward is two plain GEMMs (`Row
 
 `RowInvariantLinear` is an nn.Linear (same parameters, state-dict keys and PEFT targets) whose forward runs that
 product; every projection of the model is one, and the low-rank products PEFT adds around them become row-invariant
-too (adapter_products.py). `plain_products()` turns the whole mechanism off for a block of code (plain products
-everywhere: what the benchmarks use to measure its cost).
+too (adapter_products.py). `plain_products()` turns the whole mechanism off for a block of code: a generation step
+with one new token per row runs in one (`run_layers`), and the benchmarks use it to measure what the invariance costs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator
 
@@ -40,7 +41,9 @@ from torch import nn
 
 from .kernel_selection import grouped_mm_usable
 
-ROW_INVARIANT = True
+# Off within plain_products(): a context variable, so a block in one thread leaves the products of another thread (a
+# model training there) row-invariant.
+_ROW_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("row_invariant_products", default=True)
 CUDA_ROW_BLOCK = 2048
 CPU_ROW_BLOCK = 64
 _ALIGN = 8  # the grouped GEMM's 16-byte alignment of K and N, in bf16 elements
@@ -93,19 +96,23 @@ def _product_for(device_type: str, device_index, dtype: torch.dtype) -> Callable
 
 @contextlib.contextmanager
 def plain_products() -> Iterator[None]:
-    """Within the block every projection is a plain product (cuBLAS on CUDA): not row-invariant, for measuring
-    what the invariance costs. Process-wide while it lasts."""
-    global ROW_INVARIANT
-    saved, ROW_INVARIANT = ROW_INVARIANT, False
+    """Within the block, in this thread, every projection is a plain product (cuBLAS on CUDA): not row-invariant.
+
+    Where: a generation step with one new token per row (`run_layers`). Its rows' bits are no training result: a
+    trainer scores the completions with its own forward, whose products stay invariant. And a decode step has a few
+    rows, where the invariant product (no split-K) leaves most of the GPU without an output tile while the step reads
+    every weight. Also the benchmarks' measure of what the invariance costs. Not in a backward: autograd's threads
+    do not see the block (the backward products are plain anyway; a checkpointed forward reruns invariant)."""
+    token = _ROW_INVARIANT.set(False)
     try:
         yield
     finally:
-        ROW_INVARIANT = saved
+        _ROW_INVARIANT.reset(token)
 
 
 def row_invariant_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (both in the compute dtype), each row's result independent of M (see above)."""
-    if not ROW_INVARIANT or is_dtensor(weight):  # tensor parallelism: the sharded product is DTensor's own
+    if not _ROW_INVARIANT.get() or is_dtensor(weight):  # tensor parallelism: the sharded product is DTensor's own
         return plain_product(x, weight)
     return _product_for(x.device.type, x.device.index, x.dtype)(x, weight)
 

@@ -2,6 +2,8 @@
 PEFT's LoRA adds around one, runs through the row-invariant product, whose result for a row does not depend on how
 many rows share the call; the GPU forms are checked at the real shapes in tests/gpu/test_gpu_real_shapes.py."""
 
+import threading
+
 import pytest
 import torch
 from conftest import packed_model
@@ -131,3 +133,51 @@ def test_plain_products_turns_the_blocks_off_for_its_block_only():
     with WeightProducts({"w": weight}) as seen:
         RowInvariantProduct.apply(x, weight, torch.float32)
     assert seen.rows == {"w": {projection.CPU_ROW_BLOCK}}
+
+
+def test_plain_products_hold_in_their_own_thread_only():
+    x, weight = torch.randn(10, 8), torch.randn(4, 8)
+    entered, done, rows = threading.Event(), threading.Event(), {}
+
+    def plain_elsewhere():
+        with projection.plain_products():
+            entered.set()
+            done.wait(timeout=60)
+
+    other = threading.Thread(target=plain_elsewhere)
+    other.start()
+    entered.wait(timeout=60)
+    with WeightProducts({"w": weight}) as seen:  # while the other thread is inside its block
+        RowInvariantProduct.apply(x, weight, torch.float32)
+        rows.update(seen.rows)
+    done.set()
+    other.join()
+    assert rows == {"w": {projection.CPU_ROW_BLOCK}}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_generation_steps_run_plain_products_and_everything_else_the_invariant_ones(kind):
+    """A cached step with one new token in each of 3 rows, without autograd (what generate() runs): every projection
+    multiplies the 3 rows at once (projection.plain_products). The prefill before it, a step of two new tokens per
+    row, and the one-token step with autograd recording run the fixed blocks."""
+    model = packed_model(kind, tie_word_embeddings=False)
+    weights = {n: w for n, w in two_dimensional_weights(model).items() if "lm_head" not in n}
+    ids = torch.randint(3, model.config.vocab_size, (3, 9))
+
+    def step_rows(columns: int, grad: bool) -> dict:
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        new = torch.randint(3, model.config.vocab_size, (3, columns))
+        with torch.set_grad_enabled(grad), WeightProducts(weights) as seen:
+            model(new, past_key_values=cache, use_cache=True)
+        return seen.rows
+
+    with torch.no_grad(), WeightProducts(weights) as prefill:
+        model(ids, use_cache=True)
+    assert set(prefill.rows) == set(weights)
+    assert all(rows == {projection.CPU_ROW_BLOCK} for rows in prefill.rows.values()), prefill.rows
+    decode = step_rows(1, grad=False)
+    assert set(decode) == set(weights) and all(rows == {3} for rows in decode.values()), decode
+    for columns, grad in ((2, False), (1, True)):
+        seen = step_rows(columns, grad)
+        assert all(rows == {projection.CPU_ROW_BLOCK} for rows in seen.values()), (columns, grad, seen)
