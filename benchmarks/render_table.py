@@ -121,18 +121,19 @@ def by_date_and_version(path: Path):
     return path.name[:10], int(version.group(1)) if version else 1
 
 
+def result_files(pattern: str) -> list[Path]:
+    """The result files matching `pattern`, oldest first (by date, then -vN, then name)."""
+    return sorted(RESULTS.glob(pattern), key=lambda path: (*by_date_and_version(path), path.name))
+
+
 def newest(pattern: str) -> tuple[str, dict]:
     """(name, contents) of the newest result file matching `pattern`."""
-    path = sorted(RESULTS.glob(pattern), key=by_date_and_version)[-1]
+    path = result_files(pattern)[-1]
     return path.name, json.loads(path.read_text())
 
 
-def newest_moe() -> tuple[str, dict]:
-    return newest("*-moe-*.json")
-
-
 def render_moe() -> str:
-    name, data = newest_moe()
+    name, data = newest("*-moe-*.json")
     lines = [
         "| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
         "peak GiB |",
@@ -161,7 +162,7 @@ def render_moe() -> str:
 
 def render_moe_summary() -> str:
     """Per model and batch of the newest MoE file: ours packed against the baseline, and LoRA against LoRA."""
-    name, data = newest_moe()
+    name, data = newest("*-moe-*.json")
     lines = [
         "| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
         "built-in) | LoRA x built-in LoRA |",
@@ -315,8 +316,7 @@ def render_changing_lengths() -> str:
 def one_session(pattern: str) -> list[tuple[str, dict]]:
     """The newest result file matching `pattern` and every other one of its date and device (a session's stages,
     one file each; timings compare only on one machine), oldest first."""
-    paths = sorted(RESULTS.glob(pattern), key=lambda path: (*by_date_and_version(path), path.name))
-    files = [(path.name, json.loads(path.read_text())) for path in paths]
+    files = [(path.name, json.loads(path.read_text())) for path in result_files(pattern)]
     date, device = files[-1][0][:10], files[-1][1]["device"]
     return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
 
