@@ -26,6 +26,8 @@
 #   gpu-tests-3  the rest (-k "not <part 1> and not <part 2>": conv, chunked loss, MoE, expert LoRA). On a fresh
 #                H100 the first twelve tests took over 9 minutes (Triton autotuning and TileLang compiles), so the
 #                file runs as three stages; gpu-tests runs all three in one call (a warm machine's caches)
+#   gpu-suite    every file of tests/gpu at once, one process each (test_gpu.py as its three parts): the whole GPU
+#                suite in one call on a fresh machine, its compiles overlapping (not run yet)
 #   real-shapes  tests/gpu/test_gpu_real_shapes.py (Qwen3.5-4B and the 35B-A3B layer shapes, bitwise), then
 #                tests/gpu/test_gpu_projection.py (the row-invariant product over row counts)          ~5 min
 #   full-depth   full_depth_exactness.py: the whole 35B-A3B, ours and the built-in                   ~2 min
@@ -62,6 +64,9 @@
 #   long-doc-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, one 131,072-token document under
 #                TRL's activation offloading: as is, with what is live at its memory peak by allocating line, then
 #                with the MoE blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk)        ~5 min
+#   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: bf16 adapters and PEFT's
+#                default fp32 adapters under autocast (TRL's bf16=True), each with checkpoint_granularity layer / mlp /
+#                mixer (not run yet)                                                                   ~6 min
 #   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
 #                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
 #                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
@@ -104,7 +109,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
-    | recompute-35b \
+    | recompute-35b | goals-35b \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -112,6 +117,9 @@ for bundle in $needed; do test -e "$GPU_SITE/.bundle-$bundle" || exit 3; done
 # Triton's compiled kernels beside the bundles: kept while the machine stays warm, reused by the next stage.
 export PYTHONPATH="$GPU_SITE:$PWD" TRITON_CACHE_DIR="$GPU_SITE/.triton-cache" PYTHONUNBUFFERED=1
 failed=0
+# tests/gpu/test_gpu.py in three parts (the third: everything the first two leave)
+gpu_tests_part1="fla_packed or flash_qla or holes"
+gpu_tests_part2="varlen or long_documents or elementwise or gated_norm or recompute or host_syncs"
 # step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported and the stage goes on.
 step() {
   local name=$1
@@ -287,6 +295,11 @@ case "$stage" in
       --rows doc_131072:lora_low_rank_offload,doc_131072:lora_low_rank_offload_moe_chunk \
       --memory-at-peak doc_131072:lora_low_rank_offload --out "$OUT/long-doc-35b.json"
     ;;
+  goals-35b)
+    step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
+      --out "$OUT/goals-35b.json"
+    ;;
   recompute-35b)
     step recompute-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer \
@@ -297,15 +310,38 @@ case "$stage" in
       --rows doc_131072:full_offload,doc_131072:full_save_on_cpu,doc_32768:full_offload,doc_262144:full_offload \
       --out "$OUT/offload-4b.json"
     ;;
+  gpu-suite)
+    # Nothing in tests/gpu is timed, so every file (test_gpu.py in its three parts) runs in its own process at once:
+    # a fresh machine spends most of its time compiling on the CPU, and 16 cores overlap that.
+    jobs=()
+    suite_job() {  # NAME FILE [pytest -k SELECTION]
+      local name=$1 file=$2
+      shift 2
+      QWEN35_GPU_RESULTS="$OUT/$name.json" QWEN35_GPU_VL_RESULTS="$OUT/$name.json" \
+        python3 -m pytest -q -p no:cacheprovider "$file" "$@" > "$OUT/$name.log" 2>&1 &
+      jobs+=("$name:$!")
+    }
+    suite_job gpu-tests-1 tests/gpu/test_gpu.py -k "$gpu_tests_part1"
+    suite_job gpu-tests-2 tests/gpu/test_gpu.py -k "$gpu_tests_part2"
+    suite_job gpu-tests-3 tests/gpu/test_gpu.py -k "not ($gpu_tests_part1) and not ($gpu_tests_part2)"
+    for file in tests/gpu/test_*.py; do
+      [ "$file" = tests/gpu/test_gpu.py ] || suite_job "$(basename "$file" .py)" "$file"
+    done
+    for job in "${jobs[@]}"; do
+      wait "${job#*:}"
+      rc=$?
+      echo "${job%%:*}: exit $rc"
+      tail -n 3 "$OUT/${job%%:*}.log"
+      [ $rc -eq 0 ] || failed=1
+    done
+    ;;
   gpu-tests | gpu-tests-[123])
-    part1="fla_packed or flash_qla or holes"
-    part2="varlen or long_documents or elementwise or gated_norm or recompute or host_syncs"
     parts=$([ "$stage" = gpu-tests ] && echo 1 2 3 || echo "${stage#gpu-tests-}")
     for part in $parts; do
       case $part in
-        1) select=$part1 ;;
-        2) select=$part2 ;;
-        3) select="not ($part1) and not ($part2)" ;;
+        1) select=$gpu_tests_part1 ;;
+        2) select=$gpu_tests_part2 ;;
+        3) select="not ($gpu_tests_part1) and not ($gpu_tests_part2)" ;;
       esac
       step "gpu-tests-$part" env QWEN35_GPU_RESULTS="$OUT/gpu-tests-$part.json" \
         python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "$select"
