@@ -731,7 +731,9 @@ def test_expert_lora_low_rank_path_is_as_close_to_fp32_as_peft_bf16(rank):
         block.to(dtype)
         block.zero_grad(set_to_none=True)
         xi = x.to(dtype).detach().clone().requires_grad_()
-        out, _ = block(xi, dataclasses.replace(choice, moe=moe, expert_lora=expert_lora), routed_experts=routing)
+        out, _ = block(
+            xi, kernel_set(dataclasses.replace(choice, moe=moe, expert_lora=expert_lora)), routed_experts=routing
+        )
         out.backward(cotangent.to(dtype))
         grads = dict(block.named_parameters())
         result = {"out": out.float(), "x": xi.grad.float()} | {name: grads[name].grad.float() for name in lora_names}
