@@ -167,7 +167,7 @@ class PackedSequence:
         if self.token_index is None:
             return x.reshape(batch, seq_len, *x.shape[1:])
         out = x.new_full((batch * seq_len, *x.shape[1:]), fill)
-        out = out.index_copy(0, self.token_index, x)
+        out.index_copy_(0, self.token_index, x)  # in place: the padded logits of a long batch are tens of GiB, once
         return out.reshape(batch, seq_len, *x.shape[1:])
 
     def real_mask(self) -> torch.Tensor:

@@ -340,3 +340,29 @@ def test_stream_without_host_boundaries_copies_them_once():
     assert host is packed.cu_seqlens_cpu() and host.tolist() == [0, 2, 7] and host.dtype == torch.int64
     assert packed.position_in_doc().tolist() == [0, 1, 0, 1, 2, 3, 4]
     assert packed.doc_index().tolist() == [0, 0, 1, 1, 1, 1, 1]
+
+
+def test_unpack_writes_the_padded_output_once_in_place_and_passes_gradients():
+    # The head's logits go through unpack: at the 35B-A3B's vocabulary a padded batch's logits are tens of GiB, and an
+    # out-of-place copy into the filled buffer holds two of them at once (an H100 ran out of memory on that copy).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    packed = _build(shape=(2, 4), attention_mask=mask)
+    x = torch.randn(5, 3, requires_grad=True)
+    with Ops() as ops:
+        out = packed.unpack(x, fill=-1.0)
+    assert torch.ops.aten.index_copy_.default in ops.seen and torch.ops.aten.index_copy.default not in ops.seen
+    assert out.shape == (2, 4, 3) and (out[mask == 0] == -1).all()
+    assert torch.equal(packed.pack(out), x)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
