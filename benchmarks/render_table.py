@@ -314,8 +314,9 @@ def render_changing_lengths() -> str:
 
 
 def one_session(pattern: str) -> list[tuple[str, dict]]:
-    """The newest result file matching `pattern` and every other one of its date and device (a session's stages,
-    one file each; timings compare only on one machine), oldest first."""
+    """The newest result file matching `pattern` and every other one of its date and card (a session's stages, one
+    file each), oldest first. Two sessions of one day on two machines of one card land together: the caption names
+    the files, whose provenance says where each ran."""
     files = [(path.name, json.loads(path.read_text())) for path in result_files(pattern)]
     date, device = files[-1][0][:10], files[-1][1]["device"]
     return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
