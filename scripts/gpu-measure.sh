@@ -67,7 +67,8 @@
 #                with the MoE blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk)        ~5 min
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: bf16 adapters and PEFT's
 #                default fp32 adapters under autocast (TRL's bf16=True), each with checkpoint_granularity layer / mlp /
-#                mixer (not run yet)                                                                   ~6 min
+#                mixer, then the 131,072-token document (TRL's offloading, MoE in chunks): every goal row of issue 46 in
+#                one process, which pays the model's build and first autotuning once (not run yet)       ~7 min
 #   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
 #                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
 #                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
@@ -298,7 +299,7 @@ case "$stage" in
     ;;
   goals-35b)
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer,doc_131072:lora_low_rank_offload_moe_chunk \
       --out "$OUT/goals-35b.json"
     ;;
   recompute-35b)
@@ -317,10 +318,11 @@ case "$stage" in
     # (the 35B-A3B's 248,320-wide logits of ~30k tokens) runs alone afterwards: beside the others it ran out of
     # memory on an H100.
     jobs=()
+    allocator=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True # processes sharing a card: less memory held unused
     suite_job() {  # NAME FILE [pytest -k SELECTION]
       local name=$1 file=$2
       shift 2
-      QWEN35_GPU_RESULTS="$OUT/$name.json" QWEN35_GPU_VL_RESULTS="$OUT/$name.json" \
+      env QWEN35_GPU_RESULTS="$OUT/$name.json" QWEN35_GPU_VL_RESULTS="$OUT/$name.json" "$allocator" \
         python3 -m pytest -q -p no:cacheprovider "$file" "$@" > "$OUT/$name.log" 2>&1 &
       jobs+=("$name:$!")
     }
@@ -337,7 +339,7 @@ case "$stage" in
       tail -n 3 "$OUT/${job%%:*}.log"
       [ $rc -eq 0 ] || failed=1
     done
-    step test_gpu_real_shapes env QWEN35_GPU_RESULTS="$OUT/test_gpu_real_shapes.json" \
+    step test_gpu_real_shapes env QWEN35_GPU_RESULTS="$OUT/test_gpu_real_shapes.json" "$allocator" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py
     ;;
   gpu-tests | gpu-tests-[123])
