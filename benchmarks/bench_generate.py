@@ -13,7 +13,7 @@ layers. On the built-in: transformers' own fast paths where installed (FLA, caus
 
     python benchmarks/bench_generate.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--batches 1,16,64] [--prompts 512,4096] [--new-tokens 256] [--modes greedy,sampled] [--reps 2]
-        [--profile] [--device cuda] [--tiny] [--out FILE]
+        [--profile] [--device cuda] [--tiny] [--out FILE] [--bound-only]
 
 An implementation `NAME:static` runs generate(cache_implementation="static"): ours then writes a static cache in
 place and replays its decode steps as CUDA graphs; the built-in builds transformers' StaticCache (and compiles its
@@ -23,6 +23,11 @@ forward, as generate() does for a static cache). The rows record the cache.
 under torch.profiler, their difference per decode step: kernel launches, kernel milliseconds by class and by name,
 the time the GPU waited for the host (the step's wall time minus its kernel time), and the host milliseconds by
 outermost operator (trace_train_step.py's readings of the trace).
+
+Every row also records the weights a decode step must read at least (`weight_gb_per_step`, every parameter once; of
+the routed experts the share its tokens hit) and, on a card whose data-sheet memory bandwidth is known, the time
+that reading takes (`bandwidth_bound_ms`): the step's lower bound. `--bound-only` prints those two for the given
+models and batches from meta-device models, without a GPU.
 
 --tiny runs a small config (on CPU it measures the host work of a decode step, which a GPU run at small shapes is
 bound by as well). Prints a table and writes JSON under results/benchmarks/ (or --out) after every row.
@@ -46,6 +51,41 @@ from trace_train_step import host_time_by_outermost_op, kernel_time_by_name, tra
 
 ROOT = Path(__file__).resolve().parent
 MOE_MODEL = "qwen35_35b_a3b"
+# Peak memory bandwidth in TB/s from NVIDIA's data sheets, by a part of the device name: a decode step's lower bound.
+PEAK_BANDWIDTH_TB_S = {"H100 80GB HBM3": 3.35, "H200": 4.8}
+
+
+def weight_bytes_per_decode_step(model, batch: int) -> int:
+    """The bytes of weights one decode step of `batch` rows must read: every parameter once, of the input embedding
+    only the rows looked up (all of it where the output head shares it), and of each layer's routed experts
+    the share that `batch` tokens, each choosing k of E, hit on average under uniform routing (random weights route
+    near uniformly): 1 - (1 - k/E)^batch."""
+    config = model.config
+    experts = getattr(config, "num_experts", None)
+    hit = 1.0 if not experts else 1 - (1 - config.num_experts_per_tok / experts) ** batch
+    embedding = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embedding
+    total = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if p is embedding and not tied:
+            size = min(batch, p.shape[0]) * p.shape[1] * p.element_size()
+        elif experts and ".experts." in name and p.shape[0] == experts:
+            size *= hit
+        total += size
+    return round(total)
+
+
+def peak_bandwidth_tb_s(device_name: str) -> float | None:
+    return next((tb for part, tb in PEAK_BANDWIDTH_TB_S.items() if part in device_name), None)
+
+
+def decode_bound(model, batch: int, device_name: str) -> dict:
+    """weight_gb_per_step and, where the card's bandwidth is known, bandwidth_bound_ms (see the module docstring)."""
+    weights = weight_bytes_per_decode_step(model, batch)
+    bandwidth = peak_bandwidth_tb_s(device_name)
+    bound = None if bandwidth is None else round(weights / (bandwidth * 1e12) * 1e3, 3)
+    return {"weight_gb_per_step": round(weights / 1e9, 3), "bandwidth_bound_ms": bound}
 
 
 def config_kwargs(spec: str, tiny: bool) -> tuple[str, str, dict]:
@@ -185,6 +225,19 @@ def print_table(rows: list[dict]) -> None:
         print(f"{head}{r['decode_step_ms']:>9.2f}{r['new_tokens_per_s']:>9.1f}{r['first_call_s']:>9.2f}")
 
 
+def print_bounds(args) -> None:
+    """--bound-only: each model's weights per decode step and the bound on each card of PEAK_BANDWIDTH_TB_S."""
+    cards = list(PEAK_BANDWIDTH_TB_S)
+    print(f"{'model':<28}{'batch':>6}{'GB/step':>9}" + "".join(f"{card + ' ms':>20}" for card in cards))
+    for spec in args.models.split(","):
+        name, key, kwargs = config_kwargs(spec, args.tiny)
+        model = build(key, "ours", kwargs, torch.device("meta"), torch.bfloat16)
+        for batch in map(int, args.batches.split(",")):
+            bounds = [decode_bound(model, batch, card) for card in cards]
+            line = f"{name:<28}{batch:>6}{bounds[0]['weight_gb_per_step']:>9.2f}"
+            print(line + "".join(f"{b['bandwidth_bound_ms']:>20.3f}" for b in bounds))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="qwen35_0p8b,qwen35_4b,qwen35_35b_a3b")
@@ -198,7 +251,11 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--bound-only", action="store_true", help="weights per step and the bound (see above)")
     args = parser.parse_args()
+    if args.bound_only:
+        print_bounds(args)
+        return
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     date = datetime.date.today().isoformat()
@@ -225,6 +282,8 @@ def main():
                             result = measure(model, batch, prompt, args.new_tokens, mode, args.reps, device, cache)
                         except Exception as error:  # e.g. the built-in's static cache: recorded, the next rows run
                             result = {"error": f"{type(error).__name__}: {error}"[:500]}
+                        else:
+                            result.update(decode_bound(model, batch, report["device"]))
                         if args.profile and "error" not in result:
                             result["profile"] = profile_decode(
                                 model, batch, prompt, args.new_tokens, mode, device, cache

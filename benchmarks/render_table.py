@@ -274,19 +274,22 @@ def render_generate() -> str:
     rows all come from one machine), which the caption names."""
     name, data = newest("*-generate-h[12]00*.json")
     lines = [
-        "| model | implementation | batch x prompt, new tokens | decode step ms | new tokens/s | first call s | peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | implementation | batch x prompt, new tokens | decode step ms | x bandwidth bound | new tokens/s "
+        "| first call s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in data["rows"]:
         r = row["result"]
         impl = row["impl"] + (", static cache" if row.get("cache") == "static" else "")
         shape = f"{row['batch']} x {row['prompt']}, {data['new_tokens']} {row['mode']}"
         if "error" in r:
-            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | |")
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | |")
             continue
+        bound = r.get("bandwidth_bound_ms")  # the weights' reading time at the card's data-sheet bandwidth
+        over_bound = f"{r['decode_step_ms'] / bound:.1f}" if bound else ""
         lines.append(
-            f"| {row['model']} | {impl} | {shape} "
-            f"| {r['decode_step_ms']} | {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
+            f"| {row['model']} | {impl} | {shape} | {r['decode_step_ms']} | {over_bound} "
+            f"| {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
         )
     return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
