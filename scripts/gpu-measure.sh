@@ -67,11 +67,9 @@
 #                with the MoE blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk)        ~5 min
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: bf16 adapters and PEFT's
 #                default fp32 adapters under autocast (TRL's bf16=True), each with checkpoint_granularity layer / mlp /
-#                mixer, then the 131,072-token document (TRL's offloading, MoE in chunks): every goal row of issue 46 in
-#                one process, which pays the model's build and first autotuning once (not run yet)       ~7 min
-#   recompute-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch, adapters in bf16: time
-#                and peak memory with the backward rerunning each checkpointed layer whole, only its MLP / MoE
-#                block, only its mixer (checkpoint_granularity layer / mlp / mixer)                  ~3 min
+#                mixer (what the backward reruns of each checkpointed layer: all of it, its MLP / MoE block, its mixer),
+#                then the 131,072-token document (TRL's offloading, MoE in chunks): every goal row of issue 46 in one
+#                process, which pays the model's build and first autotuning once (not run yet)            ~7 min
 #   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
@@ -111,7 +109,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
-    | recompute-35b | goals-35b \
+    | goals-35b \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -301,11 +299,6 @@ case "$stage" in
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer,doc_131072:lora_low_rank_offload_moe_chunk \
       --out "$OUT/goals-35b.json"
-    ;;
-  recompute-35b)
-    step recompute-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer \
-      --out "$OUT/recompute-35b.json"
     ;;
   offload-4b)
     step offload-4b python3 benchmarks/bench_workload.py --model qwen35_4b --impl ours \
