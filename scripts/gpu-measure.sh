@@ -25,7 +25,7 @@
 #                host syncs
 #   gpu-tests-3  the rest (-k "not <part 1> and not <part 2>": conv, chunked loss, MoE, expert LoRA). On a fresh
 #                H100 the first twelve tests took over 9 minutes (Triton autotuning and TileLang compiles), so the
-#                file runs as three stages; gpu-tests runs all three in one call (a warm machine's caches)
+#                file runs as three stages (gpu-suite runs them with the rest of tests/gpu, at once)
 #   gpu-suite    every file of tests/gpu at once, one process each (test_gpu.py as its three parts), then the
 #                real-shapes file alone: the whole GPU suite in one call on a fresh machine, its compiles overlapping
 #                (on a fresh H100: 7.6 min, the context-parallel file the longest)
@@ -120,7 +120,8 @@ failed=0
 # tests/gpu/test_gpu.py in three parts (the third: everything the first two leave)
 gpu_tests_part1="fla_packed or flash_qla or holes"
 gpu_tests_part2="varlen or long_documents or elementwise or gated_norm or recompute or host_syncs"
-# step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported and the stage goes on.
+# step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported (and returns its status) and the stage
+# goes on.
 step() {
   local name=$1
   shift
@@ -129,6 +130,7 @@ step() {
   echo "$name: exit $rc"
   tail -n 3 "$OUT/$name.log"
   [ $rc -eq 0 ] || failed=1
+  return $rc
 }
 
 case "$stage" in
@@ -309,43 +311,33 @@ case "$stage" in
     # Nothing in tests/gpu is timed, so every file (test_gpu.py in its three parts) runs in its own process at once:
     # a fresh machine spends most of its time compiling on the CPU, and 16 cores overlap that. The real-shapes file
     # (the 35B-A3B's 248,320-wide logits of ~30k tokens) runs alone afterwards: beside the others it ran out of
-    # memory on an H100.
-    jobs=()
-    allocator=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True # processes sharing a card: less memory held unused
-    suite_job() {  # NAME FILE [pytest -k SELECTION]
+    # memory on an H100. Processes sharing a card: expandable segments hold less memory unused.
+    pids=()
+    suite_test() {  # NAME FILE [pytest -k SELECTION]: one file's tests, in the background
       local name=$1 file=$2
       shift 2
-      env QWEN35_GPU_RESULTS="$OUT/$name.json" QWEN35_GPU_VL_RESULTS="$OUT/$name.json" "$allocator" \
-        python3 -m pytest -q -p no:cacheprovider "$file" "$@" > "$OUT/$name.log" 2>&1 &
-      jobs+=("$name:$!")
+      step "$name" env QWEN35_GPU_RESULTS="$OUT/$name.json" QWEN35_GPU_VL_RESULTS="$OUT/$name.json" \
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m pytest -q -p no:cacheprovider "$file" "$@" &
+      pids+=($!)
     }
-    suite_job gpu-tests-1 tests/gpu/test_gpu.py -k "$gpu_tests_part1"
-    suite_job gpu-tests-2 tests/gpu/test_gpu.py -k "$gpu_tests_part2"
-    suite_job gpu-tests-3 tests/gpu/test_gpu.py -k "not ($gpu_tests_part1) and not ($gpu_tests_part2)"
+    suite_test gpu-tests-1 tests/gpu/test_gpu.py -k "$gpu_tests_part1"
+    suite_test gpu-tests-2 tests/gpu/test_gpu.py -k "$gpu_tests_part2"
+    suite_test gpu-tests-3 tests/gpu/test_gpu.py -k "not ($gpu_tests_part1) and not ($gpu_tests_part2)"
     for file in tests/gpu/test_*.py; do
-      case $file in tests/gpu/test_gpu.py | tests/gpu/test_gpu_real_shapes.py) ;; *) suite_job "$(basename "$file" .py)" "$file" ;; esac
+      case $file in tests/gpu/test_gpu.py | tests/gpu/test_gpu_real_shapes.py) ;; *) suite_test "$(basename "$file" .py)" "$file" ;; esac
     done
-    for job in "${jobs[@]}"; do
-      wait "${job#*:}"
-      rc=$?
-      echo "${job%%:*}: exit $rc"
-      tail -n 3 "$OUT/${job%%:*}.log"
-      [ $rc -eq 0 ] || failed=1
-    done
-    step test_gpu_real_shapes env QWEN35_GPU_RESULTS="$OUT/test_gpu_real_shapes.json" "$allocator" \
-      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    suite_test test_gpu_real_shapes tests/gpu/test_gpu_real_shapes.py
+    wait "$!" || failed=1
     ;;
-  gpu-tests | gpu-tests-[123])
-    parts=$([ "$stage" = gpu-tests ] && echo 1 2 3 || echo "${stage#gpu-tests-}")
-    for part in $parts; do
-      case $part in
-        1) select=$gpu_tests_part1 ;;
-        2) select=$gpu_tests_part2 ;;
-        3) select="not ($gpu_tests_part1) and not ($gpu_tests_part2)" ;;
-      esac
-      step "gpu-tests-$part" env QWEN35_GPU_RESULTS="$OUT/gpu-tests-$part.json" \
-        python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "$select"
-    done
+  gpu-tests-[123])
+    case $stage in
+      gpu-tests-1) select=$gpu_tests_part1 ;;
+      gpu-tests-2) select=$gpu_tests_part2 ;;
+      gpu-tests-3) select="not ($gpu_tests_part1) and not ($gpu_tests_part2)" ;;
+    esac
+    step "$stage" env QWEN35_GPU_RESULTS="$OUT/$stage.json" \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "$select"
     ;;
   *)
     echo "unknown stage '$stage' (see the header of $0)" >&2
