@@ -37,6 +37,8 @@ refused.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -78,11 +80,24 @@ class PerRowKeysValues:
     supports_early_init = False
 
     def __init__(self, cache: Qwen3_5PackedCache, batch_size: int):
-        self._cache = cache  # the column count the transformers layout is padded to
+        # Weak: a cache and its layers go when the last reference to the cache does, not at a later pass of the
+        # garbage collector, which could come during another cache's CUDA-graph capture and free the old graphs'
+        # memory inside it (decode_graph.py).
+        self._cache_ref = weakref.ref(cache)
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
         self.host_lengths = [0] * batch_size  # tokens held per row, on the host (slicing needs no device read)
         self.lengths: torch.Tensor | None = None  # the same, long [B] on the buffers' device (the step's mask)
+
+    @property
+    def _cache(self) -> Qwen3_5PackedCache:
+        """The cache this layer belongs to (its capacity, column counts and row selection)."""
+        cache = self._cache_ref()
+        if cache is None:
+            raise RuntimeError(
+                "this attention layer's Qwen3_5PackedCache was freed; keep the cache, not only its layers"
+            )
+        return cache
 
     @property
     def key_rows(self) -> list[torch.Tensor | None]:

@@ -21,11 +21,16 @@ moved by Accelerate's offloading hooks (`graph_refusal`); those steps run eagerl
 
 The token ids a replay copies in are checked against the vocabulary first, as the eager forward checks them (one
 read on the host per step). A capture that fails (a kernel that reads the device on the host, e.g. a rope variant
-that sizes itself by the largest position) is said once in the log and the cache's steps run eagerly from then on.
+that sizes itself by the largest position) is said once in the log and the cache's steps run eagerly from then on;
+torch's random generators are taken out of the failed capture's state first, so that sampling goes on. The garbage
+collector is paused during a capture: a collection there could free another cache's graphs (cyclic garbage) inside
+it, which invalidates the capture.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from collections.abc import Callable
 
@@ -43,9 +48,13 @@ def cuda_graph_capture(step: Callable[[], tuple]) -> tuple[tuple, Callable[[], t
     """Capture `step` (device work only, on tensors that outlive the graph) as a CUDA graph and run it once ->
     (its output tensors, a function that replays it and returns the same tensors, rewritten)."""
     graph = torch.cuda.CUDAGraph()
-    # thread_local: a CUDA call of another thread (a data loader, a logger) does not invalidate this capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        output = step()
+    try:
+        # thread_local: a CUDA call of another thread (a data loader, a logger) does not invalidate this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            output = step()
+    except RuntimeError:
+        end_generators_capture()
+        raise
     graph.replay()  # capturing ran nothing
 
     def replay() -> tuple:
@@ -53,6 +62,29 @@ def cuda_graph_capture(step: Callable[[], tuple]) -> tuple[tuple, Callable[[], t
         return output
 
     return output, replay
+
+
+def end_generators_capture() -> None:
+    """Take torch's default CUDA generators out of a failed capture. A capture whose end fails (it was invalidated)
+    raises before the generators' epilogue, so they stay marked as capturing, and the next random op outside a
+    capture (generate()'s sampling) fails with "Offset increment outside graph capture encountered unexpectedly". A
+    capture that succeeds runs their prologue and epilogue, which clears the mark."""
+    probe = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+        probe.add_(1)
+
+
+@contextlib.contextmanager
+def garbage_collector_paused():
+    """No automatic garbage collection inside: one during a capture could free another cache's CUDA graphs (cyclic
+    garbage left by a caller) and their memory inside the capture, which invalidates it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CapturedStep:
@@ -101,7 +133,8 @@ class DecodeGraphs:
         counts = cache.host_counts()
         self.capturing = True
         try:
-            outputs, replay = self.capture(lambda: forward(token_ids))
+            with garbage_collector_paused():
+                outputs, replay = self.capture(lambda: forward(token_ids))
         except RuntimeError as error:  # e.g. "operation not permitted when stream is capturing"
             cache.restore_host_counts(counts)  # the capture ran the forward's Python, not its device work
             self.disabled = True

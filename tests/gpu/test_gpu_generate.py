@@ -35,7 +35,7 @@ from qwen35_packed import (  # noqa: E402
     Qwen3_5PackedForCausalLM,
 )
 from qwen35_packed.modeling.cache import Qwen3_5PackedCache  # noqa: E402
-from qwen35_packed.modeling.decode_graph import DecodeGraphs  # noqa: E402
+from qwen35_packed.modeling.decode_graph import DecodeGraphs, cuda_graph_capture  # noqa: E402
 from qwen35_packed.modeling.outputs import CACHE_FIELD  # noqa: E402
 
 BASE_SEED = int(os.environ.get("QWEN35_GPU_SEED", time.time_ns() % 1_000_000))
@@ -175,3 +175,19 @@ def test_generate_static_gives_the_sequences_of_its_eager_steps(model):
     RESULTS[f"{model.kind}_generate"] = {"seed": seed, "captured_steps": captured}
     assert captured == 1
     assert torch.equal(graphed.sequences, want)
+
+
+def test_a_failed_capture_leaves_sampling_and_later_captures_working():
+    """A capture invalidated by a read of the device on the host raises, and does not leave torch's random generators
+    in its state (which made generate()'s next sampling step fail): sampling runs after it, and a later capture
+    replays."""
+    values = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):
+        cuda_graph_capture(lambda: (values * values.sum().item(),))
+    probabilities = torch.softmax(torch.randn(8, 100, device="cuda"), dim=-1)
+    assert torch.multinomial(probabilities, 1).shape == (8, 1)
+    counter = torch.zeros(1, device="cuda")
+    _, replay = cuda_graph_capture(lambda: (counter.add_(1),))  # runs once
+    replay()
+    replay()
+    assert counter.item() == 3

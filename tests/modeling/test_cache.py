@@ -291,3 +291,43 @@ def test_a_prefill_gives_the_uncached_forwards_logits_bit_for_bit(kind):
         cached = model(ids, attention_mask=mask, use_cache=True)
         uncached = model(ids, attention_mask=mask, use_cache=False).logits
     assert cached.past_key_values is not None and torch.equal(cached.logits, uncached)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("implementation", ["dynamic", "static"])
+def test_a_cache_goes_with_its_last_reference(kind, implementation, monkeypatch):
+    """No reference cycle holds a cache: with the garbage collector off, the caches generate() made are gone once its
+    output is. (A static cache holds its CUDA graphs; freed by a later collection, they could go inside another
+    capture and invalidate it.)"""
+    import gc
+    import weakref
+
+    made = []
+    construct = Qwen3_5PackedCache.__init__
+
+    def recorded(self, *args, **kwargs):
+        construct(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Qwen3_5PackedCache, "__init__", recorded)
+    model = packed_model(kind)
+    ids, mask = _left_padded_prompt()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            output = model.generate(
+                ids, attention_mask=mask, max_new_tokens=3, cache_implementation=implementation, **GREEDY
+            )
+        del output
+        assert made and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
+
+
+def test_an_attention_layer_outliving_its_cache_says_so():
+    cache = Qwen3_5PackedCache(["full_attention"], batch_size=1)
+    layer = cache.layers[0]
+    del cache
+    with pytest.raises(RuntimeError, match="was freed"):
+        layer.static

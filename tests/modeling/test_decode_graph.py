@@ -153,6 +153,33 @@ def test_a_failed_capture_is_said_and_the_steps_run_eagerly(caplog):
     assert "could not be captured as a CUDA graph" in caplog.text
 
 
+def test_the_garbage_collector_is_paused_while_a_step_is_captured():
+    """A collection inside a capture could free another cache's graphs there (module docstring of decode_graph.py):
+    the collector is off while the graph backend runs, and on again after, also after a failed capture."""
+    import gc
+
+    seen = []
+
+    def recording(step, fail):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return TracedGraphs()(step)
+
+    model = _model("dense")
+    ids, _ = _prompts(model.config.vocab_size)
+    for fail in (False, True):
+        static = Qwen3_5PackedCache(model.config.layer_types, ids.shape[0], capacity=32)
+        static.decode_graphs = DecodeGraphs(capture=lambda step, fail=fail: recording(step, fail))
+        with torch.no_grad():
+            token = model(input_ids=ids, cache=static, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(2):
+                token = model(input_ids=token, cache=static, use_cache=True).logits[:, -1:].argmax(-1)
+        assert gc.isenabled()
+        assert static.decode_graphs.disabled == fail
+    assert seen == [False, False]
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_generate_with_a_static_cache_gives_the_dynamic_caches_sequences(kind):
     """Greedy, beam search and seeded sampling with several sequences per prompt (rows expanded before the
