@@ -270,28 +270,41 @@ def render_workload_summary() -> str:
 
 
 def render_generate() -> str:
-    """generate() on the GPU (bench_generate.py): every row of the newest generate file of an H100 or H200 (its
-    rows all come from one machine), which the caption names."""
-    name, data = newest("*-generate-h[12]00*.json")
+    """generate() on the GPU (bench_generate.py): the rows of the newest session's generate files of an H100 or H200
+    (a later file's row replaces an earlier one of the same model, implementation, cache, batch, prompt, mode and new
+    tokens), each with its file: rows of one file come from one machine."""
+    rows = session_rows(
+        "*-generate-h[12]00*.json",
+        lambda data, row: (
+            row["model"],
+            data["new_tokens"],
+            row["prompt"],
+            row["batch"],
+            row["mode"],
+            row["impl"] != "ours",
+            row.get("cache") or "",
+        ),
+    )
     lines = [
         "| model | implementation | batch x prompt, new tokens | decode step ms | x bandwidth bound | new tokens/s "
-        "| first call s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| first call s | peak GiB | result file |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in data["rows"]:
+    for key in sorted(rows):
+        name, data, row = rows[key]
         r = row["result"]
         impl = row["impl"] + (", static cache" if row.get("cache") == "static" else "")
         shape = f"{row['batch']} x {row['prompt']}, {data['new_tokens']} {row['mode']}"
         if "error" in r:
-            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | |")
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | | {name} |")
             continue
         bound = r.get("bandwidth_bound_ms")  # the weights' reading time at the card's data-sheet bandwidth
         over_bound = f"{r['decode_step_ms'] / bound:.1f}" if bound else ""
         lines.append(
             f"| {row['model']} | {impl} | {shape} | {r['decode_step_ms']} | {over_bound} "
-            f"| {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} |"
+            f"| {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} | {name} |"
         )
-    return "\n".join(lines + ["", f"({name}, {data['device']})"])
+    return "\n".join(lines + ["", f"({data['device']})"])
 
 
 def render_changing_lengths() -> str:
@@ -318,41 +331,47 @@ def render_changing_lengths() -> str:
 
 def one_session(pattern: str) -> list[tuple[str, dict]]:
     """The newest result file matching `pattern` and every other one of its date and card (a session's stages, one
-    file each), oldest first. Two sessions of one day on two machines of one card land together: the caption names
-    the files, whose provenance says where each ran."""
+    file each), oldest first. Two sessions of one day on two machines of one card land together: the tables name
+    each row's file, whose provenance says where it ran."""
     files = [(path.name, json.loads(path.read_text())) for path in result_files(pattern)]
     date, device = files[-1][0][:10], files[-1][1]["device"]
     return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
 
 
+def session_rows(pattern: str, key) -> dict:
+    """{key(file contents, row): (file name, file contents, row)} over the rows of `one_session(pattern)`, a later
+    file's row replacing an earlier one of the same key."""
+    return {key(data, row): (name, data, row) for name, data in one_session(pattern) for row in data["rows"]}
+
+
 def render_grpo_step() -> str:
     """One GRPO step without vLLM (bench_grpo_step.py): every row of the newest session's files of an H100 or H200
-    (a later file's row replaces an earlier one of the same model and implementation), the timed steps' mean seconds
-    split as the benchmark splits them, and the warm-up steps (compiles) apart."""
-    files = one_session("*-grpo-step*-h[12]00*.json")
-    rows = {
-        (row["model"], row["impl"], row["cache"]): (row, data["setup"]) for _, data in files for row in data["rows"]
-    }
+    (a later file's row replaces an earlier one of the same model, implementation and cache), the timed steps' mean
+    seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
+    # each model's rows: ours (dynamic, then static cache), then the built-in
+    rows = session_rows(
+        "*-grpo-step*-h[12]00*.json", lambda data, row: (row["model"], row["impl"] != "ours", row["cache"])
+    )
     lines = [
         "| model | implementation | prompts x completions, tokens | generation s | scoring s | training s | step s "
-        "| warm-up step s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| warm-up step s | peak GiB | result file |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    # each model's rows: ours (dynamic, then static cache), then the built-in
-    for key in sorted(rows, key=lambda key: (key[0], key[1] != "ours", key[2])):
-        row, setup = rows[key]
+    for key in sorted(rows):
+        name, data, row = rows[key]
+        setup = data["setup"]
         shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
         r = row["result"]
         impl = f"{row['impl']}, {row['cache']} cache"
         if "error" in r:
-            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | | | {name} |")
             continue
         warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
         lines.append(
             f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
-            f"| {r['total_s']} | {warmup} | {r['peak_gib']} |"
+            f"| {r['total_s']} | {warmup} | {r['peak_gib']} | {name} |"
         )
-    return "\n".join(lines + ["", f"({', '.join(name for name, _ in files)}, {files[-1][1]['device']})"])
+    return "\n".join(lines + ["", f"({data['device']})"])
 
 
 TABLES = {

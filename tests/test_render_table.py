@@ -121,9 +121,53 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_session(tmp_path, monkeypa
     monkeypatch.setattr(render_table, "RESULTS", tmp_path)
     table = render_table.render_grpo_step().splitlines()
     assert table[2:] == [
-        "| m | ours, static cache | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 | 23.6 |",
-        "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | |",
+        "| m | ours, static cache | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 | 23.6 "
+        "| 2026-01-02-grpo-step-h100-v2.json |",
+        "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | "
+        "| 2026-01-02-grpo-step-builtin-h100.json |",
         "",
-        "(2026-01-02-grpo-step-builtin-h100.json, 2026-01-02-grpo-step-h100.json, 2026-01-02-grpo-step-h100-v2.json, "
-        "H100)",
+        "(H100)",
+    ]
+
+
+def test_generate_table_lists_the_rows_of_the_newest_session_with_their_files(tmp_path, monkeypatch):
+    import json
+
+    def row(impl, cache, batch, step_ms, mode="greedy"):
+        result = {"decode_step_ms": step_ms, "new_tokens_per_s": 100.0, "first_call_s": 1.0, "peak_gib": 2.0}
+        result["bandwidth_bound_ms"] = 0.5
+        return {
+            "model": "m",
+            "impl": impl,
+            "cache": cache,
+            "batch": batch,
+            "prompt": 512,
+            "mode": mode,
+            "result": result,
+        }
+
+    files = {
+        "2026-01-01-generate-h100.json": ("H100", 64, [row("ours", "static", 16, 9.0)]),  # an older session
+        "2026-01-02-generate-h100.json": (
+            "H100",
+            64,
+            [row("builtin", "dynamic", 16, 20.0), row("ours", "static", 16, 9.0)],
+        ),
+        "2026-01-02-generate-h100-v2.json": ("H100", 64, [row("ours", "static", 16, 2.0)]),  # replaces the same row
+        "2026-01-02-generate-h100-v3.json": (
+            "H100",
+            256,  # other new tokens: other rows
+            [row("ours", "static", 1, 1.5), {**row("ours", "static", 64, 0, "sampled"), "result": {"error": "E"}}],
+        ),
+    }
+    for name, (device, new_tokens, rows) in files.items():
+        (tmp_path / name).write_text(json.dumps({"device": device, "new_tokens": new_tokens, "rows": rows}))
+    monkeypatch.setattr(render_table, "RESULTS", tmp_path)
+    assert render_table.render_generate().splitlines()[2:] == [
+        "| m | ours, static cache | 16 x 512, 64 greedy | 2.0 | 4.0 | 100.0 | 1.0 | 2.0 | 2026-01-02-generate-h100-v2.json |",
+        "| m | builtin | 16 x 512, 64 greedy | 20.0 | 40.0 | 100.0 | 1.0 | 2.0 | 2026-01-02-generate-h100.json |",
+        "| m | ours, static cache | 1 x 512, 256 greedy | 1.5 | 3.0 | 100.0 | 1.0 | 2.0 | 2026-01-02-generate-h100-v3.json |",
+        "| m | ours, static cache | 64 x 512, 256 sampled | failed: E | | | | | 2026-01-02-generate-h100-v3.json |",
+        "",
+        "(H100)",
     ]
