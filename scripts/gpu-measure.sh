@@ -69,17 +69,18 @@
 #                default fp32 adapters under autocast (TRL's bf16=True), each with checkpoint_granularity layer / mlp /
 #                mixer (what the backward reruns of each checkpointed layer: all of it, its MLP / MoE block, its mixer),
 #                then the 131,072-token document (TRL's offloading, MoE in chunks): every goal row of issue 46 in one
-#                process, which pays the model's build and first autotuning once (not run yet)            ~7 min
+#                process, which pays the model's build and first autotuning once (an H100: 2.0 min, every row but
+#                the bf16 adapters' layer row out of its memory)                                       ~7 min
 #   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
 #                warm; without the profiles and the static rows it took 2.5 min)                    ~6 min
 #   generate-4b-sweep  bench_generate.py, Qwen3.5-4B (first 8 layers), ours (dynamic and static cache) and the
-#                built-in, batch 1 / 16 / 64, prompts of 512 tokens, 256 new tokens, greedy and sampled (not run yet;
-#                estimated from the generate stage)                                                 ~8 min
+#                built-in, batch 1 / 16 / 64, prompts of 512 tokens, 256 new tokens, greedy and sampled (an H100:
+#                ours' rows took 1.9 min; the built-in's not reached)                               ~8 min
 #   generate-0p8b-sweep  the same for the whole Qwen3.5-0.8B (not run yet)                          ~8 min
 #   generate-4096  the same three, batch 16, prompts of 4,096 tokens, 256 new tokens, greedy: Qwen3.5-4B (first 8
-#                layers) and the whole 0.8B (not run yet)                                           ~6 min
+#                layers) and the whole 0.8B                                                         ~3 min
 #   generate-35b-sweep  the same three on the whole 35B-A3B, batch 1 / 64, prompts of 512, 256 new tokens, greedy
 #                (not run yet; an H200)                                                             ~8 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
