@@ -37,6 +37,7 @@ refused.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -88,6 +89,18 @@ class PerRowKeysValues:
         self.value_buffer: torch.Tensor | None = None
         self.host_lengths = [0] * batch_size  # tokens held per row, on the host (slicing needs no device read)
         self.lengths: torch.Tensor | None = None  # the same, long [B] on the buffers' device (the step's mask)
+
+    def __deepcopy__(self, memo: dict) -> PerRowKeysValues:
+        """A deep copy of the cache gives layers that belong to the copy (copy.deepcopy keeps a weak reference as
+        it is, which would leave the copy's layers reading the original cache)."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name != "_cache_ref":
+                setattr(copied, name, copy.deepcopy(value, memo))
+        owner = self._cache_ref()
+        copied._cache_ref = self._cache_ref if owner is None else weakref.ref(memo.get(id(owner), owner))
+        return copied
 
     @property
     def _cache(self) -> Qwen3_5PackedCache:

@@ -331,3 +331,11 @@ def test_an_attention_layer_outliving_its_cache_says_so():
     del cache
     with pytest.raises(RuntimeError, match="was freed"):
         layer.static
+
+
+def test_a_deep_copy_of_a_cache_has_layers_of_its_own():
+    """The layers of a copied cache read the copy (its columns, capacity), not the original."""
+    cache = Qwen3_5PackedCache(["linear_attention", "full_attention"], batch_size=1, capacity=8)
+    copied = copy.deepcopy(cache)
+    assert copied.layers[1]._cache is copied and cache.layers[1]._cache is cache
+    assert copy.deepcopy(cache.layers[1])._cache is cache  # a layer copied alone still belongs to its cache
