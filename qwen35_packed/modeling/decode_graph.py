@@ -53,7 +53,8 @@ def cuda_graph_capture(step: Callable[[], tuple]) -> tuple[tuple, Callable[[], t
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             output = step()
     except RuntimeError:
-        end_generators_capture()
+        with contextlib.suppress(RuntimeError):  # the capture's own error is the one to report
+            end_generators_capture()
         raise
     graph.replay()  # capturing ran nothing
 
