@@ -273,7 +273,7 @@ def render_generate() -> str:
     """generate() on the GPU (bench_generate.py): the rows of the newest session's generate files of an H100 or H200
     (a later file's row replaces an earlier one of the same model, implementation, cache, batch, prompt, mode and new
     tokens), each with its file: rows of one file come from one machine."""
-    rows = session_rows(
+    rows, device = session_rows(
         "*-generate-h[12]00*.json",
         lambda data, row: (
             row["model"],
@@ -304,7 +304,7 @@ def render_generate() -> str:
             f"| {row['model']} | {impl} | {shape} | {r['decode_step_ms']} | {over_bound} "
             f"| {r['new_tokens_per_s']:,} | {r['first_call_s']} | {r['peak_gib']} | {name} |"
         )
-    return "\n".join(lines + ["", f"({data['device']})"])
+    return "\n".join(lines + ["", f"({device})"])
 
 
 def render_changing_lengths() -> str:
@@ -338,10 +338,12 @@ def one_session(pattern: str) -> list[tuple[str, dict]]:
     return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
 
 
-def session_rows(pattern: str, key) -> dict:
-    """{key(file contents, row): (file name, file contents, row)} over the rows of `one_session(pattern)`, a later
-    file's row replacing an earlier one of the same key."""
-    return {key(data, row): (name, data, row) for name, data in one_session(pattern) for row in data["rows"]}
+def session_rows(pattern: str, key) -> tuple[dict, str]:
+    """({key(file contents, row): (file name, file contents, row)} over the rows of `one_session(pattern)`, a later
+    file's row replacing an earlier one of the same key; the session's card)."""
+    files = one_session(pattern)
+    rows = {key(data, row): (name, data, row) for name, data in files for row in data["rows"]}
+    return rows, files[-1][1]["device"]
 
 
 def render_grpo_step() -> str:
@@ -349,7 +351,7 @@ def render_grpo_step() -> str:
     (a later file's row replaces an earlier one of the same model, implementation and cache), the timed steps' mean
     seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
     # each model's rows: ours (dynamic, then static cache), then the built-in
-    rows = session_rows(
+    rows, device = session_rows(
         "*-grpo-step*-h[12]00*.json", lambda data, row: (row["model"], row["impl"] != "ours", row["cache"])
     )
     lines = [
@@ -371,7 +373,7 @@ def render_grpo_step() -> str:
             f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
             f"| {r['total_s']} | {warmup} | {r['peak_gib']} | {name} |"
         )
-    return "\n".join(lines + ["", f"({data['device']})"])
+    return "\n".join(lines + ["", f"({device})"])
 
 
 TABLES = {

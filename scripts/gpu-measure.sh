@@ -121,6 +121,7 @@ failed=0
 # tests/gpu/test_gpu.py in three parts (the third: everything the first two leave)
 gpu_tests_part1="fla_packed or flash_qla or holes"
 gpu_tests_part2="varlen or long_documents or elementwise or gated_norm or recompute or host_syncs"
+gpu_tests_part3="not ($gpu_tests_part1) and not ($gpu_tests_part2)"
 # step NAME CMD...: CMD's output to $OUT/NAME.log; a failing step is reported (and returns its status) and the stage
 # goes on.
 step() {
@@ -323,7 +324,7 @@ case "$stage" in
     }
     suite_test gpu-tests-1 tests/gpu/test_gpu.py -k "$gpu_tests_part1"
     suite_test gpu-tests-2 tests/gpu/test_gpu.py -k "$gpu_tests_part2"
-    suite_test gpu-tests-3 tests/gpu/test_gpu.py -k "not ($gpu_tests_part1) and not ($gpu_tests_part2)"
+    suite_test gpu-tests-3 tests/gpu/test_gpu.py -k "$gpu_tests_part3"
     for file in tests/gpu/test_*.py; do
       case $file in tests/gpu/test_gpu.py | tests/gpu/test_gpu_real_shapes.py) ;; *) suite_test "$(basename "$file" .py)" "$file" ;; esac
     done
@@ -332,13 +333,9 @@ case "$stage" in
     wait "$!" || failed=1
     ;;
   gpu-tests-[123])
-    case $stage in
-      gpu-tests-1) select=$gpu_tests_part1 ;;
-      gpu-tests-2) select=$gpu_tests_part2 ;;
-      gpu-tests-3) select="not ($gpu_tests_part1) and not ($gpu_tests_part2)" ;;
-    esac
+    select="gpu_tests_part${stage#gpu-tests-}"
     step "$stage" env QWEN35_GPU_RESULTS="$OUT/$stage.json" \
-      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "$select"
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k "${!select}"
     ;;
   *)
     echo "unknown stage '$stage' (see the header of $0)" >&2

@@ -3,6 +3,8 @@ give transformers' layout, continued by a later generate() exactly, rows selecte
 operations refused."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -299,8 +301,6 @@ def test_a_cache_goes_with_its_last_reference(kind, implementation, monkeypatch)
     """No reference cycle holds a cache: with the garbage collector off, the caches generate() made are gone once its
     output is. (A static cache holds its CUDA graphs; freed by a later collection, they could go inside another
     capture and invalidate it.)"""
-    import gc
-    import weakref
 
     made = []
     construct = Qwen3_5PackedCache.__init__

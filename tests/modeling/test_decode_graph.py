@@ -9,6 +9,7 @@ tests/gpu/test_gpu.py."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -156,7 +157,6 @@ def test_a_failed_capture_is_said_and_the_steps_run_eagerly(caplog):
 def test_the_garbage_collector_is_paused_while_a_step_is_captured():
     """A collection inside a capture could free another cache's graphs there (module docstring of decode_graph.py):
     the collector is off while the graph backend runs, and on again after, also after a failed capture."""
-    import gc
 
     seen = []
 
