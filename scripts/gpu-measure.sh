@@ -81,8 +81,8 @@
 #   generate-0p8b-sweep  the same for the whole Qwen3.5-0.8B (not run yet)                          ~8 min
 #   generate-4096  the same three, batch 16, prompts of 4,096 tokens, 256 new tokens, greedy: Qwen3.5-4B (first 8
 #                layers) and the whole 0.8B                                                         ~3 min
-#   generate-35b-sweep  the same three on the whole 35B-A3B, batch 1 / 64, prompts of 512, 256 new tokens, greedy
-#                (not run yet; an H200)                                                             ~8 min
+#   generate-35b-sweep  ours (static cache) and the built-in on the whole 35B-A3B, batch 1 / 16 / 64, prompts of 512,
+#                256 new tokens, greedy (ours' dynamic cache at batch 16: the generate stage; not run yet; an H200) ~8 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers);
 #                test_gpu_vl.py -k static_cache (generate with an image)                               ~2 min
@@ -267,7 +267,7 @@ case "$stage" in
     ;;
   generate-35b-sweep)
     step generate-35b-sweep python3 benchmarks/bench_generate.py --models qwen35_35b_a3b \
-      --impls ours,ours:static,builtin --batches 1,64 --prompts 512 --new-tokens 256 --modes greedy --reps 1 \
+      --impls ours:static,builtin --batches 1,16,64 --prompts 512 --new-tokens 256 --modes greedy --reps 1 \
       --out "$OUT/generate-35b-sweep.json"
     ;;
   generate-tests)
