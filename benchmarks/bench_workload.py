@@ -20,10 +20,12 @@ with random weights (seed 0). A row is BATCH:SETUP:
          under `torch.autocast(bfloat16)`, as Accelerate's bf16 mixed precision (TRL's `bf16=True`) runs the forward.
          Ours takes a plain adapter's sum in place (modeling/adapter_products.py); a last `_peft_sums` runs PEFT's
          own LoRA forward instead (`peft_adapter_sums()`), to measure what that saves. For ours and the MoE,
-         `_moe_chunk` (after every other suffix) runs each MoE block in checkpointed chunks of 16,384 tokens
-         (the config's moe_token_chunk).
-A forward + backward per step (no optimizer: its state is the same for both implementations and is not what
-decides whether a long document fits), ours with its defaults (a training forward with labels keeps no logits) and
+         `_moe_chunk` (after every other suffix but `_adamw`) runs each MoE block in checkpointed chunks of 16,384
+         tokens (the config's moe_token_chunk). `_adamw` (last) ends each step with an optimizer step, as
+         transformers' Trainer runs its default (`adamw_torch_fused`: torch's AdamW, fused on CUDA): its two states
+         per trained parameter, in the parameter's dtype, count in the row's peak (`optimizer_state_bytes`).
+A forward + backward per step (without `_adamw` no optimizer: its state is the same for both implementations; a
+card that fits a row's peak must also hold it, see lora_memory_budget.py), ours with its defaults (a training forward with labels keeps no logits) and
 cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
 in the order given; switching LoRA targets unloads the adapters and wraps the base model again. A row that runs out
 of memory records the peak at failure and the next row goes on; if memory of a failed row stays allocated, the
@@ -76,6 +78,7 @@ MODELS = {"qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json", "qwen35_4b": "Qwen3.5
 LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn", "attention")}
 # Setup suffixes (field, value), stripped from the end of a setup's name in this order.
 SUFFIXES = (
+    ("_adamw", "optimizer", "adamw"),
     ("_moe_chunk", "moe_token_chunk", 16384),
     ("_peft_sums", "peft_adapter_sums", True),
     ("_no_ckpt", "checkpointing", False),
@@ -109,6 +112,7 @@ class Setup:
     autocast: bool = False  # the step under torch.autocast(bfloat16)
     peft_adapter_sums: bool = False  # ours only: PEFT's own LoRA forward instead of the in-place sum
     moe_token_chunk: int | None = None  # ours only, MoE: tokens per checkpointed chunk of each MoE block
+    optimizer: str | None = None  # "adamw": each step ends with the Trainer's default optimizer step
 
 
 def parse_setup(name: str) -> Setup:
@@ -130,7 +134,7 @@ def parse_setup(name: str) -> Setup:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
             "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums] "
-            "[_moe_chunk]"
+            "[_moe_chunk] [_adamw]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -240,6 +244,7 @@ class Workload:
             self.base.set_experts_implementation("grouped_mm")  # its default, as bench_moe.py's baseline runs it
         self.model, self.groups = self.base, "none"
         self.offloading_kind, self.trl_offloading, self.autocast, self.peft_sums = None, None, False, False
+        self.optimizer_kind = None
 
     def step_context(self):
         """The context a step runs in: none, TRL's activation offloading or PyTorch's save_on_cpu, each under
@@ -291,6 +296,7 @@ class Workload:
         if setup.offloading == "trl" and self.device.type != "cuda":
             raise SystemExit("_offload runs TRL's activation offloading, which needs an accelerator")
         self.offloading_kind, self.autocast, self.peft_sums = setup.offloading, setup.autocast, setup.peft_adapter_sums
+        self.optimizer_kind = setup.optimizer
         if setup.checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -322,6 +328,14 @@ class Workload:
         )
         return lambda: self.model(input_ids=flat, labels=flat, use_cache=False, **packing).loss
 
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The row's optimizer over the trained parameters, or None: transformers' default `adamw_torch_fused` (its
+        learning rate is immaterial here); its state is allocated at its first step."""
+        if self.optimizer_kind is None:
+            return None
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trained, lr=1e-5, fused=self.device.type == "cuda")
+
     def release(self):
         self.model.zero_grad(set_to_none=True)
         gc.collect()
@@ -330,23 +344,37 @@ class Workload:
             torch.cuda.reset_peak_memory_stats()
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer holds in its state (AdamW: two per parameter and a step count)."""
+    return sum(
+        t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+    )
+
+
 def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> dict:
-    """Seconds per forward + backward after `warmup` steps (the first step of new shapes autotunes), the peak."""
+    """Seconds per training step (forward, backward, and the row's optimizer step if it has one) after `warmup`
+    steps (the first step of new shapes autotunes), the peak."""
+    optimizer = workload.optimizer()
+
+    def train_step():
+        with workload.step_context():
+            loss = step()
+            loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        workload.model.zero_grad(set_to_none=True)
+        return loss
+
     try:
         for _ in range(warmup):
-            with workload.step_context():
-                step().backward()
-            workload.model.zero_grad(set_to_none=True)
+            train_step()
         sync(workload.device)
         start = time.perf_counter()
         for _ in range(reps):
-            with workload.step_context():
-                loss = step()
-                loss.backward()
-            workload.model.zero_grad(set_to_none=True)
+            loss = train_step()
         sync(workload.device)
         seconds = (time.perf_counter() - start) / reps
-        return {
+        row = {
             "s_per_step": round(seconds, 3),
             "real_tok_per_s": round(n_tokens / seconds),
             "peak_GiB": peak_gib(workload.device),
@@ -354,11 +382,15 @@ def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> 
             "warmup_steps": warmup,
             "timed_steps": reps,
         }
+        if optimizer is not None:
+            row["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
+        return row
     except torch.OutOfMemoryError:
         return {"error": "out of memory", "peak_GiB": peak_gib(workload.device)}
     except Exception as exc:  # e.g. the built-in refusing packed input without its kernels: a result too
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "peak_GiB": peak_gib(workload.device)}
     finally:
+        optimizer = None  # its state goes before the next row measures what stayed allocated
         workload.release()
 
 

@@ -1,0 +1,47 @@
+"""benchmarks/bench_workload.py's `_adamw` rows: the step a trainer runs (forward, backward, AdamW's step), the
+optimizer's state in the row, and nothing of it left for the next row (tiny MoE config on the CPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from bench_workload import Workload, batch_lengths, measure, parse_setup  # noqa: E402
+
+
+def test_adamw_is_the_last_suffix_of_a_setup():
+    setup = parse_setup("lora_low_rank_bf16_adapters_moe_chunk_adamw")
+    assert (setup.optimizer, setup.bf16_adapters, setup.moe_token_chunk) == ("adamw", True, 16384)
+    assert parse_setup("lora_low_rank").optimizer is None
+    with pytest.raises(SystemExit, match="unknown setup"):
+        parse_setup("lora_adamw_bf16_adapters")
+
+
+def _adapters(workload) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in workload.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("setup_name", ["lora_low_rank", "lora_low_rank_adamw", "lora_low_rank_bf16_adapters_adamw"])
+def test_an_adamw_row_updates_the_adapters_and_reports_the_optimizers_state(setup_name):
+    workload = Workload("qwen35_35b_a3b", "ours", torch.device("cpu"), tiny=True)
+    setup = parse_setup(setup_name)
+    workload.apply(setup)
+    step = workload.step_fn(batch_lengths("rl", tiny=True))
+    before = _adapters(workload)
+    row = measure(workload, step, n_tokens=1, warmup=1, reps=1)
+    after = _adapters(workload)
+    assert "error" not in row
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    if setup.optimizer is None:
+        assert not changed and "optimizer_state_bytes" not in row
+        return
+    assert changed  # lora_B starts at zero: a step moves it
+    trained_bytes = sum(t.numel() * t.element_size() for t in after.values())
+    # two states per parameter in its dtype, and a float32 step count per parameter tensor
+    assert row["optimizer_state_bytes"] == 2 * trained_bytes + 4 * len(after)
+    assert all(p.grad is None for p in workload.model.parameters())  # zeroed as a trainer does after its step
