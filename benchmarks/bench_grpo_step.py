@@ -16,11 +16,12 @@ get the same shapes, not the same weights (one model is built at a time, so a 35
 
     python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 2] [--warmup 1]
-        [--device cuda] [--tiny] [--out FILE]
+        [--bf16-adapters] [--device cuda] [--tiny] [--out FILE]
 
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
 as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own default on CUDA is the static cache),
-`builtin` leaves TRL's default.
+`builtin` leaves TRL's default. LoRA adapters are PEFT's default, fp32 beside the bf16 base, unless --bf16-adapters;
+each row records their count and dtype, and a row that runs out of memory the part of the step it was in.
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
 JSON under results/benchmarks/ (or --out) after every model.
@@ -74,19 +75,29 @@ def even_words(completions, **_) -> list[float]:
 
 class StepTimer:
     """Wraps a trainer's `_generate`, `_generate_and_score_completions` and `training_step` (instance attributes,
-    so TRL's own calls go through them), synchronising the device around each, and splits every step's seconds."""
+    so TRL's own calls go through them), synchronising the device around each, and splits every step's seconds;
+    `phase()` names the part of the step running now (where an error such as running out of memory struck)."""
+
+    PHASES = {"_generate": "generation", "_generate_and_score_completions": "scoring", "training_step": "training"}
 
     def __init__(self, trainer, device: torch.device):
-        self.device, self.steps, self.current = device, [], {}
-        for name in ("_generate", "_generate_and_score_completions", "training_step"):
+        self.device, self.steps, self.current, self.running = device, [], {}, []
+        for name in self.PHASES:
             setattr(trainer, name, self._timed(name, getattr(trainer, name)))
+
+    def phase(self) -> str:
+        if not self.running:
+            return "outside the timed methods (the optimizer's step, logging)"
+        return f"{self.PHASES[self.running[-1]]} (step {len(self.steps)})"
 
     def _timed(self, name, method):
         @functools.wraps(method)
         def run(*args, **kwargs):
             sync(self.device)
             start = time.perf_counter()
-            result = method(*args, **kwargs)
+            self.running.append(name)
+            result = method(*args, **kwargs)  # left on the stack if it raises: phase() names it
+            self.running.pop()
             sync(self.device)
             self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
             if name == "training_step":
@@ -134,6 +145,10 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
     )
     # the project's targets (GDN, attention, MLP, the experts of a MoE), matched by name in either implementation
     lora = lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0)
+    if args.bf16_adapters:  # wrapped here, as TRL would, but with the adapters in the base's dtype
+        from peft import get_peft_model
+
+        model, lora = get_peft_model(model, lora, autocast_adapter_dtype=False), None
     data = prompt_dataset(args.prompts * total_steps, args.prompt, model.config.vocab_size, seed=1)
     trainer = trainer_cls(
         model=model,
@@ -143,10 +158,24 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         processing_class=tokenizer,
         peft_config=lora,
     )
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    adapters = {
+        "trained_parameters": sum(p.numel() for p in trained),
+        "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained}),
+    }
     timer = StepTimer(trainer, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as error:
+        first_line = str(error).splitlines()[0]
+        return {
+            "error": f"out of memory: {first_line}",
+            "phase": timer.phase(),
+            "adapters": adapters,
+            "peak_gib": peak_gib(device),
+        }
     lengths = [log["completions/min_length"] for log in trainer.state.log_history if "completions/min_length" in log]
     if not lengths or min(lengths) != args.completion:
         raise RuntimeError(f"completions shorter than --completion {args.completion}: min lengths {lengths}")
@@ -157,6 +186,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
 
     return {
         "trainer": trainer_cls.__name__,
+        "adapters": adapters,
         "warmup_steps": [{k: round(v, 3) for k, v in s.items()} for s in warm],
         "timed_steps": len(timed),
         **{key: mean(key) for key in ("generation_s", "scoring_s", "training_s", "total_s")},
@@ -190,6 +220,12 @@ def main():
     parser.add_argument("--completion", type=int, default=256, help="completion tokens")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="steps before the timed ones")
+    parser.add_argument(
+        "--bf16-adapters",
+        action="store_true",
+        help="LoRA adapters in the base's bf16 (get_peft_model(..., autocast_adapter_dtype=False) before the "
+        "trainer), not PEFT's default fp32",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
@@ -206,7 +242,10 @@ def main():
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "commit": git_commit(),
-        "setup": {k: getattr(args, k) for k in ("prompts", "generations", "prompt", "completion", "steps", "warmup")},
+        "setup": {
+            k: getattr(args, k)
+            for k in ("prompts", "generations", "prompt", "completion", "steps", "warmup", "bf16_adapters")
+        },
         "rows": [],
     }
     for spec in args.models.split(","):
@@ -218,7 +257,11 @@ def main():
                 with tempfile.TemporaryDirectory() as output_dir:
                     result = run_trainer(model, impl, cache, tokenizer, args, device, output_dir)
             except torch.OutOfMemoryError as error:
-                result = {"error": f"out of memory: {str(error).splitlines()[0]}", "peak_gib": peak_gib(device)}
+                result = {
+                    "error": f"out of memory: {str(error).splitlines()[0]}",
+                    "phase": "setup (the adapters, the trainer)",
+                    "peak_gib": peak_gib(device),
+                }
             report["rows"].append({"model": name, "impl": impl, "cache": cache, "result": result})
             print_table(report["rows"][-1:])
             out.parent.mkdir(parents=True, exist_ok=True)

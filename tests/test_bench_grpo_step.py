@@ -1,0 +1,60 @@
+"""benchmarks/bench_grpo_step.py's StepTimer: each step's seconds split where TRL's methods split them, and the part
+of the step an error struck in (a row that runs out of memory records it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from bench_grpo_step import StepTimer  # noqa: E402
+
+
+class FakeTrainer:
+    """TRL's call structure: training_step -> _generate_and_score_completions -> _generate."""
+
+    def __init__(self, fail_in: str | None = None):
+        self.fail_in = fail_in
+
+    def _generate(self):
+        if self.fail_in == "_generate":
+            raise torch.OutOfMemoryError("out of memory")
+
+    def _generate_and_score_completions(self):
+        self._generate()
+        if self.fail_in == "_generate_and_score_completions":
+            raise torch.OutOfMemoryError("out of memory")
+
+    def training_step(self):
+        self._generate_and_score_completions()
+        if self.fail_in == "training_step":
+            raise torch.OutOfMemoryError("out of memory")
+
+
+def test_a_step_splits_into_generation_scoring_and_training():
+    trainer = FakeTrainer()
+    timer = StepTimer(trainer, torch.device("cpu"))
+    trainer.training_step()
+    trainer.training_step()
+    assert len(timer.steps) == 2
+    for step in timer.steps:
+        assert step["total_s"] == pytest.approx(step["generation_s"] + step["scoring_s"] + step["training_s"])
+    assert timer.phase().startswith("outside the timed methods")
+
+
+@pytest.mark.parametrize(
+    "method, phase",
+    [("_generate", "generation"), ("_generate_and_score_completions", "scoring"), ("training_step", "training")],
+)
+def test_an_error_is_placed_in_the_phase_it_struck(method, phase):
+    trainer = FakeTrainer()
+    timer = StepTimer(trainer, torch.device("cpu"))
+    trainer.training_step()
+    trainer.fail_in = method
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.training_step()
+    assert timer.phase() == f"{phase} (step 1)"
