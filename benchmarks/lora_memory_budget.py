@@ -151,7 +151,13 @@ def main():
     print_table(rows)
     out = Path(args.out) if args.out else ROOT.parent / "results" / "cpu" / f"{date}-lora-memory-budget.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"date": date, "rank": args.rank, "counted": "meta-device models, bf16 base", "rows": rows}
+    report = {
+        "date": date,
+        "how": f"python benchmarks/lora_memory_budget.py --models {args.models} --rank {args.rank}",
+        "counted": "meta-device models of the official text configs (examples/configs), bf16 base: exact bytes",
+        "rank": args.rank,
+        "rows": rows,
+    }
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
 
