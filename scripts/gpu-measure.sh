@@ -71,6 +71,8 @@
 #                then the 131,072-token document (TRL's offloading, MoE in chunks): every goal row of issue 46 in one
 #                process, which pays the model's build and first autotuning once (an H100: 2.0 min, every row but
 #                the bf16 adapters' layer row out of its memory)                                       ~7 min
+#   goals-35b-adamw  the same model and batch, each step ending with AdamW's step (its state in the peak, as in a
+#                trainer): bf16 adapters, LoRA without experts, PEFT's default adapters under autocast (not run yet)
 #   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
@@ -92,7 +94,11 @@
 #                the dynamic cache. One implementation per stage: on a fresh H100 ours dynamic took 4.7 min (3.4 of
 #                them its first step's compiles), ours static 0.6 min after it, and the built-in was still compiling
 #                its first step 4 min later
-#   grpo-step-35b, grpo-step-35b-builtin  the same for the whole 35B-A3B (not run yet; an H200)
+#   grpo-step-35b, grpo-step-35b-builtin  the same for the whole 35B-A3B (an H200: on an H100 ours ran out of memory
+#                even at 2 x 8: weights, fp32 adapters, their gradients and AdamW's state alone are 78.6 GiB, counted
+#                by lora_memory_budget.py)
+#   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
+#                80 GB card might hold; not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
 #                the stall it costs over the same row again, ours and the built-in: Qwen3.5-4B (8 layers), the
 #                35B-A3B layer shapes (4 layers)                                                     ~5 min
@@ -110,7 +116,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
-    | goals-35b \
+    | goals-35b | goals-35b-adamw \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -276,11 +282,12 @@ case "$stage" in
     step gpu-tests-generate-vl env QWEN35_GPU_VL_RESULTS="$OUT/gpu-tests-generate-vl.json" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
-  grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin)
-    model=qwen35_4b impl=ours:static
+  grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters)
+    model=qwen35_4b impl=ours:static adapters=()
     case $stage in *35b*) model=qwen35_35b_a3b ;; esac
-    case $stage in *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; esac
-    step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" --out "$OUT/$stage.json"
+    case $stage in *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters=(--bf16-adapters) ;; esac
+    step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \
+      --out "$OUT/$stage.json"
     ;;
   changing-lengths)
     step changing-lengths python3 benchmarks/bench_changing_lengths.py --out "$OUT/changing-lengths.json"
@@ -298,6 +305,11 @@ case "$stage" in
     step long-doc-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows doc_131072:lora_low_rank_offload,doc_131072:lora_low_rank_offload_moe_chunk \
       --memory-at-peak doc_131072:lora_low_rank_offload --out "$OUT/long-doc-35b.json"
+    ;;
+  goals-35b-adamw)
+    step goals-35b-adamw python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank_bf16_adapters_adamw,rl:lora_no_experts_adamw,rl:lora_low_rank_autocast_adamw \
+      --out "$OUT/goals-35b-adamw.json"
     ;;
   goals-35b)
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
