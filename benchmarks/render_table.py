@@ -187,8 +187,8 @@ def render_moe_summary() -> str:
 
 
 def workload_rows():
-    """(result file name, model, implementation with its config settings, row name, row) for every row of the newest
-    bench_workload.py file of each model and implementation (a file's key: its name without date and -vN)."""
+    """(result file name, model, implementation with its config settings, row name, row, card) for every row of the
+    newest bench_workload.py file of each model and implementation (a file's key: its name without date and -vN)."""
     newest = {}
     for path in sorted(RESULTS.glob("*-workload-*.json"), key=by_date_and_version):
         newest[re.sub(r"^\d{4}-\d{2}-\d{2}-workload-|-v\d+$", "", path.stem)] = path
@@ -197,7 +197,7 @@ def workload_rows():
         settings = data.get("config_fields_set") or {}
         impl = data["impl"] + "".join(f" ({name}={value})" for name, value in settings.items())
         for row_name, row in data["rows"].items():
-            yield newest[key].name, data["model"].split(" ")[0], impl, row_name, row
+            yield newest[key].name, data["model"].split(" ")[0], impl, row_name, row, data.get("device", "")
 
 
 def timed(row: dict) -> bool:
@@ -219,18 +219,21 @@ def render_workload() -> str:
         "| model | implementation | batch:setup | tokens | real tokens/s | peak GiB | result file |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, model, impl, row_name, row in workload_rows():
+    for name, model, impl, row_name, row, _ in workload_rows():
         lines.append(
             f"| {model} | {impl} | {row_name} | {row['tokens']:,} | {workload_rate(row)} | {row['peak_GiB']} | {name} |"
         )
     return "\n".join(lines)
 
 
-def render_workload_summary() -> str:
-    """Per model and batch of the workload rows: the built-in's fastest run (or that every setup ran out of memory),
-    ours's fastest run and ours's smallest, each with its setup."""
+def render_workload_summary(card: str = "H200") -> str:
+    """Per model and batch of the workload rows measured on `card` (the README's "What one H200 trains"; rows of
+    other cards are in the full table): the built-in's fastest run (or that every setup ran out of memory), ours's
+    fastest run and ours's smallest, each with its setup."""
     groups = collections.defaultdict(list)
-    for _, model, impl, row_name, row in workload_rows():
+    for _, model, impl, row_name, row, device in workload_rows():
+        if card not in device:
+            continue
         batch, setup = row_name.split(":")
         settings = re.findall(r"\((.*?)\)", impl)
         groups[model, batch].append((impl.split(" ")[0], ", ".join([setup, *settings]), row))

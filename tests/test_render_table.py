@@ -65,6 +65,7 @@ def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_
     ours = {
         "model": "qwen35_4b (official)",
         "impl": "ours",
+        "device": "NVIDIA H200",
         "rows": {
             "doc_16:full": row(300, 9.0),
             "doc_16:full_offload": row(290, 5.0),
@@ -76,14 +77,19 @@ def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_
         "model": "qwen35_4b (official)",
         "impl": "ours",
         "config_fields_set": {"k": "v"},
+        "device": "NVIDIA H200",
         "rows": {"rl:full": row(600, 8.0)},
     }
     builtin = {
         "model": "qwen35_4b (official)",
         "impl": "builtin",
+        "device": "NVIDIA H200",
         "rows": {"rl:full": row(100, 50.0), "doc_16:full": {"tokens": 16, "error": "out of memory", "peak_GiB": 90.0}},
     }
-    for name, data in (("ours", ours), ("ours-tuned", tuned), ("builtin", builtin)):
+    # another card's rows (faster and smaller here) stay out of the H200's summary
+    other_card = {"model": "qwen35_4b (official)", "impl": "ours", "device": "NVIDIA H100 80GB HBM3"}
+    other_card["rows"] = {"rl:full": row(900, 1.0), "doc_16:full": row(900, 1.0)}
+    for name, data in (("ours", ours), ("ours-tuned", tuned), ("builtin", builtin), ("ours-h100", other_card)):
         (tmp_path / f"2026-01-01-workload-qwen35_4b-{name}.json").write_text(json.dumps(data))
     monkeypatch.setattr(render_table, "RESULTS", tmp_path)
     lines = render_table.render_workload_summary().splitlines()
