@@ -24,16 +24,16 @@ with random weights (seed 0). A row is BATCH:SETUP:
          tokens (the config's moe_token_chunk). `_adamw` (last) ends each step with an optimizer step, as
          transformers' Trainer runs its default (`adamw_torch_fused`: torch's AdamW, fused on CUDA): its two states
          per trained parameter, in the parameter's dtype, count in the row's peak (`optimizer_state_bytes`).
-A forward + backward per step (without `_adamw` no optimizer: its state is the same for both implementations; a
-card that fits a row's peak must also hold it, see lora_memory_budget.py), ours with its defaults (a training forward with labels keeps no logits) and
-cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA + causal_conv1d installed). Rows run
-in the order given; switching LoRA targets unloads the adapters and wraps the base model again. A row that runs out
-of memory records the peak at failure and the next row goes on; if memory of a failed row stays allocated, the
-later rows are recorded as not run (their peaks would include it), so rows expected to fail go last. --profile ROW adds the kernel time of one step of
-that row by kernel class (GDN, attention, GEMM, loss, ...), the top kernels by name, the GPU's idle time between
-kernels by the host operator before it, and the forward's and the backward's (recompute included) share of an
-unprofiled step. --memory-at-peak ROW adds what is live at the peak of one step of that row, by allocating line
-(memory_peak.py).
+A forward + backward per step (without `_adamw` no optimizer: its state is the same for both implementations; a card
+that fits a row's peak must also hold it, see lora_memory_budget.py), ours with its defaults (a training forward
+with labels keeps no logits) and cu_seqlens, the built-in on its correct packed path (cu_seq_lens + seq_idx, FLA +
+causal_conv1d installed). Rows run in the order given; switching LoRA targets unloads the adapters and wraps the
+base model again. A row that runs out of memory records the peak at failure and the next row goes on; if memory of a
+failed row stays allocated, the later rows are recorded as not run (their peaks would include it), so rows expected
+to fail go last. --profile ROW adds the kernel time of one step of that row by kernel class (GDN, attention, GEMM,
+loss, ...), the top kernels by name, the GPU's idle time between kernels by the host operator before it, and the
+forward's and the backward's (recompute included) share of an unprofiled step. --memory-at-peak ROW adds what is
+live at the peak of one step of that row, by allocating line (memory_peak.py).
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
                                         [--profile ROW] [--memory-at-peak ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
