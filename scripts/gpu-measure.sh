@@ -72,7 +72,8 @@
 #                process, which pays the model's build and first autotuning once (an H100: 2.0 min, every row but
 #                the bf16 adapters' layer row out of its memory)                                       ~7 min
 #   goals-35b-adamw  the same model and batch, each step ending with AdamW's step (its state in the peak, as in a
-#                trainer): bf16 adapters, LoRA without experts, PEFT's default adapters under autocast (not run yet)
+#                trainer): bf16 adapters, LoRA without experts, PEFT's default adapters under autocast (an H200;
+#                the no-experts row alone, with bundle b's install, took 2.5 min on a fresh H100)
 #   generate     bench_generate.py --profile: generate() ours (dynamic cache, and static cache with its decode steps
 #                replayed as CUDA graphs) and the built-in, batch 16, prompts of 512 tokens, 64 new tokens, greedy,
 #                and where a decode step goes: Qwen3.5-4B (first 8 layers), then the whole 35B-A3B (first call and
@@ -84,7 +85,7 @@
 #   generate-4096  the same three, batch 16, prompts of 4,096 tokens, 256 new tokens, greedy: Qwen3.5-4B (first 8
 #                layers) and the whole 0.8B                                                         ~3 min
 #   generate-35b-sweep  ours (static cache) and the built-in on the whole 35B-A3B, batch 1 / 16 / 64, prompts of 512,
-#                256 new tokens, greedy (ours' dynamic cache at batch 16: the generate stage; not run yet; an H200) ~8 min
+#                256 new tokens, greedy (ours' dynamic cache at batch 16: the generate stage; an H100: 6.4 min)  ~7 min
 #   generate-tests  tests/gpu/test_gpu_generate.py: the static cache's CUDA-graph steps against its eager steps
 #                (bitwise) and one full forward, generate() with both; 4B (8 layers), 35B-A3B shapes (4 layers);
 #                test_gpu_vl.py -k static_cache (generate with an image)                               ~2 min
