@@ -28,23 +28,12 @@ import json
 from pathlib import Path
 
 import torch
-from bench_train_step import CONFIGS
+from bench_generate import build, config_kwargs
 
-from qwen35_packed import (
-    Qwen3_5MoePackedConfig,
-    Qwen3_5MoePackedForCausalLM,
-    Qwen3_5PackedConfig,
-    Qwen3_5PackedForCausalLM,
-)
 from qwen35_packed.integrations.lora import DEFAULT_GROUPS, lora_config
 
 ROOT = Path(__file__).resolve().parent
-MODELS = {
-    "qwen35_0p8b": "Qwen3.5-0.8B.config.json",
-    "qwen35_4b": "Qwen3.5-4B.config.json",
-    "qwen35_9b": "Qwen3.5-9B.config.json",
-    "qwen35_35b_a3b": "Qwen3.5-35B-A3B.config.json",
-}
+MODELS = ("qwen35_0p8b", "qwen35_4b", "qwen35_9b", "qwen35_35b_a3b")  # bench_generate.py's model keys
 WITHOUT_EXPERTS = tuple(group for group in DEFAULT_GROUPS if group != "experts")
 # (setup, LoRA target groups or None for a full fine-tune, whether the adapters are bf16)
 SETUPS = (
@@ -57,29 +46,9 @@ SETUPS = (
 GIB = 2**30
 
 
-def text_config(name: str) -> dict:
-    composite = json.loads((CONFIGS / MODELS[name]).read_text())
-    kwargs = {k: v for k, v in composite["text_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
-    kwargs.setdefault("tie_word_embeddings", composite.get("tie_word_embeddings", False))
-    return kwargs
-
-
-def build(kwargs: dict, device: torch.device) -> torch.nn.Module:
+def bf16_model(key: str, kwargs: dict, device: torch.device) -> torch.nn.Module:
     """The text model in bf16 on `device` (the meta device: shapes and dtypes only)."""
-    moe = kwargs.get("num_experts", 0) > 0
-    config_cls, model_cls = (
-        (Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM)
-        if moe
-        else (Qwen3_5PackedConfig, Qwen3_5PackedForCausalLM)
-    )
-    config = config_cls(**kwargs)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            return model_cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+    return build(key, "ours", kwargs, device, torch.bfloat16)
 
 
 def prepare(model: torch.nn.Module, groups: tuple[str, ...] | None, bf16_adapters: bool, rank: int):
@@ -110,15 +79,15 @@ def training_state_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def budget_rows(models: list[str], rank: int) -> list[dict]:
     rows = []
-    for name in models:
-        kwargs = text_config(name)
+    for spec in models:
+        name, key, kwargs = config_kwargs(spec, tiny=False)
         for setup, groups, bf16_adapters in SETUPS:
             moe = bool(kwargs.get("num_experts"))
             if groups is not None and not moe:
                 if "experts" not in groups:
                     continue  # a dense model's "lora_no_experts" is its "lora"
                 groups = WITHOUT_EXPERTS
-            model = prepare(build(kwargs, torch.device("meta")), groups, bf16_adapters, rank)
+            model = prepare(bf16_model(key, kwargs, torch.device("meta")), groups, bf16_adapters, rank)
             counts = training_state_bytes(model)
             rows.append(
                 {

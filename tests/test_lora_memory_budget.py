@@ -12,11 +12,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from bench_moe import layer_shapes  # noqa: E402
-from bench_train_step import TINY  # noqa: E402
-from lora_memory_budget import SETUPS, WITHOUT_EXPERTS, build, prepare, training_state_bytes  # noqa: E402
+from bench_generate import config_kwargs  # noqa: E402
+from lora_memory_budget import SETUPS, WITHOUT_EXPERTS, bf16_model, prepare, training_state_bytes  # noqa: E402
 
-TINY_CONFIGS = {"dense": dict(TINY), "moe": layer_shapes(4, 512, tiny=True)}
+TINY_MODELS = {"dense": "qwen35_4b", "moe": "qwen35_35b_a3b"}  # their tiny configs (bench_generate.py --tiny)
 
 
 def _held_after_a_step(model) -> dict[str, int]:
@@ -37,14 +36,15 @@ def _held_after_a_step(model) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("setup, groups, bf16_adapters", SETUPS, ids=[s[0] for s in SETUPS])
-@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
 def test_the_meta_device_count_is_what_a_real_step_holds(kind, setup, groups, bf16_adapters):
-    kwargs = TINY_CONFIGS[kind]
+    _, key, kwargs = config_kwargs(TINY_MODELS[kind], tiny=True)
     if kind == "dense" and groups is not None:
         groups = WITHOUT_EXPERTS  # as the script treats a dense model: it has no experts to adapt
-    counted = training_state_bytes(prepare(build(kwargs, torch.device("meta")), groups, bf16_adapters, rank=4))
-    torch.manual_seed(0)
-    real = prepare(build(kwargs, torch.device("cpu")), groups, bf16_adapters, rank=4)
+    counted = training_state_bytes(
+        prepare(bf16_model(key, kwargs, torch.device("meta")), groups, bf16_adapters, rank=4)
+    )
+    real = prepare(bf16_model(key, kwargs, torch.device("cpu")), groups, bf16_adapters, rank=4).train()
     held = _held_after_a_step(real)
     assert held["trained_parameters"] > 0
     assert {key: counted[key] for key in held} == held
