@@ -32,11 +32,12 @@ base model again. A row that runs out of memory records the peak at failure and 
 failed row stays allocated, the later rows are recorded as not run (their peaks would include it), so rows expected
 to fail go last. --profile ROW adds the kernel time of one step of that row by kernel class (GDN, attention, GEMM,
 loss, ...), the top kernels by name, the GPU's idle time between kernels by the host operator before it, and the
-forward's and the backward's (recompute included) share of an unprofiled step. --memory-at-peak ROW adds what is
-live at the peak of one step of that row, by allocating line (memory_peak.py).
+forward's and the backward's (recompute included) share of an unprofiled step. --memory-at-peak ROW[,ROW..] adds
+what is live at the peak of one step of each, by allocating line (memory_peak.py); for a row that ran out of memory,
+what was live when it failed and the request that failed, which says where a budget is exceeded and by how much.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
-                                        [--profile ROW] [--memory-at-peak ROW] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
+                                        [--profile ROW] [--memory-at-peak ROW[,ROW..]] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
                                         [--out FILE] [--device cuda] [--tiny]
 
 --tiny (with --device cpu) runs the rows on a small config and short documents to check the script itself.
@@ -401,7 +402,9 @@ def main():
     parser.add_argument("--rows", required=True, help="comma-separated BATCH:SETUP (see the module docstring)")
     parser.add_argument("--profile", default=None, help="one of --rows: also profile one step of it")
     parser.add_argument(
-        "--memory-at-peak", default=None, help="one of --rows: also what is live at its step's memory peak (CUDA)"
+        "--memory-at-peak",
+        default="",
+        help="comma-separated rows of --rows: also what is live at each one's memory peak, or at its failure (CUDA)",
     )
     parser.add_argument("--reps", type=int, default=2, help="timed steps per row (one for documents of >= 128k)")
     parser.add_argument(
@@ -418,6 +421,12 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = [tuple(spec.split(":")) for spec in args.rows.split(",")]
+    memory_rows = set(filter(None, args.memory_at_peak.split(",")))
+    unknown = memory_rows - {f"{batch}:{setup}" for batch, setup in rows}
+    if unknown:
+        raise SystemExit(f"--memory-at-peak: not among --rows: {sorted(unknown)}")
+    if any(parse_setup(row.split(":")[1]).optimizer for row in memory_rows):
+        raise SystemExit("--memory-at-peak records a forward + backward: an _adamw row's optimizer step is not in it")
     plans = [(batch, setup, batch_lengths(batch, args.tiny), parse_setup(setup)) for batch, setup in rows]
     workload = Workload(args.model, args.impl, device, args.tiny)
     fields = dict(item.split("=", 1) for item in filter(None, args.config.split(",")))
@@ -470,7 +479,7 @@ def main():
         if row_name == args.profile and "error" not in row:
             row["profile"] = profile_step(step, device, workload.step_context)
             workload.release()
-        if row_name == args.memory_at_peak and "error" not in row:
+        if row_name in memory_rows and row.get("error", "out of memory") == "out of memory":
             row["memory_at_peak"] = (
                 record_step_memory(step, workload.step_context)
                 if device.type == "cuda"

@@ -45,3 +45,16 @@ def test_an_adamw_row_updates_the_adapters_and_reports_the_optimizers_state(setu
     # two states per parameter in its dtype, and a float32 step count per parameter tensor
     assert row["optimizer_state_bytes"] == 2 * trained_bytes + 4 * len(after)
     assert all(p.grad is None for p in workload.model.parameters())  # zeroed as a trainer does after its step
+
+
+@pytest.mark.parametrize(
+    ("memory_rows", "refusal"),
+    [("rl:lora,doc_131072:lora", "not among --rows"), ("rl:lora_adamw", "optimizer step is not in it")],
+)
+def test_memory_at_peak_names_rows_of_the_run_and_no_optimizer_row(monkeypatch, memory_rows, refusal):
+    import bench_workload
+
+    argv = ["bench_workload.py", "--model", "qwen35_35b_a3b", "--impl", "ours", "--rows", "rl:lora,rl:lora_adamw"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--memory-at-peak", memory_rows, "--device", "cpu", "--tiny"])
+    with pytest.raises(SystemExit, match=refusal):
+        bench_workload.main()

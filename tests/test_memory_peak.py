@@ -58,3 +58,26 @@ def test_a_site_is_this_projects_frame_before_a_library_frame():
     assert site_of(PEFT) == "layer.py:7 forward"
     assert site_of([{"filename": "/x/torch/functional.py", "line": 3, "name": "f"}]) == "functional.py:3 f"
     assert site_of([]) == "(no Python frame)"
+
+
+def test_a_step_that_ran_out_of_memory_reads_what_was_live_at_the_failure_and_the_request():
+    events = [
+        alloc(1, 3, MOE),
+        alloc(2, 2, GDN),  # the peak before the failure: 5 GiB
+        free(1, 3),
+        alloc(3, 1, PEFT),
+        {"action": "oom", "size": int(6 * GIB), "device_free": int(0.5 * GIB), "frames": MOE},
+        free(2, 2),  # the exception unwinds the step
+        free(3, 1),
+    ]
+    result = live_at_peak(events, before_bytes=int(70 * GIB))
+    assert result["peak_during_step_GiB"] == 5.0 and result["peak_total_GiB"] == 75.0
+    failure = result["out_of_memory"]
+    assert failure["requested_GiB"] == 6.0 and failure["requested_at"] == "moe.py:120 experts"
+    assert failure["device_free_GiB"] == 0.5 and failure["event"] == 4
+    assert failure["allocated_during_step_GiB"] == 3.0 and failure["needed_at_least_GiB"] == 79.0
+    assert failure["live_by_site_GiB"] == {"gated_deltanet.py:95 _run": [2.0, 1], "layer.py:7 forward": [1.0, 1]}
+
+
+def test_a_step_without_a_failure_has_no_out_of_memory_reading():
+    assert "out_of_memory" not in live_at_peak([alloc(1, 1, MOE), free(1, 1)])
