@@ -267,12 +267,13 @@ class Qwen3_5PackedTextModel(Qwen3_5PackedPreTrainedModel):
         router_logits = [] if batch.output_router_logits else None
         attentions = [] if batch.output_attentions else None
         # With autograd recording, norm / SwiGLU / gate outputs are recomputed in the backward rather than kept
-        # (recompute.py): bitwise the same gradients, less memory. Not when layers are checkpointed whole, which keep
-        # nothing; a layer checkpointing one segment keeps the other's activations (checkpoint_granularity.py).
-        whole_layers_checkpointed = any(layer.recomputed_segment() == "layer" for layer in self.layers)
+        # (recompute.py): bitwise the same gradients, less memory. Not when every layer is checkpointed whole: those
+        # keep nothing. Layers left out of checkpointing (transformers' `every_n_layers`) keep theirs, and a layer
+        # checkpointing one segment keeps the other's activations (checkpoint_granularity.py): recomputed there.
+        every_layer_checkpointed = all(layer.recomputed_segment() == "layer" for layer in self.layers)
         recompute = (
             RecomputedActivations()
-            if recompute_enabled() and not whole_layers_checkpointed
+            if recompute_enabled() and not every_layer_checkpointed
             else contextlib.nullcontext()
         )
         # A generation step's few rows run plain products, which use the whole GPU (projection.plain_products); not

@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 from conftest import tiny_kwargs
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
@@ -71,12 +72,26 @@ def _inputs(config, extras: tuple[str, ...] = ()) -> dict:
     return inputs
 
 
-def _set_checkpointing(model, config, granularity: str | None, reentrant: bool = False) -> None:
+def _set_checkpointing(
+    model, config, granularity: str | None, reentrant: bool = False, every_n_layers: int = 1
+) -> None:
+    """Checkpointing off (None) or on at `granularity`; `every_n_layers` > 1 checkpoints layers 0, n, 2n, ... only,
+    through transformers' `activation_checkpointing_enable(every_n_layers=...)` (5.25 and later)."""
     if granularity is None:
         model.gradient_checkpointing_disable()
         return
     config.checkpoint_granularity = granularity  # read at every forward
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if every_n_layers == 1:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=every_n_layers)
+    flags = [layer.gradient_checkpointing for layer in _decoder_layers(model)]
+    assert flags == [index % every_n_layers == 0 for index in range(len(flags))], flags
+
+
+def _decoder_layers(model) -> list:
+    """The decoder layers of a model, PEFT-wrapped or not, in order."""
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 def _step(model, config, inputs: dict, granularity: str | None, reentrant: bool, offloaded: bool = False):
@@ -140,7 +155,9 @@ def _segment_modules(model, segments) -> list[tuple[int, str]]:
     )
 
 
-def _started_in_backward(model, config, granularity: str | None, reentrant: bool) -> list[tuple[int, str]]:
+def _started_in_backward(
+    model, config, granularity: str | None, reentrant: bool, every_n_layers: int = 1
+) -> list[tuple[int, str]]:
     """The segments' submodules that started a forward during the backward, as (layer, name), sorted."""
     started, in_backward = [], False
 
@@ -156,7 +173,7 @@ def _started_in_backward(model, config, granularity: str | None, reentrant: bool
         getattr(layers[index], name).register_forward_pre_hook(record((index, name)))
         for index, name in _segment_modules(model, SEGMENT_MODULES)
     ]
-    _set_checkpointing(model, config, granularity, reentrant)
+    _set_checkpointing(model, config, granularity, reentrant, every_n_layers)
     loss = model(**_inputs(config)).loss
     in_backward = True
     loss.backward()
@@ -176,7 +193,9 @@ def test_the_backward_reruns_the_chosen_segment_only(kind, reentrant):
         assert _started_in_backward(model, config, granularity, reentrant) == _segment_modules(model, segments)
 
 
-def _alive_between_forward_and_backward(model, config, granularity: str | None, reentrant: bool) -> set[tuple]:
+def _alive_between_forward_and_backward(
+    model, config, granularity: str | None, reentrant: bool, every_n_layers: int = 1
+) -> set[tuple]:
     """The outputs of the decoder layers' submodules still alive after the forward, as (layer, segment, name)."""
     outputs = []
 
@@ -192,7 +211,7 @@ def _alive_between_forward_and_backward(model, config, granularity: str | None, 
             for name, module in layer.named_modules():
                 if name.split(".")[0] in names:
                     handles.append(module.register_forward_hook(record((index, segment, name))))
-    _set_checkpointing(model, config, granularity, reentrant)
+    _set_checkpointing(model, config, granularity, reentrant, every_n_layers)
     loss = model(**_inputs(config)).loss
     for handle in handles:
         handle.remove()
@@ -212,6 +231,38 @@ def test_the_other_segment_keeps_its_activations_as_without_checkpointing(kind, 
     for granularity, other in (("mlp", "mixer"), ("mixer", "mlp")):
         alive = _alive_between_forward_and_backward(model, config, granularity, reentrant)
         assert alive == {key for key in kept if key[1] == other}, granularity
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_checkpointing_every_other_layer_reruns_those_and_the_others_recompute_their_chains(kind, reentrant):
+    """transformers 5.25's `every_n_layers`: the layers left out run as without checkpointing, with their norm /
+    SwiGLU / gate outputs recomputed in the backward (recompute.py), not kept; the loss and gradients stay bitwise."""
+    model, config = _model(kind)
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip("transformers before 5.25 checkpoints every layer")
+    inputs = _inputs(config)
+    loss, grads = _step(model, config, inputs, None, reentrant)
+    kept = _alive_between_forward_and_backward(model, config, None, reentrant)
+    assert {layer for layer, _, _ in kept} == set(range(len(model.model.layers)))  # the control: every layer keeps
+    rerun = {"layer": ("mixer", "mlp"), "mlp": ("mlp",), "mixer": ("mixer",)}
+    for granularity, segments in rerun.items():
+        _set_checkpointing(model, config, granularity, reentrant, every_n_layers=2)
+        model.zero_grad(set_to_none=True)
+        every_other_loss = model(**inputs).loss
+        every_other_loss.backward()
+        assert torch.equal(every_other_loss.detach(), loss), granularity
+        for name, grad in grads.items():
+            assert torch.equal(model.get_parameter(name).grad, grad), (granularity, name)
+        started = _started_in_backward(model, config, granularity, reentrant, every_n_layers=2)
+        assert started == [key for key in _segment_modules(model, segments) if key[0] % 2 == 0], granularity
+        alive = _alive_between_forward_and_backward(model, config, granularity, reentrant, every_n_layers=2)
+        # the checkpointed layers keep what their granularity keeps, the others what no checkpointing keeps
+        assert alive == {
+            (layer, segment, name)
+            for layer, segment, name in kept
+            if layer % 2 == 1 or (granularity != "layer" and segment not in segments)
+        }, granularity
 
 
 def test_without_checkpointing_or_without_gradients_the_granularity_changes_nothing():
