@@ -43,10 +43,11 @@ def _sft_config(tmp_path, **fields):
     return sgd_sft_config(tmp_path, **fields)
 
 
-def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **config):
+def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), checkpointed=None, **config):
     """The loss of each of STEPS SGD steps over the whole dataset (one batch per step, so every run sees the same
     documents in each step, however the collator lays them out), the first batch's keys, and the LoRA B tensors
-    still all zeros (as they start) after training."""
+    still all zeros (as they start) after training. `checkpointed`: whether every decoder layer is checkpointed, or
+    none (checked where given; SFTConfig's default is on)."""
     args = _sft_config(
         tmp_path, per_device_train_batch_size=batch_size, max_steps=STEPS, dataloader_drop_last=False, **config
     )
@@ -63,6 +64,8 @@ def _sft_losses(folder, tmp_path, peft_config=None, batch_size=len(TEXTS), **con
 
     trainer.compute_loss = recording
     trainer.train()
+    flags = {m.gradient_checkpointing for m in trainer.model.modules() if hasattr(m, "recomputed_segment")}
+    assert checkpointed is None or flags == {checkpointed}, flags
     lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
     assert bool(lora_b) == (peft_config is not None)
     return losses, batches[0], sorted(n for n, p in lora_b.items() if not p.detach().any())
@@ -98,6 +101,23 @@ def test_padding_free_and_packing_train_with_the_padded_losses(kind, folders, tm
         assert losses[:2] == pytest.approx(padded[:2], rel=1e-5, abs=0)
     # every LoRA B (zero at the start) moved: each adapted module took part, one by one
     assert padded_unmoved == free_unmoved == packing_unmoved == [], (padded_unmoved, free_unmoved, packing_unmoved)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_trls_selective_checkpointing_trains_with_the_losses_of_no_checkpointing(kind, folders, tmp_path):
+    """TRL 1.16's `gradient_checkpointing_kwargs={"selective": True}`: the decoder layers checkpointed under its
+    policy (attention kept, the rest recomputed), on packed rows, train as without checkpointing, step for step."""
+    packed = dict(batch_size=1, packing=True, max_length=256)
+    plain, _, _ = _sft_losses(folders[kind], tmp_path, **packed, gradient_checkpointing=False, checkpointed=False)
+    selective, _, _ = _sft_losses(
+        folders[kind],
+        tmp_path,
+        **packed,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"selective": True},
+        checkpointed=True,
+    )
+    assert selective == plain
 
 
 def test_flattening_collator_batch_gives_the_padded_loss(folders):
