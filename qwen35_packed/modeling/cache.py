@@ -25,14 +25,21 @@ capacity still grows the buffers (a new graph is captured then). The host-side c
 each layer's row lengths) are kept apart from its device work (`count_decode_step_on_host`), since a replayed graph
 does only the latter.
 
+Past recording and `crop` (transformers' assisted decoding: an assistant model or prompt lookup drafts tokens, one
+forward checks them, `crop(-j)` drops the j rejected ones): a GDN state cannot be rolled back, so while recording
+(`activate_past_recording`) each GDN layer hands the cache the state before each token it may have to drop and its
+conv inputs (gated_deltanet.py), and `crop(-j)` puts back the state and conv window of j tokens earlier; attention
+layers drop their last j keys. A forward that continues the cache records a state before each of its tokens, the
+first forward (the prompt) before each of its last `recurrent_states_to_keep`; what accumulates is dropped at the
+next crop. Rows must take the same number of new tokens, none masked; a crop beyond what was recorded raises.
+
 Supported: generate(), continuing generation from a returned cache (with the returned sequences or with
 inputs_embeds that extend the cached prompt; new tokens may be masked, as in a forward with holes: packing.py),
-beam search (`reorder_cache`), `batch_repeat_interleave` /
-`batch_select_indices`. Refused with an error: `update` and the conv/recurrent state updates (the packed layers
-write this cache themselves), `crop` and past recording (assisted decoding: a GDN state cannot be rolled back),
-`reset`, and transformers' attention masks (`get_mask_sizes`). `as_packed_cache` takes the cache argument a caller
-or generate() passes: an empty transformers cache (e.g. `DynamicCache()`) is replaced by this one, a filled one
-refused.
+beam search (`reorder_cache`), `batch_repeat_interleave` / `batch_select_indices`, past recording and `crop`.
+Refused with an error: `update` and the conv/recurrent state updates (the packed layers write this cache
+themselves), `reset`, and transformers' attention masks (`get_mask_sizes`). `as_packed_cache` takes the cache
+argument a caller or generate() passes: an empty transformers cache (e.g. `DynamicCache()`) is replaced by this one
+(`recorded_past` carries its past recording over), a filled one refused.
 """
 
 from __future__ import annotations
@@ -202,6 +209,12 @@ class PerRowKeysValues:
     def get_max_length(self) -> int:
         return -1  # grows with the sequence, like a DynamicLayer
 
+    def drop_last(self, counts: list[int]) -> None:
+        """Forget row b's last counts[b] keys / values (a crop); the buffers keep their size."""
+        self.host_lengths = [length - count for length, count in zip(self.host_lengths, counts)]
+        if self.lengths is not None:
+            self.lengths.sub_(torch.tensor(counts, dtype=torch.long).to(self.lengths.device))  # in place: graphs
+
     def select_rows(self, index: torch.Tensor) -> None:
         order = index.tolist()
         self.host_lengths = [self.host_lengths[j] for j in order]
@@ -222,7 +235,6 @@ def _new_linear_layer():
 class Qwen3_5PackedCache(Cache):
     # Not for transformers' torch.compile of the forward: a static cache's steps are captured by decode_graph.py.
     is_compileable = False
-    is_croppable = False  # a GDN state cannot be rolled back
 
     def __init__(self, layer_types: list[str], batch_size: int, capacity: int | None = None):
         """`capacity`: tokens per row to allocate at the prefill, which makes the cache static (module docstring);
@@ -249,6 +261,10 @@ class Qwen3_5PackedCache(Cache):
         self._step_boundaries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # The captured decode steps of a static cache on CUDA (decode_graph.DecodeGraphs), made on first use.
         self.decode_graphs = None
+        # Past recording (module docstring): the states the first forward keeps (None: not recording), and per GDN
+        # layer what was recorded since the last crop: (its last conv inputs [B, C, K + n], n states [B, Hv, Dk, Dv]).
+        self.past_to_keep: int | None = None
+        self._linear_past: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @property
     def static(self) -> bool:
@@ -306,6 +322,108 @@ class Qwen3_5PackedCache(Cache):
             layer.has_previous_state,
         ):
             flags[0] = True
+
+    @property
+    def records_past(self) -> bool:
+        return self.past_to_keep is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can put the cache back as it was: while it records the past."""
+        return self.records_past
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """Record what `crop` needs from now on (module docstring); `recurrent_states_to_keep`: how many of the
+        first forward's last tokens can be dropped (at least one)."""
+        self.past_to_keep = max(1, recurrent_states_to_keep or 1)
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return self.records_past
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return self.past_to_keep or 0
+
+    def states_to_record(self, tokens: int, continues: bool) -> int:
+        """How many of a forward's `tokens` (per row) get their state recorded: every one where the forward
+        continues the cache, else the last `past_to_keep`."""
+        return tokens if continues else min(tokens, self.past_to_keep)
+
+    def record_linear_past(
+        self,
+        layer_idx: int,
+        states: list[torch.Tensor],
+        conv_inputs: torch.Tensor,
+        conv_before: torch.Tensor | None,
+        kernel: int,
+    ) -> None:
+        """A recording GDN layer's forward: `states` the recurrent states before each of its last len(states)
+        tokens (tensors of their own: a static cache overwrites the one it holds), `conv_inputs` [B, C, tokens] its
+        conv inputs, `conv_before` [B, C, kernel] the conv state before it (None before the prompt). Call before
+        `store_linear_states`, which overwrites a static cache's conv state."""
+        held = self._linear_past.get(layer_idx)
+        if held is not None and len(states) == conv_inputs.shape[-1]:  # every token recorded: continues what is held
+            base, history = held[0], held[1] + list(states)
+        else:
+            base = conv_before if conv_before is not None else conv_inputs.new_zeros(*conv_inputs.shape[:2], kernel)
+            history = list(states)
+        columns = torch.cat([base.to(conv_inputs.dtype), conv_inputs], dim=-1)
+        self._linear_past[layer_idx] = (columns[..., -(kernel + len(history)) :], history)
+
+    def crop(self, tokens_to_remove: int = 0) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (transformers 5.25's convention: a count <= 0),
+        then what was recorded for it (module docstring). Checked whole before anything changes."""
+        if not self.records_past:
+            raise _unsupported("crop without past recording", "call activate_past_recording() before the forwards")
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a count <= 0, got {tokens_to_remove}")
+        count = -tokens_to_remove
+        if count:
+            removed = self._removed_real_tokens(count)
+            if any(r != count for r in removed):
+                raise ValueError(f"crop({tokens_to_remove}): the last {count} columns hold masked tokens")
+            for layer_idx, layer in enumerate(self.layers):
+                if not isinstance(layer, PerRowKeysValues):
+                    recorded = len(self._linear_past.get(layer_idx, (None, []))[1])
+                    if recorded < count:
+                        raise ValueError(
+                            f"crop({tokens_to_remove}): layer {layer_idx} recorded the states of {recorded} tokens "
+                            "since the last crop; pass a larger recurrent_states_to_keep to activate_past_recording()"
+                        )
+            for layer_idx, layer in enumerate(self.layers):
+                if isinstance(layer, PerRowKeysValues):
+                    layer.drop_last(removed)
+                    continue
+                columns, history = self._linear_past[layer_idx]
+                end = columns.shape[-1] - count
+                conv = columns[..., end - layer.conv_kernel_size[0] : end].contiguous()
+                self.store_linear_states(layer_idx, conv, history[-count])
+            self.seen_tokens.sub_(torch.tensor(removed, dtype=torch.long).to(self.seen_tokens.device))
+            self._uncount_columns(count)
+        self._linear_past.clear()
+
+    def _removed_real_tokens(self, columns: int) -> list[int]:
+        """Real tokens per row in the last `columns` consumed columns."""
+        if columns > self.consumed_columns:
+            raise ValueError(f"crop: the cache holds {self.consumed_columns} columns, not {columns}")
+        removed, left = [0] * self.batch_size, columns
+        for chunk in reversed(self._column_chunks):
+            taken = min(left, chunk if isinstance(chunk, int) else chunk.shape[1])
+            real = [taken] * self.batch_size if isinstance(chunk, int) else chunk[:, -taken:].sum(1).tolist()
+            removed = [a + b for a, b in zip(removed, real)]
+            left -= taken
+            if not left:
+                return removed
+        return removed
+
+    def _uncount_columns(self, columns: int) -> None:
+        self.consumed_columns -= columns
+        while columns:
+            chunk = self._column_chunks.pop()
+            width = chunk if isinstance(chunk, int) else chunk.shape[1]
+            taken = min(columns, width)
+            if taken < width:
+                self._column_chunks.append(chunk - taken if isinstance(chunk, int) else chunk[:, : width - taken])
+            columns -= taken
 
     def decode_sequence(self, batch: int, q_len: int, device, new_real: torch.Tensor | None = None) -> PackedSequence:
         """The packed view of a cached step: row b is document b, positions continue after its cached tokens;
@@ -393,6 +511,7 @@ class Qwen3_5PackedCache(Cache):
 
     def _select_rows(self, index: torch.LongTensor) -> None:
         """Row b becomes the old row index[b] (index may repeat rows or drop them)."""
+        self._linear_past.clear()  # recorded for the old rows
         for layer in self.layers:
             if isinstance(layer, PerRowKeysValues):
                 layer.select_rows(index)
@@ -430,14 +549,6 @@ class Qwen3_5PackedCache(Cache):
     def update_recurrent_state(self, *args, **kwargs):
         raise _unsupported("update_recurrent_state", "the packed model's GDN layers write their states themselves")
 
-    def crop(self, *args, **kwargs):
-        raise _unsupported("crop", "a Gated DeltaNet state cannot be rolled back to an earlier token")
-
-    def activate_past_recording(self):
-        raise _unsupported(
-            "activate_past_recording (assisted decoding)", "a Gated DeltaNet state cannot be rolled back"
-        )
-
     def reset(self):
         raise _unsupported("reset", "it is grown per row; start a new generation with a fresh cache instead")
 
@@ -451,6 +562,16 @@ def _same_kind(held: torch.Tensor | None, new: torch.Tensor) -> bool:
 
 def _unsupported(operation: str, reason: str) -> NotImplementedError:
     return NotImplementedError(f"Qwen3_5PackedCache does not support {operation}: {reason}")
+
+
+def recorded_past(cache) -> int | None:
+    """The `recurrent_states_to_keep` a cache records the past with (`activate_past_recording`, which transformers
+    calls on the empty cache it made for assisted decoding before this model replaces it), or None."""
+    if isinstance(cache, Qwen3_5PackedCache):
+        return cache.past_to_keep
+    if isinstance(cache, Cache) and any(getattr(layer, "record_past", False) for layer in cache.layers):
+        return max(1, cache.get_recurrent_states_to_keep() or 1)
+    return None
 
 
 def as_packed_cache(cache):

@@ -220,6 +220,7 @@ def decode_step_outputs(
         and input_ids.shape[0] == cache.batch_size
         and not torch.is_grad_enabled()
         and not (cache.decode_graphs is not None and cache.decode_graphs.capturing)
+        and not cache.records_past  # assisted decoding: each step hands the cache what a crop needs (cache.py)
         and asks_only_logits(model.config, **asked)
     ):
         return None

@@ -8,6 +8,8 @@ Document boundaries: the conv and the recurrence both restart at every document 
 tokens between real ones (an attention mask with holes) are zero inputs here, as in the built-in. The conv and the
 recurrence run through the batch's kernel set (which, on a context-parallel shard, continues the first document
 from the earlier shards).
+While the cache records the past (transformers' assisted decoding, cache.py), the recurrence of the tokens a crop may
+drop runs one token at a time after the chunked rest, and the layer hands the cache the state before each of them.
 The conv reads its taps, and the factors of a PEFT LoRA around conv1d, through conv_lora.effective_conv: the layer
 never calls the conv module, so PEFT's forward of it cannot run (conv_lora.py applies what it would compute).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
@@ -24,9 +26,23 @@ from .kernel_set import REFERENCE_KERNELS, KernelSet
 from .kernels import conv_final_state
 from .norms import GatedRMSNorm
 from .packed_batch import PackedBatch
+from .packing import continuation_sequence
 from .projection import RowInvariantLinear
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
+
+
+def _uniform_rows(packed) -> tuple[int, int]:
+    """(rows, tokens per row) of a cached forward whose rows all take the same number of new tokens, none masked:
+    what a recording cache can crop alike in every row."""
+    bounds = packed.cu_seqlens_cpu()
+    rows, tokens = bounds.numel() - 1, int(bounds[1])
+    if packed.spans is not None or not torch.equal(bounds, tokens * torch.arange(rows + 1)):
+        raise NotImplementedError(
+            "a cache recording the past (assisted decoding) takes the same number of new tokens in every row, none "
+            "masked"
+        )
+    return rows, tokens
 
 
 class GatedDeltaNet(nn.Module):
@@ -99,7 +115,9 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
         split = [self.key_dim, self.key_dim, self.value_dim]
-        step = batch.one_token_per_row and not conv.adapters  # a generation step: the batched decode kernels
+        recording = cache is not None and cache.records_past
+        # a generation step: the batched decode kernels
+        step = batch.one_token_per_row and not conv.adapters and not recording
         if step:
             out, conv_state = kernels.conv_step(mixed, conv.weight, conv_state)
             q, k, v = torch.split(out, split, dim=-1)
@@ -116,13 +134,45 @@ class GatedDeltaNet(nn.Module):
             core, final_state = kernels.delta_rule_step(
                 q, k, v, g, beta, recurrent_state, out_state=recurrent_state if in_place else None
             )
+        elif recording:
+            rows, tokens = _uniform_rows(batch.packed)
+            kept = cache.states_to_record(tokens, continues=recurrent_state is not None)
+            core, final_state, states = self._recorded_delta_rule(
+                q, k, v, g, beta, rows, tokens, kept, recurrent_state, kernels
+            )
+            conv_inputs = mixed.reshape(rows, tokens, -1).transpose(1, 2)
+            cache.record_linear_past(self.layer_idx, states, conv_inputs, conv_state, self.conv_kernel_size)
         else:
             core, final_state = kernels.delta_rule(
                 q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None
             )
-            if cache is not None:
-                # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
-                conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
+        if cache is not None and not step:
+            # conv_final_state keeps the inputs a conv of the given kernel reads (kernel - 1): one wider keeps K.
+            conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
         if cache is not None:
             cache.store_linear_states(self.layer_idx, conv_state, final_state)
         return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))
+
+    def _recorded_delta_rule(self, q, k, v, g, beta, rows, tokens, kept, initial_state, kernels: KernelSet):
+        """The delta rule of `rows` rows of `tokens` tokens each, the last `kept` of every row one at a time after
+        the chunked rest -> (o [rows * tokens, Hv, Dv], final state, [the state before each kept token])."""
+        q, k, v, g, beta = (t.reshape(rows, tokens, *t.shape[1:]) for t in (q, k, v, g, beta))
+        head = tokens - kept
+        outputs, state = [], initial_state
+        if head:
+            first = torch.zeros(rows, dtype=torch.long, device=q.device)  # positions: unread by the delta rule
+            part = continuation_sequence(None, rows, head, first, q.device)
+            flat = (t[:, :head].reshape(rows * head, *t.shape[2:]) for t in (q, k, v, g, beta))
+            out, state = kernels.delta_rule(*flat, part, initial_state=initial_state, output_final_state=True)
+            outputs.append(out.reshape(rows, head, *out.shape[1:]))
+        elif state is None:  # the prompt, every token kept: the recurrence starts from zeros
+            shape = (rows, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+            state = torch.zeros(shape, dtype=torch.float32, device=q.device)
+        else:
+            state = state.clone()  # a static cache overwrites the state it holds
+        states = []
+        for t in range(head, tokens):
+            states.append(state)
+            out, state = kernels.delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            outputs.append(out.unsqueeze(1))
+        return torch.cat(outputs, dim=1).reshape(rows * tokens, *outputs[0].shape[2:]), state, states

@@ -12,7 +12,7 @@ import logging
 import torch
 from transformers import GenerationMixin
 
-from .cache import Qwen3_5PackedCache, as_packed_cache
+from .cache import Qwen3_5PackedCache, as_packed_cache, recorded_past
 from .outputs import CACHE_FIELD
 from .packed_batch import BOUNDARY_ARGUMENTS
 from .packing import build_packed_sequence
@@ -179,12 +179,15 @@ class PackedGeneration:
         static_cache_capacity=None,
         **kwargs,
     ):
-        cache = as_packed_cache(cache if cache is not None else past_key_values)
+        given = cache if cache is not None else past_key_values
+        cache = as_packed_cache(given)
         inputs = {"attention_mask": attention_mask, "use_cache": use_cache}
         if cache is None and static_cache_capacity is not None and use_cache:  # the prefill makes the static cache
             rows = (input_ids if input_ids is not None and input_ids.numel() else inputs_embeds).shape[0]
             layer_types = self.config.get_text_config().layer_types
             cache = Qwen3_5PackedCache(layer_types, rows, capacity=static_cache_capacity)
+            if recorded_past(given) is not None:  # assisted decoding asked the cache it made for past recording
+                cache.activate_past_recording(recorded_past(given))
         if cache is not None:  # this model's cache, filled or to be filled by the prefill
             inputs[CACHE_FIELD] = cache
         if cache is not None and cache.has_state:
@@ -209,6 +212,21 @@ class PackedGeneration:
                 per_column = {name: inputs[name] for name in PER_COLUMN_INPUTS if inputs.get(name) is not None}
                 inputs.update(padding_moved_left(per_column, attention_mask))
         return inputs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, *args):
+        """transformers makes no cache for this model (`_supports_default_dynamic_cache`): the prefill makes its own.
+        Except for assisted decoding (transformers 5.25 on), which wants the cache before the first forward, to have
+        it record the past, and for an assistant model's own generate(), whose cache comes back to be cropped: this
+        model's cache then, static with `cache_implementation="static"`, recording where the assistant's is."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size, *args)
+        assisted = generation_mode == "assisted_generation" or getattr(generation_config, "is_assistant", False)
+        if not assisted or model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False:
+            return
+        layer_types = self.config.get_text_config().layer_types
+        cache = Qwen3_5PackedCache(layer_types, batch_size, capacity=model_kwargs.get("static_cache_capacity"))
+        if getattr(generation_config, "is_assistant", False):
+            cache.activate_past_recording(generation_config.num_assistant_tokens)
+        model_kwargs[CACHE_FIELD] = cache
 
     def _reorder_cache(self, cache, beam_idx):
         cache.reorder_cache(beam_idx)

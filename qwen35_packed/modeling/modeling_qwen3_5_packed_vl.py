@@ -543,6 +543,11 @@ class Qwen3_5PackedForConditionalGeneration(
         if cache is not None and cache.has_state:  # a cached step: the prefill took the images
             for name in VISION_ARGUMENTS:
                 inputs.pop(name, None)
+            return inputs
+        types, ids = inputs.get("mm_token_type_ids"), inputs.get("input_ids")
+        if types is not None and ids is not None and types.shape[1] < ids.shape[1]:
+            # A prefill with generated tokens after the prompt (assisted decoding's drafts): text, type 0.
+            inputs["mm_token_type_ids"] = torch.nn.functional.pad(types, (0, ids.shape[1] - types.shape[1]))
         return inputs
 
 

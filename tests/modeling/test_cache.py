@@ -207,11 +207,10 @@ def test_row_selection_moves_every_state_of_a_row(kind):
 @pytest.mark.parametrize(
     "operation, call",
     [
-        ("crop", lambda c: c.crop(-1)),
+        ("crop without past recording", lambda c: c.crop(-1)),
         ("update", lambda c: c.update(torch.zeros(1), torch.zeros(1), 0)),
         ("update_conv_state", lambda c: c.update_conv_state(torch.zeros(1), 0)),
         ("reset", lambda c: c.reset()),
-        ("activate_past_recording", lambda c: c.activate_past_recording()),
         ("get_mask_sizes", lambda c: c.get_mask_sizes(1, 0)),
     ],
 )
