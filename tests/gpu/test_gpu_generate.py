@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_gpu import move_norms_off_init
+from transformers import Cache
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -191,3 +192,42 @@ def test_a_failed_capture_leaves_sampling_and_later_captures_working():
     replay()
     replay()
     assert counter.item() == 3
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_assisted_decoding_picks_every_token_as_greedy_decoding_does(model, cache_implementation, monkeypatch):
+    """Prompt lookup (transformers 5.25's assisted decoding; drafts cropped away through the cache's past recording):
+    every token it generates is, in one full forward of the final sequence, within the bf16 distance that plain
+    greedy decoding's cached logits keep from that forward (measured here, the control) of the best token."""
+    if not hasattr(Cache, "get_recurrent_states_to_keep"):
+        pytest.skip("transformers before 5.25 has no assisted decoding for stateful models")
+    crops, crop = [], Qwen3_5PackedCache.crop
+    monkeypatch.setattr(Qwen3_5PackedCache, "crop", lambda c, n=0: crops.append(-n) or crop(c, n))
+    seed = BASE_SEED + 30 + KINDS.index(model.kind)
+    gen = torch.Generator().manual_seed(seed)
+    stretch = torch.randint(3, model.config.vocab_size, (96,), generator=gen)
+    ids = torch.cat([stretch, stretch[10:70], stretch]).unsqueeze(0).cuda()  # repeats: prompt lookup drafts
+    options = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assisted = model.generate(ids, prompt_lookup_num_tokens=6, cache_implementation=cache_implementation, **options)
+        _, greedy_logits, _ = decode(model, ids, torch.ones_like(ids), None, 47)
+        greedy_tokens = greedy_logits.argmax(-1)
+        full = model(input_ids=assisted, use_cache=False).logits[0, ids.shape[1] - 1 : -1].float()
+        greedy_full = (
+            model(input_ids=torch.cat([ids, greedy_tokens[:, :-1]], dim=1), use_cache=False)
+            .logits[0, ids.shape[1] - 1 :]
+            .float()
+        )
+    gap = (greedy_logits[0] - greedy_full).abs().max().item()
+    scale = full.abs().max().item()
+    chosen = full.gather(1, assisted[0, ids.shape[1] :, None]).squeeze(1)
+    shortfall = (full.max(-1).values - chosen).max().item()
+    RESULTS[f"{model.kind}_assisted_{cache_implementation}"] = {
+        "seed": seed,
+        "crops": crops,
+        "largest_shortfall_of_a_chosen_token": shortfall,
+        "greedy_cached_vs_full_max_abs_diff": gap,
+        "same_tokens_as_greedy": bool(torch.equal(assisted[0, ids.shape[1] :], greedy_tokens[0])),
+    }
+    assert any(count > 0 for count in crops), crops  # drafts were rejected and cropped away
+    assert shortfall <= 2 * gap + scale * 2**-9
