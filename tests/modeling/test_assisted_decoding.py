@@ -79,6 +79,28 @@ def test_the_builtin_model_is_assisted_by_ours_and_ours_by_the_builtin():
             assert torch.equal(main.generate(prompt, max_new_tokens=16, assistant_model=helper, **GREEDY), expected)
 
 
+@needs_assisted_stateful
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("drafts", ["assistant", "prompt_lookup"])
+def test_sampled_assisted_decoding_scores_every_token_as_one_full_forward_does(kind, drafts):
+    """Speculative sampling (an assistant's logits) and sampled prompt lookup: the logits each new token was drawn
+    from are those of one forward of the final sequence without a cache, whichever drafts were rejected. (The
+    built-in classes of transformers 5.25 miss this after a verification that rejects every draft of a forward longer
+    than the states they keep: results/notes/2026-12-05-transformers-5.25-drop-in.md.)"""
+    model, assistant = packed_model(kind, seed=0), packed_model(kind, seed=7)
+    options = dict(assistant_model=assistant) if drafts == "assistant" else dict(prompt_lookup_num_tokens=3)
+    with torch.no_grad():
+        for seed in range(3):
+            prompt = _prompt(model.config.vocab_size, seed)
+            torch.manual_seed(seed)
+            out = model.generate(
+                prompt, do_sample=True, max_new_tokens=16, return_dict_in_generate=True, output_logits=True,
+                pad_token_id=0, eos_token_id=-1, **options,
+            )  # fmt: skip
+            full = model(out.sequences, use_cache=False).logits[0, prompt.shape[1] - 1 : -1]
+            torch.testing.assert_close(torch.cat(out.logits), full, atol=1e-5, rtol=1e-5)
+
+
 def _recording_cache(model, prompt: torch.Tensor, keep: int, static: bool):
     cache = Qwen3_5PackedCache(model.config.layer_types, prompt.shape[0], capacity=64 if static else None)
     cache.activate_past_recording(recurrent_states_to_keep=keep)
@@ -97,7 +119,7 @@ def test_a_crop_leaves_the_cache_as_if_the_dropped_tokens_never_came(kind, stati
     tokens = torch.randint(3, vocab, (1, 14), generator=torch.Generator().manual_seed(1))
     prompt, continuation, last, probe = tokens[:, :8], tokens[:, 8:11], tokens[:, 11:12], tokens[:, 12:13]
     with torch.no_grad():
-        for dropped in range(0, 6):  # the last forward's token, the three before, and two of the prompt's (keep=2)
+        for dropped in range(0, 7):  # the last forward's token, the three before, and the prompt's two (keep=2)
             cache = _recording_cache(model, prompt, keep=2, static=static)
             model(continuation, past_key_values=cache, use_cache=True)
             model(last, past_key_values=cache, use_cache=True)
