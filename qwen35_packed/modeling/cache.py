@@ -31,7 +31,9 @@ forward checks them, `crop(-j)` drops the j rejected ones): a GDN state cannot b
 conv inputs (gated_deltanet.py), and `crop(-j)` puts back the state and conv window of j tokens earlier; attention
 layers drop their last j keys. A forward that continues the cache records a state before each of its tokens, the
 first forward (the prompt) before each of its last `recurrent_states_to_keep`; what accumulates is dropped at the
-next crop. Rows must take the same number of new tokens, none masked; a crop beyond what was recorded raises.
+next crop, and generate() stops the recording of the cache it is done with (not an assistant's, which its caller
+crops between calls). Rows must take the same number of new tokens, none masked; a crop beyond what was recorded
+raises.
 
 Supported: generate(), continuing generation from a returned cache (with the returned sequences or with
 inputs_embeds that extend the cached prompt; new tokens may be masked, as in a forward with holes: packing.py),
@@ -336,6 +338,11 @@ class Qwen3_5PackedCache(Cache):
         """Record what `crop` needs from now on (module docstring); `recurrent_states_to_keep`: how many of the
         first forward's last tokens can be dropped (at least one)."""
         self.past_to_keep = max(1, recurrent_states_to_keep or 1)
+
+    def stop_recording_past(self) -> None:
+        """Record nothing more, and drop what was recorded (generate() calls it when assisted decoding is done)."""
+        self.past_to_keep = None
+        self._linear_past.clear()
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return self.records_past

@@ -162,11 +162,20 @@ class PackedGeneration:
     def generate(self, *args, **kwargs):
         """GenerationMixin.generate, refusing packed rows (generation continues one document per row) and caches
         other than this model's own; `cache_implementation="static"` makes this model's cache static
-        (`static_cache_arguments`)."""
+        (`static_cache_arguments`). The cache it is done with stops recording the past (cache.py)."""
         refuse_packed_generation(args, kwargs)
         if requested_cache(self.generation_config, kwargs) == "static":
             kwargs = static_cache_arguments(args, kwargs, self.generation_config)
-        return GenerationMixin.generate(self, *args, **kwargs)
+        result = GenerationMixin.generate(self, *args, **kwargs)
+        # Assisted decoding left the cache recording the past; a later continuation would record every token again.
+        # An assistant's cache goes on recording: its caller crops it between calls.
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        if not getattr(generation_config, "is_assistant", False):
+            returned = getattr(result, CACHE_FIELD, None) if not torch.is_tensor(result) else None
+            for cache in (returned, kwargs.get(CACHE_FIELD), kwargs.get("past_key_values")):
+                if isinstance(cache, Qwen3_5PackedCache):
+                    cache.stop_recording_past()
+        return result
 
     def prepare_inputs_for_generation(
         self,
@@ -186,8 +195,9 @@ class PackedGeneration:
             rows = (input_ids if input_ids is not None and input_ids.numel() else inputs_embeds).shape[0]
             layer_types = self.config.get_text_config().layer_types
             cache = Qwen3_5PackedCache(layer_types, rows, capacity=static_cache_capacity)
-            if recorded_past(given) is not None:  # assisted decoding asked the cache it made for past recording
-                cache.activate_past_recording(recorded_past(given))
+            past_to_keep = recorded_past(given)  # assisted decoding asked the cache it made for past recording
+            if past_to_keep is not None:
+                cache.activate_past_recording(past_to_keep)
         if cache is not None:  # this model's cache, filled or to be filled by the prefill
             inputs[CACHE_FIELD] = cache
         if cache is not None and cache.has_state:

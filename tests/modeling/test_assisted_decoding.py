@@ -11,6 +11,7 @@ from conftest import HAS_BUILTIN_QWEN35, builtin_pair, packed_model
 from transformers import Cache
 
 from qwen35_packed.modeling.cache import Qwen3_5PackedCache
+from qwen35_packed.modeling.outputs import CACHE_FIELD
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=-1)
 # transformers before 5.25 refuses assisted decoding for models with a recurrent state
@@ -65,6 +66,22 @@ def test_greedy_assisted_decoding_gives_the_tokens_of_greedy_decoding(kind, draf
             got = model.generate(prompt, max_new_tokens=24, **GREEDY, **options)
             assert torch.equal(got, expected), (seed, got, expected)
             assert any(count > 0 for count in crops), crops  # drafts were rejected and cropped away
+
+
+@needs_assisted_stateful
+def test_the_cache_assisted_decoding_returns_records_no_more_and_continues_greedy_decoding():
+    """A continuation of the returned cache would otherwise record every token it takes again."""
+    model = packed_model("dense")
+    with torch.no_grad():
+        prompt = _prompt(model.config.vocab_size, 0)
+        longer = model.generate(prompt, max_new_tokens=20, **GREEDY)
+        out = model.generate(
+            prompt, max_new_tokens=12, prompt_lookup_num_tokens=4, return_dict_in_generate=True, **GREEDY
+        )
+        cache = getattr(out, CACHE_FIELD)
+        assert isinstance(cache, Qwen3_5PackedCache) and not cache.records_past
+        continued = model.generate(out.sequences, **{CACHE_FIELD: cache}, max_new_tokens=8, **GREEDY)
+    assert torch.equal(continued, longer)
 
 
 @needs_assisted_stateful
