@@ -576,7 +576,7 @@ def recorded_past(cache) -> int | None:
     calls on the empty cache it made for assisted decoding before this model replaces it), or None."""
     if isinstance(cache, Qwen3_5PackedCache):
         return cache.past_to_keep
-    if isinstance(cache, Cache) and any(getattr(layer, "record_past", False) for layer in cache.layers):
+    if isinstance(cache, Cache) and any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ())):
         return max(1, cache.get_recurrent_states_to_keep() or 1)
     return None
 
