@@ -44,17 +44,13 @@ def crops(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize(
     "drafts",
-    ["assistant", "prompt_lookup", "assistant_heuristic", "assistant_static", "prompt_lookup_static"],
+    ["assistant", "prompt_lookup", "assistant_static", "prompt_lookup_static"],
 )
 def test_greedy_assisted_decoding_gives_the_tokens_of_greedy_decoding(kind, drafts, crops):
     model, assistant = packed_model(kind, seed=0), packed_model(kind, seed=7)  # the assistant's drafts often miss
     options = {
         "assistant": dict(assistant_model=assistant),
         "prompt_lookup": dict(prompt_lookup_num_tokens=4),
-        # the draft length grows past the one the cache was told at first
-        "assistant_heuristic": dict(
-            assistant_model=assistant, num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic"
-        ),
         "assistant_static": dict(assistant_model=assistant, cache_implementation="static"),
         "prompt_lookup_static": dict(prompt_lookup_num_tokens=4, cache_implementation="static"),
     }[drafts]
@@ -66,6 +62,28 @@ def test_greedy_assisted_decoding_gives_the_tokens_of_greedy_decoding(kind, draf
             got = model.generate(prompt, max_new_tokens=24, **GREEDY, **options)
             assert torch.equal(got, expected), (seed, got, expected)
             assert any(count > 0 for count in crops), crops  # drafts were rejected and cropped away
+
+
+@needs_assisted_stateful
+def test_drafts_that_grow_past_the_count_the_cache_was_told_are_verified_all_the_same():
+    """transformers tells the cache the assistant's first draft length; the heuristic schedule then grows it by two
+    after every round that accepts all drafts (the model's twin drafts, so all are accepted)."""
+    model = packed_model("dense")
+    twin = copy.deepcopy(model)
+    twin.generation_config.update(
+        num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0
+    )
+    verified = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: verified.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    with torch.no_grad():
+        prompt = _prompt(model.config.vocab_size, 0)
+        expected = model.generate(prompt, max_new_tokens=24, **GREEDY)
+        verified.clear()
+        got = model.generate(prompt, max_new_tokens=24, assistant_model=twin, **GREEDY)
+    assert torch.equal(got, expected)
+    assert max(verified[1:]) > 2 + 1, verified  # a verifying forward took more drafts than the cache was told
 
 
 @needs_assisted_stateful
