@@ -18,6 +18,13 @@ def test_adamw_is_the_last_suffix_of_a_setup():
     setup = parse_setup("lora_low_rank_bf16_adapters_moe_chunk_adamw")
     assert (setup.optimizer, setup.bf16_adapters, setup.moe_token_chunk) == ("adamw", True, 16384)
     assert parse_setup("lora_low_rank").optimizer is None
+    setup = parse_setup("lora_low_rank_offload_moe_chunk_gdn_chunk_adamw")
+    assert (setup.offloading, setup.moe_token_chunk, setup.gdn_token_chunk, setup.optimizer) == (
+        "trl",
+        16384,
+        16384,
+        "adamw",
+    )
     with pytest.raises(SystemExit, match="unknown setup"):
         parse_setup("lora_adamw_bf16_adapters")
 

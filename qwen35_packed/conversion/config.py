@@ -53,7 +53,13 @@ VL_BASE_MODELS = {False: "Qwen3_5PackedVLModel", True: "Qwen3_5MoePackedVLModel"
 # vision_config.model_type transformers expects; older official configs say "qwen3_5" / "qwen3_5_moe" there.
 VISION_MODEL_TYPES = {False: "qwen3_5_vision", True: "qwen3_5_moe_vision"}
 # Fields of this project's config class that official readers do not know; not written to official configs.
-PROJECT_ONLY_KEYS = (*KERNEL_FIELDS, "return_logits_with_loss", "checkpoint_granularity", "moe_token_chunk")
+PROJECT_ONLY_KEYS = (
+    *KERNEL_FIELDS,
+    "return_logits_with_loss",
+    "checkpoint_granularity",
+    "gdn_token_chunk",
+    "moe_token_chunk",
+)
 PROJECT_ONLY_COMPOSITE_KEYS = ("freeze_vision", "vision_dummy_pass")
 CONFIG_CLASSES = {False: Qwen3_5PackedConfig, True: Qwen3_5MoePackedConfig}
 

@@ -71,6 +71,8 @@ KERNEL_FIELDS = {
     "moe_combine_kernel": ("auto", "triton", "eager"),  # read by MoE models only: the grouped experts' top-k combine
     "moe_lora_kernel": ("auto", "low_rank", "peft"),  # read by MoE models only: PEFT LoRA on the experts
 }
+# The delta rule's chunk (FLA's, FlashQLA's and the reference's): gdn_token_chunk pieces start on its boundaries.
+GDN_CHUNK_TOKENS = 64
 # What the backward of a checkpointed decoder layer recomputes (modeling/checkpoint_granularity.py).
 CHECKPOINT_GRANULARITIES = ("layer", "mlp", "mixer")
 
@@ -193,6 +195,14 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     only the post-attention norm and the MLP / MoE block; "mixer" only the input norm and the token mixer (Gated
     DeltaNet or attention). The other part keeps its activations. Without checkpointing it changes nothing
     (modeling/checkpoint_granularity.py).
+
+    `gdn_token_chunk` (None: off; a multiple of 64, the delta rule's chunk) runs each Gated DeltaNet layer's delta
+    rule over a document longer than that in pieces of that many tokens, one after another, each starting from the
+    state the one before reached: the chunk states of a long document, and their gradients, live one piece at a time.
+    A piece starts on a chunk boundary, so each piece runs the chunks the whole document runs (gated_deltanet.py);
+    where FlashQLA is the GDN kernel, the pieces after the first run FLA's (FlashQLA takes no gradient into an initial
+    state). Training and scoring forwards only: not with a cache, not under context parallelism (which splits the
+    document across ranks already).
     """
 
     model_type = "qwen3_5_text"
@@ -254,6 +264,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         elementwise_kernel: str = "auto",
         return_logits_with_loss: bool | str = "auto",
         checkpoint_granularity: str = "layer",
+        gdn_token_chunk: int | None = None,
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
@@ -290,6 +301,15 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.elementwise_kernel = elementwise_kernel
         self.return_logits_with_loss = return_logits_with_loss
         self.checkpoint_granularity = checkpoint_granularity
+        if gdn_token_chunk is not None and (
+            isinstance(gdn_token_chunk, bool) or not isinstance(gdn_token_chunk, int) or gdn_token_chunk < 1
+            or gdn_token_chunk % GDN_CHUNK_TOKENS
+        ):  # fmt: skip
+            raise ValueError(
+                f"gdn_token_chunk must be None or a positive multiple of {GDN_CHUNK_TOKENS} tokens (the delta rule's "
+                f"chunk), got {gdn_token_chunk!r}"
+            )
+        self.gdn_token_chunk = gdn_token_chunk
         self.conv_kernel = conv_kernel
         self.moe_kernel = moe_kernel
         self.moe_combine_kernel = moe_combine_kernel

@@ -10,6 +10,8 @@ recurrence run through the batch's kernel set (which, on a context-parallel shar
 from the earlier shards).
 While the cache records the past (transformers' assisted decoding, cache.py), the recurrence of the tokens a crop may
 drop runs one token at a time after the chunked rest, and the layer hands the cache the state before each of them.
+With the config's `gdn_token_chunk`, a document longer than that runs its delta rule in pieces, each from the state
+the one before reached (`delta_rule_in_pieces`).
 The conv reads its taps, and the factors of a PEFT LoRA around conv1d, through conv_lora.effective_conv: the layer
 never calls the conv module, so PEFT's forward of it cannot run (conv_lora.py applies what it would compute).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
@@ -17,6 +19,8 @@ sequence, so bf16 rounding of these two vectors would change every later state.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -26,7 +30,7 @@ from .kernel_set import REFERENCE_KERNELS, KernelSet
 from .kernels import conv_final_state
 from .norms import GatedRMSNorm
 from .packed_batch import PackedBatch
-from .packing import continuation_sequence
+from .packing import PackedSequence, continuation_sequence
 from .projection import RowInvariantLinear
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
@@ -45,9 +49,40 @@ def _uniform_rows(packed) -> tuple[int, int]:
     return rows, tokens
 
 
+def delta_rule_in_pieces(kernels: KernelSet, q, k, v, g, beta, packed, piece: int) -> torch.Tensor:
+    """The delta rule of the stream `packed` (no initial state), every document longer than `piece` tokens run in
+    pieces of `piece` tokens: round r takes the r-th piece of every document that long, from the state its piece
+    r - 1 reached, so that the chunk states of a long document (and, in the backward, their gradients) exist one
+    round at a time. `piece` is a multiple of the kernels' chunk, so each piece runs the chunks the whole document
+    does. -> o [N, Hv, Dv]."""
+    bounds = packed.cu_seqlens_cpu().tolist()
+    starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    outputs, rows, state, carried = [], [], None, []
+    for first in range(0, max(lengths), piece):
+        docs = [d for d, length in enumerate(lengths) if length > first]
+        counts = [min(lengths[d] - first, piece) for d in docs]
+        index = torch.cat([torch.arange(starts[d] + first, starts[d] + first + n) for d, n in zip(docs, counts)])
+        index = index.to(q.device)
+        host_cu = torch.tensor([0, *itertools.accumulate(counts)])
+        # The delta rule reads the boundaries only (no positions).
+        part = PackedSequence(host_cu.to(q.device, torch.int32), max(counts), None, None, (1, sum(counts)), host_cu)
+        initial = None if state is None else state[[carried.index(d) for d in docs]]
+        delta_rule = kernels.delta_rule if initial is None else kernels.delta_rule_from_state
+        continues = any(lengths[d] > first + piece for d in docs)
+        inputs = (t.index_select(0, index) for t in (q, k, v, g, beta))
+        out, state = delta_rule(*inputs, part, initial_state=initial, output_final_state=continues)
+        outputs.append(out)
+        rows.append(index)
+        carried = docs
+    rows = torch.cat(rows)  # the stream row of every output row
+    back = torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
+    return torch.cat(outputs).index_select(0, back)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
+        self.config = config  # read at each forward: `gdn_token_chunk` may be set after the model is built
         self.layer_idx = layer_idx
         self.num_k_heads = config.linear_num_key_heads
         self.num_v_heads = config.linear_num_value_heads
@@ -142,6 +177,11 @@ class GatedDeltaNet(nn.Module):
             )
             conv_inputs = mixed.reshape(rows, tokens, -1).transpose(1, 2)
             cache.record_linear_past(self.layer_idx, states, conv_inputs, conv_state, self.conv_kernel_size)
+        elif self._in_pieces(packed, cache, batch):
+            core, final_state = (
+                delta_rule_in_pieces(kernels, q, k, v, g, beta, packed, self.config.gdn_token_chunk),
+                None,
+            )
         else:
             core, final_state = kernels.delta_rule(
                 q, k, v, g, beta, packed, initial_state=recurrent_state, output_final_state=cache is not None
@@ -152,6 +192,12 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.store_linear_states(self.layer_idx, conv_state, final_state)
         return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))
+
+    def _in_pieces(self, packed, cache, batch: PackedBatch) -> bool:
+        """Whether the config's `gdn_token_chunk` cuts a document of this stream: a forward without a cache, off a
+        context-parallel shard (whose rows are cut across ranks already)."""
+        piece = getattr(self.config, "gdn_token_chunk", None)
+        return bool(piece) and cache is None and batch.shard is None and packed.max_seqlen > piece
 
     def _recorded_delta_rule(self, q, k, v, g, beta, rows, tokens, kept, initial_state, kernels: KernelSet):
         """The delta rule of `rows` rows of `tokens` tokens each, the last `kept` of every row one at a time after

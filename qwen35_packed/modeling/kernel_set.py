@@ -47,6 +47,9 @@ class KernelSet:
     # Gated DeltaNet
     conv: Callable  # (x, weight, packed, split_sizes, initial_state=None, adapters=()) -> (q, k, v)
     delta_rule: Callable  # (q, k, v, g, beta, packed, initial_state=None, output_final_state=False) -> (o, state)
+    # the same from an initial state that carries a gradient (a long document's later pieces): FLA's where FlashQLA
+    # was chosen, whose kernels take no gradient into the initial state
+    delta_rule_from_state: Callable
     gated_norm: Callable  # (x, gate, weight, eps) -> weight * rmsnorm(x) * silu(gate)
     # a generation step with one new token per row, all rows at once (the decode kernels)
     conv_step: Callable  # (x [B, C], weight, state [B, C, K]) -> (silu(conv) [B, C], new state)
@@ -121,6 +124,7 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
         else chunk_cross_entropy,
         conv=functools.partial(kernels.causal_conv1d_varlen, stateless=_CONV[choice.conv], backend=choice.conv),
         delta_rule=_DELTA_RULE[choice.gdn],
+        delta_rule_from_state=_DELTA_RULE["fla" if choice.gdn == "flash_qla" else choice.gdn],
         gated_norm=_GATED_NORM[gated_norm_backend(choice)],
         conv_step=chains["conv_step"],
         delta_rule_step=chains["delta_rule_step"],

@@ -273,3 +273,37 @@ def test_moe_token_chunks_give_one_calls_logits_bitwise_at_35b_a3b_shapes():
     print(RESULTS["moe_token_chunks"])
     assert int(cu[-1]) > 4096 and torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
     assert errors[worst] <= 3e-2
+
+
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_gdn_pieces_give_whole_documents_logits_bitwise_at_35b_a3b_shapes():
+    """gdn_token_chunk=1024 on a random batch (its long documents cut into several pieces) at the 35B-A3B layer
+    shapes with LoRA: the eval logits and the training loss are those of whole documents bit for bit (a piece runs
+    the chunks the whole document runs, from the fp32 state the one before reached), the gradients within the bf16
+    bound (the state's gradient crosses the pieces in fp32, as FLA's backward carries it between chunks). FLA's
+    kernel on both sides: where FlashQLA is chosen, the pieces after the first run FLA's."""
+    model = with_lora(build("moe_35b_a3b_shapes_4_layers"))
+    model.config.gdn_kernel = "fla"
+    docs = draw_documents(BASE_SEED + 56, model.config.vocab_size)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+
+    def run(piece):
+        model.config.gdn_token_chunk = piece
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, cu_seqlens=cu, use_cache=False).logits
+        model.train().zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return logits, loss.detach(), grads
+
+    whole, pieces = run(None), run(1024)
+    errors = {n: ((g - whole[2][n]).norm() / whole[2][n].norm().clamp_min(1e-30)).item() for n, g in pieces[2].items()}
+    worst = max(errors, key=errors.get)
+    longest = max(d.shape[0] for d in docs)
+    RESULTS["gdn_pieces"] = {"seed": BASE_SEED + 56, "tokens": int(cu[-1]), "longest_document": longest, "piece": 1024, "logits_equal": bool(torch.equal(pieces[0], whole[0])), "loss_equal": bool(torch.equal(pieces[1], whole[1])), "worst_grad_relative_error": [worst, errors[worst]]}  # fmt: skip
+    print(RESULTS["gdn_pieces"])
+    assert longest > 1024 and torch.equal(pieces[0], whole[0]) and torch.equal(pieces[1], whole[1])
+    assert errors[worst] <= 3e-2
