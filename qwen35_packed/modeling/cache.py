@@ -41,7 +41,7 @@ beam search (`reorder_cache`), `batch_repeat_interleave` / `batch_select_indices
 Refused with an error: `update` and the conv/recurrent state updates (the packed layers write this cache
 themselves), `reset`, and transformers' attention masks (`get_mask_sizes`). `as_packed_cache` takes the cache
 argument a caller or generate() passes: an empty transformers cache (e.g. `DynamicCache()`) is replaced by this one
-(`recorded_past` carries its past recording over), a filled one refused.
+(`carry_past_recording` passes its past recording on), a filled one refused.
 """
 
 from __future__ import annotations
@@ -571,7 +571,7 @@ def _unsupported(operation: str, reason: str) -> NotImplementedError:
     return NotImplementedError(f"Qwen3_5PackedCache does not support {operation}: {reason}")
 
 
-def recorded_past(cache) -> int | None:
+def _recorded_past(cache) -> int | None:
     """The `recurrent_states_to_keep` a cache records the past with (`activate_past_recording`, which transformers
     calls on the empty cache it made for assisted decoding before this model replaces it), or None."""
     if isinstance(cache, Qwen3_5PackedCache):
@@ -579,6 +579,13 @@ def recorded_past(cache) -> int | None:
     if isinstance(cache, Cache) and any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ())):
         return max(1, cache.get_recurrent_states_to_keep() or 1)
     return None
+
+
+def carry_past_recording(given, cache: Qwen3_5PackedCache | None) -> None:
+    """`cache`, made in place of the cache argument `given`, records the past as `given` was asked to."""
+    past_to_keep = _recorded_past(given)
+    if past_to_keep is not None and cache is not None and not cache.records_past:
+        cache.activate_past_recording(past_to_keep)
 
 
 def as_packed_cache(cache):

@@ -12,7 +12,7 @@ import logging
 import torch
 from transformers import GenerationMixin
 
-from .cache import Qwen3_5PackedCache, as_packed_cache, recorded_past
+from .cache import Qwen3_5PackedCache, as_packed_cache, carry_past_recording
 from .outputs import CACHE_FIELD
 from .packed_batch import BOUNDARY_ARGUMENTS
 from .packing import build_packed_sequence
@@ -195,9 +195,7 @@ class PackedGeneration:
             rows = (input_ids if input_ids is not None and input_ids.numel() else inputs_embeds).shape[0]
             layer_types = self.config.get_text_config().layer_types
             cache = Qwen3_5PackedCache(layer_types, rows, capacity=static_cache_capacity)
-            past_to_keep = recorded_past(given)  # assisted decoding asked the cache it made for past recording
-            if past_to_keep is not None:
-                cache.activate_past_recording(past_to_keep)
+            carry_past_recording(given, cache)  # assisted decoding asked the cache it made to record the past
         if cache is not None:  # this model's cache, filled or to be filled by the prefill
             inputs[CACHE_FIELD] = cache
         if cache is not None and cache.has_state:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from . import context_parallel
-from .cache import Qwen3_5PackedCache, as_packed_cache, recorded_past
+from .cache import Qwen3_5PackedCache, as_packed_cache, carry_past_recording
 from .context_parallel import ShardLayout
 from .kernel_set import KernelSet
 from .loss import IGNORE_INDEX
@@ -253,8 +253,7 @@ def open_packed_batch(
     check_inputs_embeds(inputs_embeds, embedding_dtype)
     shape = input_shape(input_ids, inputs_embeds)
     device = (input_ids if input_ids is not None else inputs_embeds).device
-    past_to_keep = recorded_past(cache)  # an empty transformers cache replaced below passes its recording on
-    cache = as_packed_cache(cache)
+    given_cache, cache = cache, as_packed_cache(cache)
     boundaries = {
         "cu_seqlens": cu_seqlens,
         "cu_seq_lens_q": cu_seq_lens_q,
@@ -276,8 +275,7 @@ def open_packed_batch(
         stream = _new_stream(
             config, model.training, cache, use_cache, device, shape, attention_mask, position_ids, boundaries
         )
-        if past_to_keep is not None and stream.cache is not None and not stream.cache.records_past:
-            stream.cache.activate_past_recording(past_to_keep)
+        carry_past_recording(given_cache, stream.cache)  # an empty transformers cache replaced here
     packed = stream.packed
     targets = stream.targets
     if stream.shard is None and (labels is not None or shift_labels is not None):
