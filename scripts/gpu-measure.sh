@@ -63,16 +63,16 @@
 #                (profiled), fp32 adapters under autocast, each with the in-place adapter sum and with PEFT's own
 #                LoRA forward                                                                         ~5 min
 #   long-doc-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, one 131,072-token document under
-#                TRL's activation offloading: as is, with the MoE blocks in checkpointed chunks of 16,384 tokens
+#                TRL's activation offloading and its bf16=True (autocast, PEFT's default adapters): as is, with the MoE blocks in checkpointed chunks of 16,384 tokens
 #                (moe_token_chunk), then also the GDN delta rule in pieces of 16,384 (gdn_token_chunk); the last two
 #                with what is live at the memory peak (or the out-of-memory failure) by allocating line  ~7 min
-#   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: bf16 adapters and PEFT's
-#                default fp32 adapters under autocast (TRL's bf16=True), each with checkpoint_granularity layer / mlp /
-#                mixer (what the backward reruns of each checkpointed layer: all of it, its MLP / MoE block, its mixer),
-#                then the 131,072-token document (TRL's offloading, MoE in chunks; also GDN in pieces): every goal
+#   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
+#                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the 131,072-token document (TRL's
+#                offloading, MoE in chunks, GDN in pieces) with each, then the RL rows with checkpoint_granularity mlp /
+#                mixer (what the backward reruns of each checkpointed layer: its MLP / MoE block, its mixer): every goal
 #                row of issue 46 in one process, which pays the model's build and first autotuning once (an H100:
 #                2.0 min, every row but the bf16 adapters' layer row out of its memory); what is live at the memory
-#                peak (or the failure) of the default adapters' layer row and the last document row     ~8 min
+#                peak (or the failure) of the default adapters' RL row and document row                   ~8 min
 #   goals-35b-adamw  the same model and batch, each step ending with AdamW's step (its state in the peak, as in a
 #                trainer): bf16 adapters, LoRA without experts, PEFT's default adapters under autocast (an H200;
 #                the no-experts row alone, with bundle b's install, took 2.5 min on a fresh H100)
@@ -306,8 +306,8 @@ case "$stage" in
     ;;
   long-doc-35b)
     step long-doc-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows doc_131072:lora_low_rank_offload,doc_131072:lora_low_rank_offload_moe_chunk,doc_131072:lora_low_rank_offload_moe_chunk_gdn_chunk \
-      --memory-at-peak doc_131072:lora_low_rank_offload_moe_chunk,doc_131072:lora_low_rank_offload_moe_chunk_gdn_chunk \
+      --rows doc_131072:lora_low_rank_offload_autocast,doc_131072:lora_low_rank_offload_autocast_moe_chunk,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk \
+      --memory-at-peak doc_131072:lora_low_rank_offload_autocast_moe_chunk,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk \
       --out "$OUT/long-doc-35b.json"
     ;;
   goals-35b-adamw)
@@ -317,8 +317,8 @@ case "$stage" in
     ;;
   goals-35b)
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer,doc_131072:lora_low_rank_offload_moe_chunk,doc_131072:lora_low_rank_offload_moe_chunk_gdn_chunk \
-      --memory-at-peak rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload_moe_chunk_gdn_chunk \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_moe_chunk_gdn_chunk,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
+      --memory-at-peak rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk \
       --out "$OUT/goals-35b.json"
     ;;
   offload-4b)

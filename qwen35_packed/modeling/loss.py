@@ -28,7 +28,20 @@ from torch.utils._pytree import tree_leaves
 from .projection import matmul_dtype, row_invariant_product
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_TOKENS = 4096
+# A chunk's [chunk x vocab] tensors (its logits, then their gradient) are sized by bytes, not by a token count: at
+# the 35B-A3B's vocab a fixed 4096-token chunk made each of them 1.9 GiB, the loss's share of an 80 GB card's peak.
+# The chunk stays a multiple of CHUNK_TOKENS_STEP tokens (GEMM-friendly) and at most MAX_CHUNK_TOKENS.
+CHUNK_LOGITS_BYTES = 512 * 2**20
+CHUNK_TOKENS_STEP = 256
+MAX_CHUNK_TOKENS = 4096
+
+
+def default_chunk_tokens(vocab_size: int, element_size: int = 2) -> int:
+    """Tokens per loss chunk for a vocabulary: as many as keep one [chunk x vocab] tensor of `element_size` bytes
+    within CHUNK_LOGITS_BYTES, rounded down to a multiple of CHUNK_TOKENS_STEP, between one step and
+    MAX_CHUNK_TOKENS."""
+    fitting = CHUNK_LOGITS_BYTES // (vocab_size * element_size)
+    return min(MAX_CHUNK_TOKENS, max(CHUNK_TOKENS_STEP, fitting // CHUNK_TOKENS_STEP * CHUNK_TOKENS_STEP))
 
 
 def keeps_logits_with_loss(setting: bool | str, training: bool) -> bool:
@@ -185,6 +198,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         grad_hidden[start:end] = grad_logits @ weight
                 if grad_weight is not None:
                     _accumulate_weight_grad(grad_weight, grad_logits, h)
+            # Freed before the next chunk's logits are allocated (rebinding the names would free them only after)
+            del logits, grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight, denominator)
         ctx.weight_dtype = weight.dtype
         if kept is not None:
@@ -210,7 +225,7 @@ def chunked_linear_cross_entropy(
     weight,
     targets,
     num_items_in_batch=None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     keep_logits: bool = True,
     logits_index: torch.Tensor | None = None,
     logits_rows: int | None = None,
@@ -224,8 +239,11 @@ def chunked_linear_cross_entropy(
     [logits_rows, V] instead, token i in row logits_index[i] and zeros elsewhere (a caller's padded layout,
     filled without a second copy). `chunk_loss` is the per-chunk cross-entropy as the kernel set binds it (its
     `loss_chunk`: compiled with the fused elementwise kernels), `chunk_cross_entropy` eagerly by default.
+    `chunk_tokens` defaults to `default_chunk_tokens` of the vocabulary and the matmul dtype.
     """
     targets = targets.to(hidden.device)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0], matmul_dtype(hidden).itemsize)
     if num_items_in_batch is not None:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     else:

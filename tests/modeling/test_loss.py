@@ -4,6 +4,7 @@ formulation (F.cross_entropy + softmax gradient), compiled equal to eager, kept 
 out: none crosses a document end) and the model's loss over them divided by `num_items_in_batch`."""
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from qwen35_packed.modeling.loss import (
     LogitsNotKeptError,
     chunk_cross_entropy,
     chunked_linear_cross_entropy,
+    default_chunk_tokens,
 )
 from qwen35_packed.modeling.projection import RowInvariantLinear, row_invariant_product
 
@@ -99,6 +101,46 @@ def test_chunked_matches_full_logits(num_items):
     assert torch.allclose(logits, full.detach(), atol=1e-6) and not logits.requires_grad
     assert torch.allclose(grads[0], hidden.grad, atol=1e-6)
     assert torch.allclose(grads[1], weight.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "vocab, element_size, tokens",
+    [(248_320, 2, 1024), (151_936, 2, 1536), (65_536, 2, 4096), (248_320, 4, 512), (32, 2, 4096), (10**7, 2, 256)],
+)
+def test_default_chunk_is_sized_by_the_bytes_of_its_logits(vocab, element_size, tokens):
+    """The 35B-A3B's vocab gets chunks whose [chunk x vocab] tensors stay within the byte budget; a small vocab
+    keeps the largest chunk, a huge one the smallest step."""
+    assert default_chunk_tokens(vocab, element_size) == tokens
+
+
+def test_a_chunks_logits_and_gradient_are_freed_before_the_next_chunks_logits(monkeypatch):
+    """At most one chunk's [chunk x vocab] tensors are alive when the next chunk's logits are allocated: the
+    previous chunk's logits and gradient are gone by the time its product runs (a loop that only rebinds the names
+    keeps three such tensors at that moment)."""
+    from qwen35_packed.modeling import loss as loss_module
+
+    alive = []
+    previous = []
+
+    def recording_product(h, weight):
+        alive.append(sum(ref() is not None for ref in previous))
+        logits = row_invariant_product(h, weight)
+        previous.append(weakref.ref(logits))
+        return logits
+
+    def recording_chunk_loss(logits, targets, with_grad):
+        loss, grad = chunk_cross_entropy(logits, targets, with_grad)
+        previous.append(weakref.ref(grad))
+        return loss, grad
+
+    monkeypatch.setattr(loss_module, "row_invariant_product", recording_product)
+    hidden = torch.randn(40, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    loss, _ = chunked_linear_cross_entropy(
+        hidden, weight, torch.randint(0, 30, (40,)), chunk_tokens=8, keep_logits=False, chunk_loss=recording_chunk_loss
+    )
+    loss.backward()
+    assert alive == [0] * 5
 
 
 def test_no_gradient_work_without_grad():
