@@ -332,30 +332,38 @@ def render_changing_lengths() -> str:
     return "\n".join(lines + ["", f"({name}, {data['device']})"])
 
 
-def one_session(pattern: str) -> list[tuple[str, dict]]:
+def one_session(pattern: str, every_date: bool = False) -> list[tuple[str, dict]]:
     """The newest result file matching `pattern` and every other one of its date and card (a session's stages, one
-    file each), oldest first. Two sessions of one day on two machines of one card land together: the tables name
-    each row's file, whose provenance says where it ran."""
+    file each), oldest first; with `every_date`, every file of its card. Two sessions of one day on two machines of
+    one card land together: the tables name each row's file, whose provenance says where it ran."""
     files = [(path.name, json.loads(path.read_text())) for path in result_files(pattern)]
     date, device = files[-1][0][:10], files[-1][1]["device"]
-    return [(name, data) for name, data in files if name[:10] == date and data["device"] == device]
+    return [(name, data) for name, data in files if (every_date or name[:10] == date) and data["device"] == device]
 
 
-def session_rows(pattern: str, key) -> tuple[dict, str]:
-    """({key(file contents, row): (file name, file contents, row)} over the rows of `one_session(pattern)`, a later
-    file's row replacing an earlier one of the same key; the session's card)."""
-    files = one_session(pattern)
+def session_rows(pattern: str, key, every_date: bool = False) -> tuple[dict, str]:
+    """({key(file contents, row): (file name, file contents, row)} over the rows of `one_session(pattern,
+    every_date)`, a later file's row replacing an earlier one of the same key; the session's card)."""
+    files = one_session(pattern, every_date)
     rows = {key(data, row): (name, data, row) for name, data in files for row in data["rows"]}
     return rows, files[-1][1]["device"]
 
 
 def render_grpo_step() -> str:
-    """One GRPO step without vLLM (bench_grpo_step.py): every row of the newest session's files of an H100 or H200
-    (a later file's row replaces an earlier one of the same model, implementation and cache), the timed steps' mean
-    seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
-    # each model's rows: ours (dynamic, then static cache), then the built-in
+    """One GRPO step without vLLM (bench_grpo_step.py): every row of the files of the newest file's card, H100 or
+    H200 (a later file's row replaces an earlier one of the same model, implementation, cache and adapter dtype: a
+    stage runs one implementation, so a session's rows are spread over sessions), the timed steps' mean seconds
+    split as the benchmark splits them, and the warm-up steps (compiles) apart."""
+    # each model's rows: ours (dynamic, then static cache), then the built-in; PEFT's default adapters first
     rows, device = session_rows(
-        "*-grpo-step*-h[12]00*.json", lambda data, row: (row["model"], row["impl"] != "ours", row["cache"])
+        "*-grpo-step*-h[12]00*.json",
+        lambda data, row: (
+            row["model"],
+            row["impl"] != "ours",
+            row["cache"],
+            bool(data["setup"].get("bf16_adapters")),
+        ),
+        every_date=True,
     )
     lines = [
         "| model | implementation | prompts x completions, tokens | generation s | scoring s | training s | step s "
@@ -367,9 +375,10 @@ def render_grpo_step() -> str:
         setup = data["setup"]
         shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
         r = row["result"]
-        impl = f"{row['impl']}, {row['cache']} cache"
+        impl = f"{row['impl']}, {row['cache']} cache" + (", bf16 adapters" if setup.get("bf16_adapters") else "")
         if "error" in r:
-            lines.append(f"| {row['model']} | {impl} | {shape} | failed: {r['error'][:80]} | | | | | | {name} |")
+            phase = f" in {r['phase']}" if r.get("phase") else ""
+            lines.append(f"| {row['model']} | {impl} | {shape} | failed{phase}: {r['error'][:80]} | | | | | | {name} |")
             continue
         warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
         lines.append(

@@ -103,7 +103,7 @@ def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_
     )
 
 
-def test_grpo_step_table_lists_the_rows_of_the_newest_session(tmp_path, monkeypatch):
+def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monkeypatch):
     import json
 
     setup = {"prompts": 8, "generations": 8, "prompt": 512, "completion": 256, "steps": 2, "warmup": 1}
@@ -115,20 +115,24 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_session(tmp_path, monkeypa
         "cache": "dynamic",
         "result": {"error": "out of memory: x", "peak_gib": 1},
     }
+    bf16 = {**setup, "bf16_adapters": True}
     files = {
-        "2026-01-01-grpo-step-h200.json": ("H200", [builtin]),  # an older session: left out
-        "2026-01-02-grpo-step-h200.json": ("H200", [builtin]),  # the same day on another machine: left out
-        "2026-01-02-grpo-step-h100.json": ("H100", [{**ours, "result": {"error": "replaced"}}]),
-        "2026-01-02-grpo-step-builtin-h100.json": ("H100", [builtin]),
-        "2026-01-02-grpo-step-h100-v2.json": ("H100", [ours]),  # a later file's row replaces the same row
+        "2026-01-01-grpo-step-h200.json": ("H200", setup, [builtin]),  # another card: left out
+        "2026-01-02-grpo-step-h200.json": ("H200", setup, [builtin]),
+        "2026-01-02-grpo-step-h100.json": ("H100", setup, [{**ours, "result": {"error": "replaced"}}]),
+        "2026-01-02-grpo-step-builtin-h100.json": ("H100", setup, [builtin]),
+        "2026-01-02-grpo-step-h100-v2.json": ("H100", setup, [ours]),  # a later file's row replaces the same row
+        "2026-01-03-grpo-step-bf16-h100.json": ("H100", bf16, [{**ours, "result": {"error": "out of memory: y"}}]),
     }
-    for name, (device, rows) in files.items():
-        (tmp_path / name).write_text(json.dumps({"device": device, "setup": setup, "rows": rows}))
+    for name, (device, file_setup, rows) in files.items():
+        (tmp_path / name).write_text(json.dumps({"device": device, "setup": file_setup, "rows": rows}))
     monkeypatch.setattr(render_table, "RESULTS", tmp_path)
     table = render_table.render_grpo_step().splitlines()
     assert table[2:] == [
         "| m | ours, static cache | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 | 23.6 "
         "| 2026-01-02-grpo-step-h100-v2.json |",
+        "| m | ours, static cache, bf16 adapters | 8 x 8, 256 after 512 | failed: out of memory: y | | | | | "
+        "| 2026-01-03-grpo-step-bf16-h100.json |",
         "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | "
         "| 2026-01-02-grpo-step-builtin-h100.json |",
         "",
