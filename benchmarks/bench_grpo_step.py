@@ -150,6 +150,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
 
         model, lora = get_peft_model(model, lora, autocast_adapter_dtype=False), None
     data = prompt_dataset(args.prompts * total_steps, args.prompt, model.config.vocab_size, seed=1)
+    offloading = {"activation_offloading": True} if args.activation_offloading else {}
     trainer = trainer_cls(
         model=model,
         reward_funcs=even_words,
@@ -157,6 +158,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         train_dataset=data,
         processing_class=tokenizer,
         peft_config=lora,
+        **offloading,
     )
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     adapters = {
@@ -226,10 +228,18 @@ def main():
         help="LoRA adapters in the base's bf16 (get_peft_model(..., autocast_adapter_dtype=False) before the "
         "trainer), not PEFT's default fp32",
     )
+    parser.add_argument(
+        "--activation-offloading",
+        action="store_true",
+        help="PackedGRPOTrainer(activation_offloading=True): each training step in TRL's activation offloading "
+        "(ours only: TRL's GRPOTrainer has no such option)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.activation_offloading and any(i.split(":")[0] != "ours" for i in args.impls.split(",")):
+        parser.error("--activation-offloading is an option of ours (PackedGRPOTrainer) only")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     date = datetime.date.today().isoformat()
@@ -244,7 +254,16 @@ def main():
         "commit": git_commit(),
         "setup": {
             k: getattr(args, k)
-            for k in ("prompts", "generations", "prompt", "completion", "steps", "warmup", "bf16_adapters")
+            for k in (
+                "prompts",
+                "generations",
+                "prompt",
+                "completion",
+                "steps",
+                "warmup",
+                "bf16_adapters",
+                "activation_offloading",
+            )
         },
         "rows": [],
     }

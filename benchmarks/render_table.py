@@ -351,7 +351,8 @@ def session_rows(pattern: str, key, every_date: bool = False) -> tuple[dict, str
 
 def render_grpo_step() -> str:
     """One GRPO step without vLLM (bench_grpo_step.py): every row of the files of the newest file's card, H100 or
-    H200 (a later file's row replaces an earlier one of the same model, implementation, cache and adapter dtype: a
+    H200 (a later file's row replaces an earlier one of the same model, implementation, cache, adapter dtype and
+    offloading: a
     stage runs one implementation, so a session's rows are spread over sessions), the timed steps' mean seconds
     split as the benchmark splits them, and the warm-up steps (compiles) apart."""
     # each model's rows: ours (dynamic, then static cache), then the built-in; PEFT's default adapters first
@@ -362,6 +363,7 @@ def render_grpo_step() -> str:
             row["impl"] != "ours",
             row["cache"],
             bool(data["setup"].get("bf16_adapters")),
+            bool(data["setup"].get("activation_offloading")),
         ),
         every_date=True,
     )
@@ -376,6 +378,7 @@ def render_grpo_step() -> str:
         shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
         r = row["result"]
         impl = f"{row['impl']}, {row['cache']} cache" + (", bf16 adapters" if setup.get("bf16_adapters") else "")
+        impl += ", activation offloading" if setup.get("activation_offloading") else ""
         if "error" in r:
             phase = f" in {r['phase']}" if r.get("phase") else ""
             lines.append(f"| {row['model']} | {impl} | {shape} | failed{phase}: {r['error'][:80]} | | | | | | {name} |")

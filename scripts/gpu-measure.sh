@@ -63,16 +63,19 @@
 #                (profiled), fp32 adapters under autocast, each with the in-place adapter sum and with PEFT's own
 #                LoRA forward                                                                         ~5 min
 #   long-doc-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, one 131,072-token document under
-#                TRL's activation offloading and its bf16=True (autocast, PEFT's default adapters): as is, with the MoE blocks in checkpointed chunks of 16,384 tokens
-#                (moe_token_chunk), then also the GDN delta rule in pieces of 16,384 (gdn_token_chunk); the last two
-#                with what is live at the memory peak (or the out-of-memory failure) by allocating line  ~7 min
+#                TRL's activation offloading and its bf16=True (autocast, PEFT's default adapters): as is, with the MoE
+#                blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk), then also the GDN delta rule in
+#                pieces of 16,384 (gdn_token_chunk); the last two with what is live at the memory peak (or the
+#                out-of-memory failure) by allocating line                                           ~7 min
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
-#                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the 131,072-token document (TRL's
-#                offloading, MoE in chunks, GDN in pieces) with each, then the RL rows with checkpoint_granularity mlp /
-#                mixer (what the backward reruns of each checkpointed layer: its MLP / MoE block, its mixer): every goal
-#                row of issue 46 in one process, which pays the model's build and first autotuning once (an H100:
-#                2.0 min, every row but the bf16 adapters' layer row out of its memory); what is live at the memory
-#                peak (or the failure) of the default adapters' RL row and document row                   ~8 min
+#                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
+#                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
+#                131,072-token document (offloading, MoE in chunks, GDN in pieces) with each adapter kind, then the RL
+#                rows with checkpoint_granularity mlp / mixer (what the backward reruns of each checkpointed layer: its
+#                MLP / MoE block, its mixer): every goal row of issue 46 in one process, which pays the model's build
+#                and first autotuning once; what is live at the memory peak (or the failure) of the default
+#                adapters' RL row and document row (an H100, without the offloading and MoE-chunk rows, and then
+#                long-doc-35b: 4.5 min)                                                              ~8 min
 #   goals-35b-adamw  the same model and batch, each step ending with AdamW's step (its state in the peak, as in a
 #                trainer): bf16 adapters, LoRA without experts, PEFT's default adapters under autocast (an H200;
 #                the no-experts row alone, with bundle b's install, took 2.5 min on a fresh H100)
@@ -102,6 +105,8 @@
 #                by lora_memory_budget.py)
 #   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
 #                80 GB card might hold; not run yet)
+#   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
+#                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
 #                the stall it costs over the same row again, ours and the built-in: Qwen3.5-4B (8 layers), the
 #                35B-A3B layer shapes (4 layers)                                                     ~5 min
@@ -285,10 +290,14 @@ case "$stage" in
     step gpu-tests-generate-vl env QWEN35_GPU_VL_RESULTS="$OUT/gpu-tests-generate-vl.json" \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
-  grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters)
+  grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters \
+    | grpo-step-35b-offload)
     model=qwen35_4b impl=ours:static adapters=()
     case $stage in *35b*) model=qwen35_35b_a3b ;; esac
-    case $stage in *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters=(--bf16-adapters) ;; esac
+    case $stage in
+      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters=(--bf16-adapters) ;;
+      *-offload) adapters=(--activation-offloading) ;;
+    esac
     step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \
       --out "$OUT/$stage.json"
     ;;
@@ -317,7 +326,7 @@ case "$stage" in
     ;;
   goals-35b)
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_moe_chunk_gdn_chunk,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
+      --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast,rl:lora_low_rank_offload_autocast,rl:lora_low_rank_autocast_moe_chunk,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_moe_chunk_gdn_chunk,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
       --memory-at-peak rl:lora_low_rank_autocast,doc_131072:lora_low_rank_offload_autocast_moe_chunk_gdn_chunk \
       --out "$OUT/goals-35b.json"
     ;;

@@ -58,3 +58,14 @@ def test_an_error_is_placed_in_the_phase_it_struck(method, phase):
     with pytest.raises(torch.OutOfMemoryError):
         trainer.training_step()
     assert timer.phase() == f"{phase} (step 1)"
+
+
+def test_activation_offloading_is_refused_for_the_builtin_trainer(monkeypatch, capsys):
+    import bench_grpo_step
+
+    argv = ["bench_grpo_step.py", "--impls", "ours,builtin", "--activation-offloading", "--device", "cpu", "--tiny"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_grpo_step.main()
+    assert exit_info.value.code == 2
+    assert "--activation-offloading is an option of ours (PackedGRPOTrainer) only" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The pieces of the packed GRPO trainer that need no TRL at import time: the aux-loss coefficient rule, the
-generation cache rule, the vision-language prompt helpers, and MoE routing replay's engine and per-row feed.
+generation cache rule, activation offloading, the vision-language prompt helpers, and MoE routing replay's engine and per-row feed.
 integrations/grpo.py says what they are for; integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
 
 from __future__ import annotations
@@ -38,6 +38,24 @@ def default_generation_cache(args, device: torch.device) -> str | None:
     if chosen is not None or other_generator or device.type != "cuda":
         return None
     return "static"
+
+
+def activation_offload_context(model, device: torch.device):
+    """TRL's activation offloading for the trainer's steps, as SFTTrainer's `activation_offloading=True` gives it
+    (GRPOConfig has no such field): the tensors a training forward saves for its backward go to pinned CPU memory on
+    a side stream and come back in the backward. With the decoder layers checkpointed, those are mostly each layer's
+    input. It moves tensors between an accelerator and the host, so the trainer's device must be one."""
+    if device.type == "cpu":
+        raise ValueError(
+            "activation_offloading moves the tensors a training step saves to pinned CPU memory on a side stream: it "
+            "needs an accelerator, and the trainer's device is the CPU"
+        )
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    logger.warning(
+        "GRPO: activation offloading on: the tensors training forwards save for the backward wait in CPU memory"
+    )
+    return get_act_offloading_ctx_manager(model=model)
 
 
 def collapse_placeholder_runs(ids, token_id: int) -> list[int]:

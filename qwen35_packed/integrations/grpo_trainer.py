@@ -29,6 +29,7 @@ from . import trl_patches
 from .grpo_support import (
     RoutedModel,
     RoutingFeed,
+    activation_offload_context,
     check_aux_loss_coef,
     check_routing_replay,
     default_generation_cache,
@@ -60,10 +61,21 @@ class PackedGRPOTrainer(GRPOTrainer):
     loss off whatever the config declares; a number > 0 turns it on with that coefficient (logged once).
     Vision-language models: image placeholder runs collapsed in what colocate vLLM gets, token types from the
     prompt only (see the doc of integrations/grpo.py). `routing_replay=True` (or `args.routing_replay`): MoE
-    routing replay with vLLM colocate (see the same doc, and this module's).
+    routing replay with vLLM colocate (see the same doc, and this module's). `activation_offloading=True` (or
+    `args.activation_offloading`): each training step runs in TRL's activation offloading, as SFTTrainer's does
+    (`activation_offload_context`; an accelerator only).
     """
 
-    def __init__(self, model, reward_funcs, args=None, *rest, routing_replay: bool = False, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args=None,
+        *rest,
+        routing_replay: bool = False,
+        activation_offloading: bool = False,
+        **kwargs,
+    ):
         coef = check_aux_loss_coef(getattr(args, "router_aux_loss_coef", None))
         self.routing_replay = bool(routing_replay or getattr(args, "routing_replay", False))
         # Routing replay, only from a generation to the end of its scoring: vLLM's arrays, then their padded layout.
@@ -110,6 +122,17 @@ class PackedGRPOTrainer(GRPOTrainer):
                 "GRPO: MoE routing replay on: the trainer's forwards route every token to the experts "
                 "vLLM used for it (gate weights from the trainer's router)"
             )
+        self.activation_offloading = bool(activation_offloading or getattr(args, "activation_offloading", False))
+        self._offload_context = (
+            activation_offload_context(self.model, self.accelerator.device)
+            if self.activation_offloading
+            else nullcontext()
+        )
+
+    def training_step(self, *args, **kwargs):
+        # As SFTTrainer: the whole step, whose generation and scoring run without autograd and so save nothing
+        with self._offload_context:
+            return super().training_step(*args, **kwargs)
 
     def _generate_single_turn(self, *args, **kwargs):
         completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)

@@ -62,7 +62,7 @@ def folders(tmp_path_factory):
     }
 
 
-def _trainer(cls, folders, kind, tmp_path, **config):
+def _trainer(cls, folders, kind, tmp_path, trainer_kwargs=None, **config):
     import datasets
     import trl
 
@@ -79,7 +79,13 @@ def _trainer(cls, folders, kind, tmp_path, **config):
         **{"beta": 0.04, "trust_remote_code": True, **config},
     )
     dataset = datasets.load_dataset("json", data_files=str(folders["data"] / "train.jsonl"))["train"]
-    return cls(model=str(folders[kind]), reward_funcs=letter_fraction, args=args, train_dataset=dataset)
+    return cls(
+        model=str(folders[kind]),
+        reward_funcs=letter_fraction,
+        args=args,
+        train_dataset=dataset,
+        **(trainer_kwargs or {}),
+    )
 
 
 def _long_tail_batch():

@@ -170,6 +170,47 @@ def test_trainer_generates_with_the_default_cache(folders, tmp_path, monkeypatch
     assert asked and set(asked) == {"static"}
 
 
+def test_activation_offloading_needs_an_accelerator(folders, tmp_path):
+    with pytest.raises(ValueError, match="needs an accelerator, and the trainer's device is the CPU"):
+        _trainer(PackedGRPOTrainer, folders, "dense", tmp_path, trainer_kwargs={"activation_offloading": True})
+
+
+def test_activation_offloading_wraps_each_training_step(folders, tmp_path, monkeypatch):
+    """The offloading context (here saved-tensor hooks that count what a step saves and hand it back unchanged, as
+    TRL's would after the round trip to the host) is around every training step, and the steps' losses and the
+    trained weights are those of a run without it."""
+
+    def trained(name, **trainer_kwargs):
+        trainer = _trainer(
+            PackedGRPOTrainer,
+            folders,
+            "moe",
+            tmp_path / name,
+            trainer_kwargs=trainer_kwargs,
+            max_steps=2,
+            seed=0,
+            logging_steps=1,
+        )
+        trainer.train()
+        return trainer
+
+    trained("warm-up")  # the process's first steps draw random numbers later runs do not (lazy initialisation)
+    plain = trained("plain")
+    saved = []
+
+    def counting_context(model, device):
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t)
+
+    monkeypatch.setattr(grpo_trainer, "activation_offload_context", counting_context)
+    offloaded = trained("offloaded", activation_offloading=True)
+    assert offloaded.activation_offloading
+    assert saved, "no tensor went through the offloading hooks"
+    losses = [[entry["loss"] for entry in t.state.log_history if "loss" in entry] for t in (plain, offloaded)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    for (name, a), b in zip(plain.model.named_parameters(), offloaded.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def _run(cmd, cwd):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
