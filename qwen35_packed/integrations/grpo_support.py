@@ -1,6 +1,7 @@
 """The pieces of the packed GRPO trainer that need no TRL at import time: the aux-loss coefficient rule, the
-generation cache rule, activation offloading, the vision-language prompt helpers, and MoE routing replay's engine and per-row feed.
-integrations/grpo.py says what they are for; integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
+generation cache rule, activation offloading (TRL's, imported when asked for), the vision-language prompt helpers,
+and MoE routing replay's engine and per-row feed. integrations/grpo.py says what they are for;
+integrations/grpo_trainer.py and integrations/trl_patches.py use them."""
 
 from __future__ import annotations
 

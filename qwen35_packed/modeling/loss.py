@@ -29,8 +29,9 @@ from .projection import matmul_dtype, row_invariant_product
 
 IGNORE_INDEX = -100
 # A chunk's [chunk x vocab] tensors (its logits, then their gradient) are sized by bytes, not by a token count: at
-# the 35B-A3B's vocab a fixed 4096-token chunk made each of them 1.9 GiB, the loss's share of an 80 GB card's peak.
-# The chunk stays a multiple of CHUNK_TOKENS_STEP tokens (GEMM-friendly) and at most MAX_CHUNK_TOKENS.
+# the 35B-A3B's vocab a fixed token count made them the largest tensors of an 80 GB card's failing peak
+# (results/notes/2026-12-06-h100-loss-chunks-moe-chunks.md). The chunk stays a multiple of CHUNK_TOKENS_STEP tokens
+# (GEMM-friendly) and at most MAX_CHUNK_TOKENS.
 CHUNK_LOGITS_BYTES = 512 * 2**20
 CHUNK_TOKENS_STEP = 256
 MAX_CHUNK_TOKENS = 4096
