@@ -16,12 +16,14 @@ get the same shapes, not the same weights (one model is built at a time, so a 35
 
     python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 2] [--warmup 1]
-        [--bf16-adapters] [--device cuda] [--tiny] [--out FILE]
+        [--bf16-adapters] [--activation-offloading] [--micro-batches 1] [--device cuda] [--tiny] [--out FILE]
 
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
 as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own default on CUDA is the static cache),
 `builtin` leaves TRL's default. LoRA adapters are PEFT's default, fp32 beside the bf16 base, unless --bf16-adapters;
 each row records their count and dtype, and a row that runs out of memory the part of the step it was in.
+`--micro-batches m` trains a step's completions in m forwards of a share each (gradient accumulation), as a user short
+of memory would; they are still generated and scored at once, and a step is still one optimizer step.
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
 JSON under results/benchmarks/ (or --out) after every model.
@@ -80,8 +82,11 @@ class StepTimer:
 
     PHASES = {"_generate": "generation", "_generate_and_score_completions": "scoring", "training_step": "training"}
 
-    def __init__(self, trainer, device: torch.device):
+    def __init__(self, trainer, device: torch.device, calls_per_step: int = 1):
+        """`calls_per_step`: training_step calls of one optimizer step (gradient accumulation: the first generates
+        and scores the whole step's completions, each trains on its share)."""
         self.device, self.steps, self.current, self.running = device, [], {}, []
+        self.calls_per_step, self.calls = calls_per_step, 0
         for name in self.PHASES:
             setattr(trainer, name, self._timed(name, getattr(trainer, name)))
 
@@ -101,7 +106,9 @@ class StepTimer:
             sync(self.device)
             self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
             if name == "training_step":
-                self._close_step()
+                self.calls += 1
+                if self.calls % self.calls_per_step == 0:
+                    self._close_step()
             return result
 
         return run
@@ -124,9 +131,15 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
 
     trainer_cls = PackedGRPOTrainer if impl == "ours" else trl.GRPOTrainer
     total_steps = args.warmup + args.steps
+    completions = args.prompts * args.generations
+    if completions % args.micro_batches:
+        raise SystemExit(f"--micro-batches {args.micro_batches} does not divide {completions} completions")
     config = trl.GRPOConfig(
         output_dir=output_dir,
-        per_device_train_batch_size=args.prompts * args.generations,
+        # one generation of every completion per optimizer step, trained in --micro-batches forwards
+        per_device_train_batch_size=completions // args.micro_batches,
+        gradient_accumulation_steps=args.micro_batches,
+        steps_per_generation=args.micro_batches,
         num_generations=args.generations,
         max_completion_length=args.completion,
         max_steps=total_steps,
@@ -165,7 +178,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         "trained_parameters": sum(p.numel() for p in trained),
         "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained}),
     }
-    timer = StepTimer(trainer, device)
+    timer = StepTimer(trainer, device, calls_per_step=args.micro_batches)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -234,6 +247,12 @@ def main():
         help="PackedGRPOTrainer(activation_offloading=True): each training step in TRL's activation offloading "
         "(ours only: TRL's GRPOTrainer has no such option)",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="train each step's completions in this many forwards (gradient accumulation), generated at once",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
@@ -263,6 +282,7 @@ def main():
                 "warmup",
                 "bf16_adapters",
                 "activation_offloading",
+                "micro_batches",
             )
         },
         "rows": [],

@@ -376,6 +376,8 @@ def render_grpo_step() -> str:
         name, data, row = rows[key]
         setup = data["setup"]
         shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
+        if setup.get("micro_batches", 1) > 1:
+            shape += f", trained in {setup['micro_batches']} micro-batches"
         r = row["result"]
         impl = f"{row['impl']}, {row['cache']} cache" + (", bf16 adapters" if setup.get("bf16_adapters") else "")
         impl += ", activation offloading" if setup.get("activation_offloading") else ""

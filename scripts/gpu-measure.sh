@@ -100,9 +100,9 @@
 #                the dynamic cache. One implementation per stage: on a fresh H100 ours dynamic took 4.7 min (3.4 of
 #                them its first step's compiles), ours static 0.6 min after it, and the built-in was still compiling
 #                its first step 4 min later
-#   grpo-step-35b, grpo-step-35b-builtin  the same for the whole 35B-A3B (an H200: on an H100 ours ran out of memory
-#                even at 2 x 8: weights, fp32 adapters, their gradients and AdamW's state alone are 78.6 GiB, counted
-#                by lora_memory_budget.py)
+#   grpo-step-35b, grpo-step-35b-builtin  the same for the whole 35B-A3B, each step's completions trained in 4
+#                micro-batches (an H200: on an H100 ours ran out of memory even at 2 x 8 in one forward: weights, fp32
+#                adapters, their gradients and AdamW's state alone are 78.6 GiB, counted by lora_memory_budget.py)
 #   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
 #                80 GB card might hold; not run yet)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
@@ -293,10 +293,11 @@ case "$stage" in
   grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters \
     | grpo-step-35b-offload)
     model=qwen35_4b impl=ours:static adapters=()
-    case $stage in *35b*) model=qwen35_35b_a3b ;; esac
+    # the whole 35B-A3B trains each step's 64 completions in 4 forwards (gradient accumulation), as on a card it fills
+    case $stage in *35b*) model=qwen35_35b_a3b adapters=(--micro-batches 4) ;; esac
     case $stage in
-      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters=(--bf16-adapters) ;;
-      *-offload) adapters=(--activation-offloading) ;;
+      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters+=(--bf16-adapters) ;;
+      *-offload) adapters+=(--activation-offloading) ;;
     esac
     step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \
       --out "$OUT/$stage.json"

@@ -69,3 +69,29 @@ def test_activation_offloading_is_refused_for_the_builtin_trainer(monkeypatch, c
         bench_grpo_step.main()
     assert exit_info.value.code == 2
     assert "--activation-offloading is an option of ours (PackedGRPOTrainer) only" in capsys.readouterr().err
+
+
+class AccumulatingTrainer(FakeTrainer):
+    """TRL under gradient accumulation: the first training_step of an optimizer step generates and scores the whole
+    step's completions, the others train on their share."""
+
+    def __init__(self, calls_per_step: int):
+        super().__init__()
+        self.calls_per_step, self.calls = calls_per_step, 0
+
+    def training_step(self):
+        if self.calls % self.calls_per_step == 0:
+            self._generate_and_score_completions()
+        self.calls += 1
+
+
+def test_micro_batches_make_one_step_of_their_training_step_calls():
+    trainer = AccumulatingTrainer(calls_per_step=3)
+    timer = StepTimer(trainer, torch.device("cpu"), calls_per_step=3)
+    for _ in range(5):
+        trainer.training_step()
+    assert len(timer.steps) == 1  # the second step is two calls short
+    trainer.training_step()
+    assert len(timer.steps) == 2
+    for step in timer.steps:
+        assert step["total_s"] == pytest.approx(step["generation_s"] + step["scoring_s"] + step["training_s"])

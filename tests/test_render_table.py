@@ -123,7 +123,11 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
         "2026-01-02-grpo-step-builtin-h100.json": ("H100", setup, [builtin]),
         "2026-01-02-grpo-step-h100-v2.json": ("H100", setup, [ours]),  # a later file's row replaces the same row
         "2026-01-03-grpo-step-bf16-h100.json": ("H100", bf16, [{**ours, "result": {"error": "out of memory: y"}}]),
-        "2026-01-04-grpo-step-offload-h100.json": ("H100", {**setup, "activation_offloading": True}, [ours]),
+        "2026-01-04-grpo-step-offload-h100.json": (
+            "H100",
+            {**setup, "activation_offloading": True, "micro_batches": 4},
+            [ours],
+        ),
     }
     for name, (device, file_setup, rows) in files.items():
         (tmp_path / name).write_text(json.dumps({"device": device, "setup": file_setup, "rows": rows}))
@@ -132,8 +136,8 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
     assert table[2:] == [
         "| m | ours, static cache | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 | 23.6 "
         "| 2026-01-02-grpo-step-h100-v2.json |",
-        "| m | ours, static cache, activation offloading | 8 x 8, 256 after 512 | 9.5 | 0.05 | 3.0 | 12.6 | 30.0 "
-        "| 23.6 | 2026-01-04-grpo-step-offload-h100.json |",
+        "| m | ours, static cache, activation offloading | 8 x 8, 256 after 512, trained in 4 micro-batches | 9.5 "
+        "| 0.05 | 3.0 | 12.6 | 30.0 | 23.6 | 2026-01-04-grpo-step-offload-h100.json |",
         "| m | ours, static cache, bf16 adapters | 8 x 8, 256 after 512 | failed: out of memory: y | | | | | "
         "| 2026-01-03-grpo-step-bf16-h100.json |",
         "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | "
