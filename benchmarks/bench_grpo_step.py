@@ -257,6 +257,8 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be at least 1")
     if args.activation_offloading and any(i.split(":")[0] != "ours" for i in args.impls.split(",")):
         parser.error("--activation-offloading is an option of ours (PackedGRPOTrainer) only")
     device = torch.device(args.device)

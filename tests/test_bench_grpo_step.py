@@ -60,15 +60,21 @@ def test_an_error_is_placed_in_the_phase_it_struck(method, phase):
     assert timer.phase() == f"{phase} (step 1)"
 
 
-def test_activation_offloading_is_refused_for_the_builtin_trainer(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--impls", "ours,builtin", "--activation-offloading"], "--activation-offloading is an option of ours"),
+        (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+    ],
+)
+def test_argument_refusals(flags, message, monkeypatch, capsys):
     import bench_grpo_step
 
-    argv = ["bench_grpo_step.py", "--impls", "ours,builtin", "--activation-offloading", "--device", "cpu", "--tiny"]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", ["bench_grpo_step.py", *flags, "--device", "cpu", "--tiny"])
     with pytest.raises(SystemExit) as exit_info:
         bench_grpo_step.main()
     assert exit_info.value.code == 2
-    assert "--activation-offloading is an option of ours (PackedGRPOTrainer) only" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 class AccumulatingTrainer(FakeTrainer):
