@@ -24,6 +24,9 @@ from bench_train_step import result_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "benchmarks"
+# A result file's name: its date, then its kind (moe, workload, ...). The kind is matched right after the date, so
+# that a word of another file's name (a workload file's "moe-chunk") does not pick it.
+DATED = "[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]-"
 MARKDOWN_FILES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 SECTION = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
@@ -44,7 +47,7 @@ def ours_rate(row: dict) -> str:
 
 
 def rows(newest_only: bool = True):
-    paths = sorted(RESULTS.glob("*-train-step*.json"), key=by_date_and_version)
+    paths = sorted(RESULTS.glob(f"{DATED}train-step*.json"), key=by_date_and_version)
     newest = {}
     for path in paths:
         for model, per_model in json.loads(path.read_text()).items():
@@ -133,7 +136,7 @@ def newest(pattern: str) -> tuple[str, dict]:
 
 
 def render_moe() -> str:
-    name, data = newest("*-moe-*.json")
+    name, data = newest(f"{DATED}moe-*.json")
     lines = [
         "| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
         "peak GiB |",
@@ -162,7 +165,7 @@ def render_moe() -> str:
 
 def render_moe_summary() -> str:
     """Per model and batch of the newest MoE file: ours packed against the baseline, and LoRA against LoRA."""
-    name, data = newest("*-moe-*.json")
+    name, data = newest(f"{DATED}moe-*.json")
     lines = [
         "| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
         "built-in) | LoRA x built-in LoRA |",
@@ -190,7 +193,7 @@ def workload_rows():
     """(result file name, model, implementation with its config settings, row name, row, card) for every row of the
     newest bench_workload.py file of each model and implementation (a file's key: its name without date and -vN)."""
     newest = {}
-    for path in sorted(RESULTS.glob("*-workload-*.json"), key=by_date_and_version):
+    for path in sorted(RESULTS.glob(f"{DATED}workload-*.json"), key=by_date_and_version):
         newest[re.sub(r"^\d{4}-\d{2}-\d{2}-workload-|-v\d+$", "", path.stem)] = path
     for key in sorted(newest):
         data = json.loads(newest[key].read_text())
@@ -277,7 +280,7 @@ def render_generate() -> str:
     (a later file's row replaces an earlier one of the same model, implementation, cache, batch, prompt, mode and new
     tokens), each with its file: rows of one file come from one machine."""
     rows, device = session_rows(
-        "*-generate-h[12]00*.json",
+        f"{DATED}generate-h[12]00*.json",
         lambda data, row: (
             row["model"],
             data["new_tokens"],
@@ -313,7 +316,7 @@ def render_generate() -> str:
 def render_changing_lengths() -> str:
     """Training steps on rows of changing length (bench_changing_lengths.py): every row of the newest file of an H100
     or H200, the rounds after warm-up."""
-    name, data = newest("*-changing-lengths-h[12]00*.json")
+    name, data = newest(f"{DATED}changing-lengths-h[12]00*.json")
     lines = [
         "| model | implementation | new lengths after warm-up | median step s (seen length) | median / largest stall s "
         "| stalls over 0.5 s |",
@@ -357,7 +360,7 @@ def render_grpo_step() -> str:
     split as the benchmark splits them, and the warm-up steps (compiles) apart."""
     # each model's rows: ours (dynamic, then static cache), then the built-in; PEFT's default adapters first
     rows, device = session_rows(
-        "*-grpo-step*-h[12]00*.json",
+        f"{DATED}grpo-step*-h[12]00*.json",
         lambda data, row: (
             row["model"],
             row["impl"] != "ours",

@@ -188,3 +188,17 @@ def test_generate_table_lists_the_rows_of_the_newest_session_with_their_files(tm
         "",
         "(H100)",
     ]
+
+
+def test_a_tables_kind_is_matched_right_after_the_date(tmp_path, monkeypatch):
+    """A newer workload file whose name holds another kind's word ("moe-chunk") does not become the MoE tables'
+    source: both keep reading the newest MoE result file."""
+    import shutil
+
+    source = render_table.RESULTS / "2026-12-02-moe-h200-v6.json"
+    shutil.copy(source, tmp_path / source.name)
+    (tmp_path / "2026-12-31-workload-m-ours-moe-chunk-h100.json").write_text('{"rows": {}}')
+    monkeypatch.setattr(render_table, "RESULTS", tmp_path)
+    for render in (render_table.render_moe, render_table.render_moe_summary):
+        table = render()
+        assert "2026-12-02-moe-h200-v6.json" in table and "moe-chunk" not in table
