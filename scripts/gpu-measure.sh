@@ -104,7 +104,7 @@
 #                micro-batches (an H200: on an H100 ours ran out of memory even at 2 x 8 in one forward: weights, fp32
 #                adapters, their gradients and AdamW's state alone are 78.6 GiB, counted by lora_memory_budget.py)
 #   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
-#                80 GB card might hold; not run yet)
+#                80 GB card might hold; on an H100, trained in one forward, its first training step ran out of memory)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
