@@ -47,7 +47,7 @@ def ours_rate(row: dict) -> str:
 
 
 def rows(newest_only: bool = True):
-    paths = sorted(RESULTS.glob(f"{DATED}train-step*.json"), key=by_date_and_version)
+    paths = result_files(f"{DATED}train-step*.json")
     newest = {}
     for path in paths:
         for model, per_model in json.loads(path.read_text()).items():
@@ -193,7 +193,7 @@ def workload_rows():
     """(result file name, model, implementation with its config settings, row name, row, card) for every row of the
     newest bench_workload.py file of each model and implementation (a file's key: its name without date and -vN)."""
     newest = {}
-    for path in sorted(RESULTS.glob(f"{DATED}workload-*.json"), key=by_date_and_version):
+    for path in result_files(f"{DATED}workload-*.json"):
         newest[re.sub(r"^\d{4}-\d{2}-\d{2}-workload-|-v\d+$", "", path.stem)] = path
     for key in sorted(newest):
         data = json.loads(newest[key].read_text())
@@ -355,9 +355,8 @@ def session_rows(pattern: str, key, every_date: bool = False) -> tuple[dict, str
 def render_grpo_step() -> str:
     """One GRPO step without vLLM (bench_grpo_step.py): every row of the files of the newest file's card, H100 or
     H200 (a later file's row replaces an earlier one of the same model, implementation, cache, adapter dtype and
-    offloading: a
-    stage runs one implementation, so a session's rows are spread over sessions), the timed steps' mean seconds
-    split as the benchmark splits them, and the warm-up steps (compiles) apart."""
+    offloading: a stage runs one implementation, so a session's rows are spread over sessions), the timed steps' mean
+    seconds split as the benchmark splits them, and the warm-up steps (compiles) apart."""
     # each model's rows: ours (dynamic, then static cache), then the built-in; PEFT's default adapters first
     rows, device = session_rows(
         f"{DATED}grpo-step*-h[12]00*.json",
