@@ -22,7 +22,8 @@ with random weights (seed 0). A row is BATCH:SETUP:
          own LoRA forward instead (`peft_adapter_sums()`), to measure what that saves. For ours and the MoE,
          `_moe_chunk` (after every other suffix but `_gdn_chunk` and `_adamw`) runs each MoE block in checkpointed
          chunks of 16,384 tokens (the config's moe_token_chunk). For ours, `_gdn_chunk` runs each GDN layer's delta
-         rule over a longer document in pieces of 16,384 tokens (gdn_token_chunk). `_adamw` (last) ends each step with an optimizer step, as
+         rule over a longer document in pieces of 16,384 tokens (gdn_token_chunk); `_layer_chunk` (after it) every decoder
+         layer in checkpointed pieces of 16,384 tokens (layer_token_chunk). `_adamw` (last) ends each step with an optimizer step, as
          transformers' Trainer runs its default (`adamw_torch_fused`: torch's AdamW, fused on CUDA): its two states
          per trained parameter, in the parameter's dtype, count in the row's peak (`optimizer_state_bytes`).
 A forward + backward per step (without `_adamw` no optimizer: its state is the same for both implementations; a card
@@ -81,6 +82,7 @@ LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn
 # Setup suffixes (field, value), stripped from the end of a setup's name in this order.
 SUFFIXES = (
     ("_adamw", "optimizer", "adamw"),
+    ("_layer_chunk", "layer_token_chunk", 16384),
     ("_gdn_chunk", "gdn_token_chunk", 16384),
     ("_moe_chunk", "moe_token_chunk", 16384),
     ("_peft_sums", "peft_adapter_sums", True),
@@ -116,6 +118,7 @@ class Setup:
     peft_adapter_sums: bool = False  # ours only: PEFT's own LoRA forward instead of the in-place sum
     moe_token_chunk: int | None = None  # ours only, MoE: tokens per checkpointed chunk of each MoE block
     gdn_token_chunk: int | None = None  # ours only: tokens per piece of a long document's delta rule
+    layer_token_chunk: int | None = None  # ours only: tokens per checkpointed piece of every decoder layer
     optimizer: str | None = None  # "adamw": each step ends with the Trainer's default optimizer step
 
 
@@ -138,7 +141,7 @@ def parse_setup(name: str) -> Setup:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
             "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums] "
-            "[_moe_chunk] [_gdn_chunk] [_adamw]"
+            "[_moe_chunk] [_gdn_chunk] [_layer_chunk] [_adamw]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -283,6 +286,8 @@ class Workload:
             raise SystemExit("_moe_chunk is a setup of ours on the MoE model")
         if setup.gdn_token_chunk and self.impl != "ours":
             raise SystemExit("_gdn_chunk is a setup of ours")
+        if setup.layer_token_chunk and self.impl != "ours":
+            raise SystemExit("_layer_chunk is a setup of ours")
         groups = (setup.lora_groups, setup.bf16_adapters) if setup.lora_groups else "full"
         if groups != self.groups:
             if self.model is not self.base:
@@ -311,8 +316,9 @@ class Workload:
             self.base.config.moe_lora_kernel = setup.moe_lora_kernel or "auto"
             self.base.config.checkpoint_granularity = setup.checkpoint_granularity
             # --tiny's documents are 64x shorter: so are its chunks
-            piece = setup.gdn_token_chunk
-            self.base.config.gdn_token_chunk = piece // 64 if piece and self.tiny else piece
+            for field in ("gdn_token_chunk", "layer_token_chunk"):
+                piece = getattr(setup, field)
+                setattr(self.base.config, field, piece // 64 if piece and self.tiny else piece)
             if self.base.config.is_moe:
                 chunk = setup.moe_token_chunk
                 self.base.config.moe_token_chunk = chunk // 64 if chunk and self.tiny else chunk

@@ -29,6 +29,23 @@ def test_adamw_is_the_last_suffix_of_a_setup():
         parse_setup("lora_adamw_bf16_adapters")
 
 
+def test_a_layer_chunk_row_runs_every_decoder_layer_in_pieces():
+    """`_layer_chunk` sets layer_token_chunk (16,384; --tiny's documents are 64x shorter, so are its pieces) and the
+    row's step runs the layers piece by piece."""
+    assert parse_setup("lora_low_rank_offload_autocast_layer_chunk_adamw").layer_token_chunk == 16384
+    workload = Workload("qwen35_35b_a3b", "ours", torch.device("cpu"), tiny=True)
+    workload.apply(parse_setup("lora_low_rank_layer_chunk"))
+    assert workload.base.config.layer_token_chunk == 256
+    lengths = batch_lengths("doc_131072", tiny=True)
+    assert sum(lengths) > 256
+    calls = []
+    layer = workload.base.model.layers[0]
+    hook = layer.input_layernorm.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    row = measure(workload, workload.step_fn(lengths), n_tokens=sum(lengths), warmup=0, reps=1)
+    hook.remove()
+    assert "error" not in row and calls and max(calls) <= 256
+
+
 def _adapters(workload) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in workload.model.named_parameters() if p.requires_grad}
 

@@ -58,6 +58,7 @@ PROJECT_ONLY_KEYS = (
     "return_logits_with_loss",
     "checkpoint_granularity",
     "gdn_token_chunk",
+    "layer_token_chunk",
     "moe_token_chunk",
 )
 PROJECT_ONLY_COMPOSITE_KEYS = ("freeze_vision", "vision_dummy_pass")

@@ -3,7 +3,9 @@
 q_proj holds, per head, [q | gate] (2 x head_dim rows per head) when `attn_output_gate` is set (all official
 checkpoints); q and k get a zero-centred RMSNorm over head_dim, then partial MRoPE; the attention output is
 multiplied by sigmoid(gate) before o_proj. Attention never crosses a document boundary; it runs through the
-batch's kernel set (which, on a context-parallel shard, also reads the earlier shards of a document).
+batch's kernel set (which, on a context-parallel shard, also reads the earlier shards of a document). A piece of a
+document the decoder layer cut (layer_pieces.py) attends to the keys of the document's earlier pieces too
+(`continue_piece`).
 """
 
 from __future__ import annotations
@@ -44,20 +46,8 @@ class GatedAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [N, hidden] (the packed stream of `batch`) -> (output [N, hidden], the attention
         probabilities when the batch asks for them, else None)."""
-        n, kernels = hidden_states.shape[0], batch.kernels
-        # head counts from the projections' outputs, not the config: under a tensor-parallel plan each rank holds
-        # a slice of the heads
-        q = self.q_proj(hidden_states)
-        gate = None
-        if self.output_gate:
-            q, gate = q.view(n, -1, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(n, -1)
-        q = self.q_norm(q.reshape(n, -1, self.head_dim), kernels)
-        k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), kernels)
-        v = self.v_proj(hidden_states).view(n, -1, self.head_dim)
-        cos, sin = batch.rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
+        kernels = batch.kernels
+        q, gate, k, v = self._project(hidden_states, batch)
         cache, packed = batch.cache, batch.packed
         if not batch.continues_cache:  # a forward, or a prefill that fills the cache: the stream's kernel
             out = kernels.attention(q, k, v, packed, self.scaling)
@@ -78,7 +68,42 @@ class GatedAttention(nn.Module):
                 probabilities = stream_attention_probabilities(q, k, batch.packed, self.scaling)
                 if out.requires_grad:
                     out = on_the_output_path(out, probabilities, v, batch.packed)
-        out = out.reshape(n, -1)
+        return self._output(out, gate, kernels), probabilities
+
+    def continue_piece(self, hidden_states: torch.Tensor, batch: PackedBatch, carried: tuple, continues: bool):
+        """The layer on a piece of one document that the decoder layer cut (layer_pieces.py; `batch`: the piece's),
+        -> (output [n, hidden], what the piece leaves the next one: its keys and values (normed and rotated), or ()
+        unless `continues`). `carried`: the keys and values the document's earlier pieces left, in order, which the
+        piece's queries attend to before its own; () where the piece starts the document."""
+        kernels = batch.kernels
+        q, gate, k, v = self._project(hidden_states, batch)
+        if carried:
+            keys, values = torch.cat([*carried[0::2], k]), torch.cat([*carried[1::2], v])
+            out = kernels.continued_attention(q, keys, values, self.scaling)
+        else:
+            out = kernels.attention(q, k, v, batch.packed, self.scaling)
+        return self._output(out, gate, kernels), (k, v) if continues else ()
+
+    def _project(self, hidden_states: torch.Tensor, batch: PackedBatch):
+        """hidden_states [n, hidden] -> (q [n, H, D] normed and rotated, the output gate [n, H * D] or None, k and
+        v [n, Hkv, D], k normed and rotated)."""
+        n, kernels = hidden_states.shape[0], batch.kernels
+        # head counts from the projections' outputs, not the config: under a tensor-parallel plan each rank holds
+        # a slice of the heads
+        q = self.q_proj(hidden_states)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(n, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(n, -1)
+        q = self.q_norm(q.reshape(n, -1, self.head_dim), kernels)
+        k = self.k_norm(self.k_proj(hidden_states).view(n, -1, self.head_dim), kernels)
+        v = self.v_proj(hidden_states).view(n, -1, self.head_dim)
+        cos, sin = batch.rope
+        return apply_rotary(q, cos, sin), gate, apply_rotary(k, cos, sin), v
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None, kernels) -> torch.Tensor:
+        """Attention's output [n, H, D] -> the output gate -> o_proj [n, hidden]."""
+        out = out.reshape(out.shape[0], -1)
         if gate is not None:
             out = remember(kernels.sigmoid_gate(out, gate), kernels.sigmoid_gate, out, gate)
-        return self.o_proj(out), probabilities
+        return self.o_proj(out)

@@ -41,7 +41,8 @@ def _run_unchecked(function, *args):
 class SegmentCheckpointing:
     """Mixin of a GradientCheckpointingLayer made of a "mixer" and an "mlp" segment that holds its text config as
     `self.config`: checkpoints the whole layer or one segment, as `config.checkpoint_granularity` says (read at every
-    forward, so it can be changed on a loaded model)."""
+    forward, so it can be changed on a loaded model). The layer's `stream_pieces(batch)` says where it runs a stream
+    in pieces instead, each checkpointed whole (layer_pieces.py)."""
 
     # The checkpoint function `gradient_checkpointing_enable` installed (through `_gradient_checkpointing_func`).
     checkpoint_function = None
@@ -52,8 +53,17 @@ class SegmentCheckpointing:
         # itself (4.x checkpoints a training-mode layer even then, e.g. generating in training mode, where a checkpoint
         # would read the RNG state, which a CUDA graph capture of the step refuses: decode_graph.py).
         if self.granularity() == "layer" and torch.is_grad_enabled():
-            return self.checkpoint_function
+            return self._checkpoint_whole_layer
         return _run_unchecked
+
+    def _checkpoint_whole_layer(self, function, *args):
+        """The installed checkpoint function around GradientCheckpointingLayer's call of the layer (`function`: the
+        forward with its keyword arguments bound), except where the layer runs its stream in pieces: those are
+        checkpointed one by one (layer_pieces.py)."""
+        batch = getattr(function, "keywords", {}).get("batch")
+        if batch is not None and self.stream_pieces(batch) is not None:
+            return function(*args)
+        return self.checkpoint_function(function, *args)
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, function):

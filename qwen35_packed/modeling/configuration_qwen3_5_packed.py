@@ -77,6 +77,18 @@ GDN_CHUNK_TOKENS = 64
 CHECKPOINT_GRANULARITIES = ("layer", "mlp", "mixer")
 
 
+def _delta_rule_pieces(name: str, tokens):
+    """A config's piece length that cuts documents for the delta rule: None (off) or a positive multiple of
+    GDN_CHUNK_TOKENS, so that every piece starts on a chunk boundary of its document."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
+                               or tokens % GDN_CHUNK_TOKENS):  # fmt: skip
+        raise ValueError(
+            f"{name} must be None or a positive multiple of {GDN_CHUNK_TOKENS} tokens (the delta rule's chunk), got "
+            f"{tokens!r}"
+        )
+    return tokens
+
+
 def _written_by_transformers_5(writer_version) -> bool:
     try:
         return int(str(writer_version).split(".")[0]) >= 5
@@ -203,6 +215,15 @@ class Qwen3_5PackedConfig(PretrainedConfig):
     where FlashQLA is the GDN kernel, the pieces after the first run FLA's (FlashQLA takes no gradient into an initial
     state). Training and scoring forwards only: not with a cache, not under context parallelism (which splits the
     document across ranks already).
+
+    `layer_token_chunk` (None: off; a multiple of 64) runs every decoder layer over a stream longer than that in
+    pieces of about that many tokens, one after another: whole documents grouped up to that length, and a longer
+    document cut at multiples of it from its start. A piece's Gated DeltaNet continues the conv inputs and the state
+    its document's piece before left, its attention reads that piece's keys and values too; norms and the MLP / MoE
+    block are per token. Under `gradient_checkpointing_enable()` each piece is checkpointed (the layer is not, as a
+    whole), so a layer's activations live one piece at a time in the forward and in the backward. Training and
+    scoring forwards only: not with a cache, under context parallelism, with holes in the attention mask or with
+    output_attentions (said once; modeling/layer_pieces.py).
     """
 
     model_type = "qwen3_5_text"
@@ -265,6 +286,7 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         return_logits_with_loss: bool | str = "auto",
         checkpoint_granularity: str = "layer",
         gdn_token_chunk: int | None = None,
+        layer_token_chunk: int | None = None,
         conv_kernel: str = "auto",
         moe_kernel: str = "auto",
         moe_combine_kernel: str = "auto",
@@ -301,15 +323,8 @@ class Qwen3_5PackedConfig(PretrainedConfig):
         self.elementwise_kernel = elementwise_kernel
         self.return_logits_with_loss = return_logits_with_loss
         self.checkpoint_granularity = checkpoint_granularity
-        if gdn_token_chunk is not None and (
-            isinstance(gdn_token_chunk, bool) or not isinstance(gdn_token_chunk, int) or gdn_token_chunk < 1
-            or gdn_token_chunk % GDN_CHUNK_TOKENS
-        ):  # fmt: skip
-            raise ValueError(
-                f"gdn_token_chunk must be None or a positive multiple of {GDN_CHUNK_TOKENS} tokens (the delta rule's "
-                f"chunk), got {gdn_token_chunk!r}"
-            )
-        self.gdn_token_chunk = gdn_token_chunk
+        self.gdn_token_chunk = _delta_rule_pieces("gdn_token_chunk", gdn_token_chunk)
+        self.layer_token_chunk = _delta_rule_pieces("layer_token_chunk", layer_token_chunk)
         self.conv_kernel = conv_kernel
         self.moe_kernel = moe_kernel
         self.moe_combine_kernel = moe_combine_kernel

@@ -11,7 +11,8 @@ from the earlier shards).
 While the cache records the past (transformers' assisted decoding, cache.py), the recurrence of the tokens a crop may
 drop runs one token at a time after the chunked rest, and the layer hands the cache the state before each of them.
 With the config's `gdn_token_chunk`, a document longer than that runs its delta rule in pieces, each from the state
-the one before reached (`delta_rule_in_pieces`).
+the one before reached (`delta_rule_in_pieces`). With its `layer_token_chunk` the decoder layer runs the whole layer
+in pieces (layer_pieces.py); a piece of a cut document continues its conv and recurrence (`continue_piece`).
 The conv reads its taps, and the factors of a PEFT LoRA around conv1d, through conv_lora.effective_conv: the layer
 never calls the conv module, so PEFT's forward of it cannot run (conv_lora.py applies what it would compute).
 A_log and dt_bias stay fp32 whatever the model is cast to (see `_apply`): the decay compounds over the whole
@@ -79,6 +80,22 @@ def delta_rule_in_pieces(kernels: KernelSet, q, k, v, g, beta, packed, piece: in
     return torch.cat(outputs).index_select(0, back)
 
 
+def _widened(packed: PackedSequence, width: int) -> PackedSequence:
+    """The one document of `packed` with `width` more tokens before it, as a stream (built once per piece)."""
+    key = ("widened", width)
+    if key not in packed._derived:
+        host_cu = torch.tensor([0, packed.num_tokens + width])
+        packed._derived[key] = PackedSequence(
+            host_cu.to(packed.cu_seqlens.device, torch.int32),
+            int(host_cu[1]),
+            None,
+            None,
+            (1, int(host_cu[1])),
+            host_cu,
+        )
+    return packed._derived[key]
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -142,10 +159,8 @@ class GatedDeltaNet(nn.Module):
 
     def _run(self, hidden_states: torch.Tensor, packed, batch: PackedBatch) -> torch.Tensor:
         """The layer on the stream `packed` (the batch's own, or its RecurrentSpans' stream)."""
-        n, kernels, cache = hidden_states.shape[0], batch.kernels, batch.cache
-        mixed = self.in_proj_qkv(hidden_states)
-        z = self.in_proj_z(hidden_states)
-        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), kernels)
+        kernels, cache = batch.kernels, batch.cache
+        mixed, z, g, beta = self._project(hidden_states, kernels)
 
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
@@ -160,9 +175,7 @@ class GatedDeltaNet(nn.Module):
             # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
             history = conv_state[..., 1:] if conv_state is not None else None
             q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=history, adapters=conv.adapters)
-        q = q.reshape(n, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(n, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+        q, k, v = self._heads(q, k, v)
         if step:
             # a static cache's state is updated where it is (the tensor a captured decode step holds): no copy
             in_place = cache.static and recurrent_state.is_contiguous()
@@ -191,7 +204,58 @@ class GatedDeltaNet(nn.Module):
             conv_state = conv_final_state(mixed, packed.cu_seqlens, self.conv_kernel_size + 1, conv_state)
         if cache is not None:
             cache.store_linear_states(self.layer_idx, conv_state, final_state)
-        return self.out_proj(self.norm(core.reshape(n, self.value_dim), z, kernels))
+        return self._output(core, z, kernels)
+
+    def continue_piece(self, hidden_states: torch.Tensor, batch: PackedBatch, carried: tuple, continues: bool):
+        """The layer on a piece of one document that the decoder layer cut (layer_pieces.py; `batch`: the piece's),
+        -> (output [n, hidden], what the piece leaves the next one: (its last K-1 conv inputs [K-1, C], the state
+        it reached [1, Hv, Dk, Dv] fp32), or () unless `continues`). `carried`: what the document's earlier pieces
+        left, in order (the last piece's two read here), or () where the piece starts the document."""
+        kernels, packed = batch.kernels, batch.packed
+        mixed, z, g, beta = self._project(hidden_states, kernels)
+        conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
+        split = [self.key_dim, self.key_dim, self.value_dim]
+        history, state = carried[-2:] if carried else (None, None)
+        if history is None:
+            q, k, v = kernels.conv(mixed, conv.weight, packed, split, adapters=conv.adapters)
+        elif conv.adapters:
+            initial = history.t().unsqueeze(0)  # [1, C, K-1], oldest first
+            q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=initial, adapters=conv.adapters)
+        else:
+            # The stateless conv over the document's K-1 inputs before the piece and the piece (each output reads
+            # its K inputs only: the outputs of the whole document), the first K-1 outputs dropped.
+            width = history.shape[0]
+            outputs = kernels.conv(torch.cat([history, mixed]), conv.weight, _widened(packed, width), split)
+            q, k, v = (t[width:] for t in outputs)
+        q, k, v = self._heads(q, k, v)
+        if state is None:
+            core, final_state = kernels.delta_rule(q, k, v, g, beta, packed, output_final_state=continues)
+        else:
+            core, final_state = kernels.delta_rule_from_state(
+                q, k, v, g, beta, packed, initial_state=state, output_final_state=continues
+            )
+        # a copy: a view would keep the whole piece's `mixed` alive while the document's later pieces run
+        leaves = (mixed[-(self.conv_kernel_size - 1) :].clone(), final_state) if continues else ()
+        return self._output(core, z, kernels), leaves
+
+    def _project(self, hidden_states: torch.Tensor, kernels: KernelSet):
+        """hidden_states [n, hidden] -> (the conv's inputs [n, C], z [n, value_dim], g fp32, beta)."""
+        mixed = self.in_proj_qkv(hidden_states)
+        z = self.in_proj_z(hidden_states)
+        g, beta = self.decay_and_beta(self.in_proj_a(hidden_states), self.in_proj_b(hidden_states), kernels)
+        return mixed, z, g, beta
+
+    def _heads(self, q, k, v):
+        n = q.shape[0]
+        return (
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        """The delta rule's output [n, Hv, Dv] -> gated norm -> out_proj [n, hidden]."""
+        return self.out_proj(self.norm(core.reshape(core.shape[0], self.value_dim), z, kernels))
 
     def _in_pieces(self, packed, cache, batch: PackedBatch) -> bool:
         """Whether the config's `gdn_token_chunk` cuts a document of this stream: a forward without a cache, off a

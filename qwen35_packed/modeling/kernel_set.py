@@ -57,6 +57,8 @@ class KernelSet:
     delta_rule_step: Callable
     # attention
     attention: Callable  # (q, k, v, packed, scale) -> causal attention within each document
+    # (q [Lq, H, D], k / v [Lk, Hkv, D], scale) -> one document's last Lq tokens over its keys so far
+    continued_attention: Callable
     cached_attention: Callable  # (q, k, v, packed, cache rows, scale) -> a cached step of several new tokens
     attention_step: Callable  # (q [B, H, D], k, v [B, Hkv, D], cache rows, scale) -> one new token per row
     varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
@@ -133,6 +135,9 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
             varlen=varlen,
             host_bounds=choice.attention == "sdpa",
             alone_from=LONG_DOCUMENT_TOKENS if choice.long_documents == "sdpa" and choice.attention != "sdpa" else None,
+        ),
+        continued_attention=functools.partial(
+            kernels.continued_attention, varlen=None if choice.attention == "sdpa" else varlen
         ),
         cached_attention=kernels.cached_attention,
         attention_step=kernels.attention_step,

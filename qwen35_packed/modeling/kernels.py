@@ -230,26 +230,23 @@ def gated_rms_norm_fla(x, gate, weight, eps):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def attention_flash_attn(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
-    """flash-attn's varlen kernel inside each document of cu_seqlens; q [N, H, D], k / v [N, Hkv, D] -> [N, H, D]."""
-    return selection.flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
-    )
+def attention_flash_attn(
+    q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool, cu_seqlens_k=None, max_seqlen_k=None
+) -> torch.Tensor:
+    """flash-attn's varlen kernel inside each document of cu_seqlens; q [N, H, D], k / v [N, Hkv, D] -> [N, H, D].
+    With `cu_seqlens_k` the keys' documents are bounded apart from the queries' (`continued_attention`)."""
+    cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
+    return selection.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale=scale, causal=causal)  # fmt: skip
 
 
-def attention_torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
-    """PyTorch's varlen_attn inside each document of cu_seqlens."""
+def attention_torch_varlen(
+    q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool, cu_seqlens_k=None, max_seqlen_k=None
+) -> torch.Tensor:
+    """PyTorch's varlen_attn inside each document of cu_seqlens (`cu_seqlens_k` as attention_flash_attn's)."""
+    cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     # varlen_attn has no is_causal flag: window (-1, 0) = unlimited left context, no right context.
     return selection.torch_varlen_attn(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        scale=scale,
-        window_size=(-1, 0) if causal else (-1, -1),
+        q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, scale=scale, window_size=(-1, 0) if causal else (-1, -1)
     )
 
 
@@ -302,6 +299,18 @@ def causal_attention(q, k, v, packed, scale: float, varlen, host_bounds: bool, a
             return outs[0] if len(outs) == 1 else torch.cat(outs)
     bounds = packed.cu_seqlens_cpu() if host_bounds else packed.cu_seqlens
     return varlen(q, k, v, bounds, packed.max_seqlen, scale, True)
+
+
+def continued_attention(q, k, v, scale: float, varlen) -> torch.Tensor:
+    """Causal attention of one document's last Lq tokens (q [Lq, H, D]) over its keys so far (k / v [Lk, Hkv, D],
+    the queries' own last): a later piece of a document that layer_pieces.py cut. Through the varlen kernel `varlen`
+    with the keys bounded apart from the queries (flash-attn's and PyTorch's varlen kernels align a causal mask to
+    the end of the keys), or, where `varlen` is None (the sdpa attention kernel), SDPA with the mask."""
+    if varlen is None:
+        return sdpa_one_document(q, k, v, scale, causal=True)
+    q_len, k_len = q.shape[0], k.shape[0]
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (q_len, k_len))
+    return varlen(q, k, v, cu_q, q_len, scale, True, cu_seqlens_k=cu_k, max_seqlen_k=k_len)
 
 
 def cached_attention(q, k, v, packed, rows, scale: float) -> torch.Tensor:

@@ -46,6 +46,7 @@ from .kernel_set import KernelSet, kernel_set, shard_kernel_set
 # kernel files, moe.py's expert_lora.py, the conv's conv_lora.py) are named here too, in the imports marked `noqa: F401`
 # (tests/conversion/test_remote_code_audit.py checks that nothing is missing).
 from .kernels import causal_attention  # noqa: F401
+from .layer_pieces import StreamPiece, layer_pieces, run_in_pieces
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights, weight_init
 from .moe import FusedExperts, SparseMoeBlock, SwiGLUMLP, TopKRouter
@@ -119,7 +120,11 @@ class Qwen3_5PackedDecoderLayer(SegmentCheckpointing, GradientCheckpointingLayer
 
     def forward(self, hidden_states, batch: PackedBatch, routed_experts=None):
         """hidden_states [N, H] -> (hidden_states [N, H], router logits [N, E] or None, attention probabilities or
-        None); `routed_experts` [N, k]: the experts to replay in this layer's MoE block (routing_replay.py)."""
+        None); `routed_experts` [N, k]: the experts to replay in this layer's MoE block (routing_replay.py). A
+        stream longer than the config's `layer_token_chunk` runs in pieces (layer_pieces.py)."""
+        pieces = self.stream_pieces(batch)
+        if pieces is not None:
+            return run_in_pieces(self, hidden_states, batch, routed_experts, pieces)
         mixed, probabilities = self.run_segment("mixer", self.mix, hidden_states, batch=batch)
         # A separate add, not one fused add + norm kernel: the norm's backward keeps the sum, from which the
         # backward recomputes the normed input of the MLP exactly (recompute.py).
@@ -128,6 +133,24 @@ class Qwen3_5PackedDecoderLayer(SegmentCheckpointing, GradientCheckpointingLayer
             "mlp", self.feed_forward, residual, batch=batch, routed_experts=routed_experts
         )
         return residual + mlp_out, router_logits, probabilities
+
+    def stream_pieces(self, batch: PackedBatch):
+        """The pieces this layer runs `batch`'s stream in, or None (layer_pieces.layer_pieces)."""
+        return layer_pieces(self.config, batch)
+
+    def forward_piece(self, hidden_states, *carried, batch: PackedBatch, piece: StreamPiece, routed_experts=None):
+        """The layer on one piece of a stream (layer_pieces.py; `batch`: the piece's): hidden_states [n, H] ->
+        (hidden_states [n, H], router logits [n, E] or None, *what the piece leaves its document's next piece).
+        `carried`: what the earlier pieces of a cut document left, in order."""
+        if piece.cuts_document:
+            normed = self.input_layernorm(hidden_states, batch.kernels)
+            mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+            mixed, leaves = mixer.continue_piece(normed, batch, carried, piece.continues)
+        else:
+            (mixed, _), leaves = self.mix(hidden_states, batch), ()
+        residual = hidden_states + mixed
+        mlp_out, router_logits = self.feed_forward(residual, batch, routed_experts)
+        return residual + mlp_out, router_logits, *leaves
 
     def mix(self, hidden_states, batch: PackedBatch):
         """The mixer segment, input_layernorm and the token mixer: hidden_states [N, H] -> (mixer output [N, H],

@@ -52,6 +52,7 @@ from .generation import PackedGeneration
 from .kernel_selection import select_kernels  # noqa: F401
 from .kernel_set import kernel_set  # noqa: F401
 from .kernels import causal_attention  # noqa: F401
+from .layer_pieces import run_in_pieces  # noqa: F401
 from .loss import chunked_linear_cross_entropy  # noqa: F401
 from .model_conventions import PackedModelConventions, init_dense_weights
 from .modeling_qwen3_5_packed import Qwen3_5MoePackedTextModel, Qwen3_5PackedTextModel
