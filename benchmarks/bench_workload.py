@@ -23,7 +23,7 @@ with random weights (seed 0). A row is BATCH:SETUP:
          `_moe_chunk` (after every other suffix but `_gdn_chunk` and `_adamw`) runs each MoE block in checkpointed
          chunks of 16,384 tokens (the config's moe_token_chunk). For ours, `_gdn_chunk` runs each GDN layer's delta
          rule over a longer document in pieces of 16,384 tokens (gdn_token_chunk); `_layer_chunk` (after it) every decoder
-         layer in checkpointed pieces of 16,384 tokens (layer_token_chunk). `_adamw` (last) ends each step with an optimizer step, as
+         layer in checkpointed pieces of 16,384 tokens (layer_token_chunk; `_layer_chunk_8k` / `_4k`: 8,192 / 4,096). `_adamw` (last) ends each step with an optimizer step, as
          transformers' Trainer runs its default (`adamw_torch_fused`: torch's AdamW, fused on CUDA): its two states
          per trained parameter, in the parameter's dtype, count in the row's peak (`optimizer_state_bytes`).
 A forward + backward per step (without `_adamw` no optimizer: its state is the same for both implementations; a card
@@ -57,6 +57,7 @@ import gc
 import json
 import re
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -83,6 +84,8 @@ LORA_GROUPS = {"lora": ("gdn", "attention", "experts"), "lora_no_experts": ("gdn
 SUFFIXES = (
     ("_adamw", "optimizer", "adamw"),
     ("_layer_chunk", "layer_token_chunk", 16384),
+    ("_layer_chunk_8k", "layer_token_chunk", 8192),
+    ("_layer_chunk_4k", "layer_token_chunk", 4096),
     ("_gdn_chunk", "gdn_token_chunk", 16384),
     ("_moe_chunk", "moe_token_chunk", 16384),
     ("_peft_sums", "peft_adapter_sums", True),
@@ -141,7 +144,7 @@ def parse_setup(name: str) -> Setup:
         raise SystemExit(
             f"unknown setup {name!r}: lora, lora_low_rank, lora_peft_fold, lora_no_experts, full "
             "[_offload | _save_on_cpu] [_bf16_adapters] [_autocast] [_ckpt_mlp | _ckpt_mixer | _no_ckpt] [_peft_sums] "
-            "[_moe_chunk] [_gdn_chunk] [_layer_chunk] [_adamw]"
+            "[_moe_chunk] [_gdn_chunk] [_layer_chunk | _layer_chunk_8k | _layer_chunk_4k] [_adamw]"
         )
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
@@ -403,7 +406,9 @@ def measure(workload: Workload, step, n_tokens: int, warmup: int, reps: int) -> 
     except torch.OutOfMemoryError:
         return {"error": "out of memory", "peak_GiB": peak_gib(workload.device)}
     except Exception as exc:  # e.g. the built-in refusing packed input without its kernels: a result too
-        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "peak_GiB": peak_gib(workload.device)}
+        # where it was raised: the innermost frames (a kernel's own out-of-memory error names no allocating line)
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-4:]]
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "raised_at": where, "peak_GiB": peak_gib(workload.device)}  # fmt: skip
     finally:
         optimizer = None  # its state goes before the next row measures what stayed allocated
         workload.release()
@@ -493,7 +498,8 @@ def main():
         if row_name == args.profile and "error" not in row:
             row["profile"] = profile_step(step, device, workload.step_context)
             workload.release()
-        if row_name in memory_rows and row.get("error", "out of memory") == "out of memory":
+        # Triton's kernels report running out of memory as a RuntimeError of their own
+        if row_name in memory_rows and "out of memory" in row.get("error", "out of memory"):
             row["memory_at_peak"] = (
                 record_step_memory(step, workload.step_context)
                 if device.type == "cuda"

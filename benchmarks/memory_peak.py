@@ -111,6 +111,9 @@ def record_step_memory(step, step_context, max_entries: int = 4_000_000) -> dict
                 step().backward()
         except torch.OutOfMemoryError:
             pass  # the history holds the failure; the step's tensors go with the exception
+        except RuntimeError as exc:  # a Triton kernel's own report of running out of memory: the same, unlogged
+            if "out of memory" not in str(exc):
+                raise
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
