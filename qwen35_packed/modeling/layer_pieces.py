@@ -17,7 +17,8 @@ gradient of the state and of the keys and values reaches the earlier pieces.
 Checkpointing: while the layer is checkpointed (`gradient_checkpointing_enable()`, under any
 `checkpoint_granularity`), each piece is checkpointed whole with torch's non-reentrant checkpoint, and the layer is
 not checkpointed as a whole (`SegmentCheckpointing` asks `layer_pieces`): the backward reruns one piece at a time.
-What a piece keeps for the backward is its input rows (a view of the layer's input) and what earlier pieces left.
+What a piece keeps for the backward is a copy of its input rows and what earlier pieces left: tensors of their own,
+which activation offloading (TRL's, or `save_on_cpu`) moves to the host one by one.
 The pieces are built once per stream and shared by every layer (held in the stream's derived values).
 
 Not where a forward continues or fills a cache, on a context-parallel shard (whose row the ranks cut already), with
@@ -152,7 +153,11 @@ def run_in_pieces(layer, hidden: torch.Tensor, batch: PackedBatch, routed_expert
             routed_experts=None if routed_experts is None else routed_experts[rows],
         )
         if checkpointed:  # the layers draw no random numbers: no RNG state to restore
-            out, router_logits, *leaves = checkpoint(run, hidden[rows], *carried, use_reentrant=False, preserve_rng_state=False)  # fmt: skip
+            # The rows saved for the backward get a storage of their own: TRL's activation offloading moves a storage
+            # to the host once and keeps a second tensor of it on the device, which would hold the whole layer input
+            # of every layer there.
+            rows_in = hidden[rows].clone()
+            out, router_logits, *leaves = checkpoint(run, rows_in, *carried, use_reentrant=False, preserve_rng_state=False)  # fmt: skip
         else:
             out, router_logits, *leaves = run(hidden[rows], *carried)
         # what every earlier piece of the document left, for the next piece of it

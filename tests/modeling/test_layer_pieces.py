@@ -166,6 +166,32 @@ def test_a_checkpointed_layer_holds_one_pieces_activations_at_a_time(kind):
     assert sum(rows) == 2 * sum(LENGTHS) * mixers
 
 
+def test_each_checkpointed_piece_keeps_rows_of_their_own(monkeypatch):
+    """What a checkpointed piece saves for the backward shares no storage with the layer's input or another piece:
+    TRL's activation offloading moves a storage to the host once and keeps any further tensor of it on the device,
+    so views of the layer's input would keep every layer's whole input there."""
+    from qwen35_packed.modeling import layer_pieces
+
+    model = packed_model("dense").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.layer_token_chunk = PIECE
+    saved = []
+
+    def recording(function, rows, *carried, **options):
+        saved.append(rows.untyped_storage().data_ptr())
+        return torch.utils.checkpoint.checkpoint(function, rows, *carried, **options)
+
+    inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0].untyped_storage().data_ptr()))
+    monkeypatch.setattr(layer_pieces, "checkpoint", recording)
+    model(**_inputs(model, replay=False)).loss.backward()
+    pieces = len(stream_pieces(build_packed_sequence((1, sum(LENGTHS)), torch.device("cpu"), cu_seqlens=_bounds(LENGTHS)), PIECE))  # fmt: skip
+    assert len(saved) == pieces * model.config.num_hidden_layers
+    # every piece's rows in a storage of their own (each alive until the backward: no address reused)
+    assert len(set(saved)) == len(saved) and not set(saved) & set(inputs)
+
+
 def test_a_forward_with_a_cache_or_attention_probabilities_runs_whole_layers_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(utils, "_logged_once", set())
     model = packed_model("dense")
