@@ -31,7 +31,7 @@ from .kernel_set import REFERENCE_KERNELS, KernelSet
 from .kernels import conv_final_state
 from .norms import GatedRMSNorm
 from .packed_batch import PackedBatch
-from .packing import PackedSequence, continuation_sequence
+from .packing import PackedSequence, build_packed_sequence, continuation_sequence
 from .projection import RowInvariantLinear
 
 FP32_PARAMETERS = ("A_log", "dt_bias")
@@ -84,15 +84,7 @@ def _widened(packed: PackedSequence, width: int) -> PackedSequence:
     """The one document of `packed` with `width` more tokens before it, as a stream (built once per piece)."""
     key = ("widened", width)
     if key not in packed._derived:
-        host_cu = torch.tensor([0, packed.num_tokens + width])
-        packed._derived[key] = PackedSequence(
-            host_cu.to(packed.cu_seqlens.device, torch.int32),
-            int(host_cu[1]),
-            None,
-            None,
-            (1, int(host_cu[1])),
-            host_cu,
-        )
+        packed._derived[key] = build_packed_sequence((1, packed.num_tokens + width), packed.cu_seqlens.device)
     return packed._derived[key]
 
 
