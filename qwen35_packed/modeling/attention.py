@@ -72,17 +72,18 @@ class GatedAttention(nn.Module):
 
     def continue_piece(self, hidden_states: torch.Tensor, batch: PackedBatch, carried: tuple, continues: bool):
         """The layer on a piece of one document that the decoder layer cut (layer_pieces.py; `batch`: the piece's),
-        -> (output [n, hidden], what the piece leaves the next one: its keys and values (normed and rotated), or ()
-        unless `continues`). `carried`: the keys and values the document's earlier pieces left, in order, which the
-        piece's queries attend to before its own; () where the piece starts the document."""
+        -> (output [n, hidden], what the piece hands on to the next one: the document's keys and values so far, its
+        own included (normed and rotated), or () unless `continues`). `carried`: the keys and values the piece before
+        handed on, which the piece's queries attend to before its own; () where the piece starts the document."""
         kernels = batch.kernels
         q, gate, k, v = self._project(hidden_states, batch)
         if carried:
-            keys, values = torch.cat([*carried[0::2], k]), torch.cat([*carried[1::2], v])
+            keys, values = torch.cat([carried[0], k]), torch.cat([carried[1], v])
             out = kernels.continued_attention(q, keys, values, self.scaling)
         else:
+            keys, values = k, v
             out = kernels.attention(q, k, v, batch.packed, self.scaling)
-        return self._output(out, gate, kernels), (k, v) if continues else ()
+        return self._output(out, gate, kernels), (keys, values) if continues else ()
 
     def _project(self, hidden_states: torch.Tensor, batch: PackedBatch):
         """hidden_states [n, hidden] -> (q [n, H, D] normed and rotated, the output gate [n, H * D] or None, k and

@@ -200,14 +200,14 @@ class GatedDeltaNet(nn.Module):
 
     def continue_piece(self, hidden_states: torch.Tensor, batch: PackedBatch, carried: tuple, continues: bool):
         """The layer on a piece of one document that the decoder layer cut (layer_pieces.py; `batch`: the piece's),
-        -> (output [n, hidden], what the piece leaves the next one: (its last K-1 conv inputs [K-1, C], the state
-        it reached [1, Hv, Dk, Dv] fp32), or () unless `continues`). `carried`: what the document's earlier pieces
-        left, in order (the last piece's two read here), or () where the piece starts the document."""
+        -> (output [n, hidden], what the piece hands on to the next one: (its last K-1 conv inputs [K-1, C], the state
+        it reached [1, Hv, Dk, Dv] fp32), or () unless `continues`). `carried`: what the document's piece before
+        handed on, () where the piece starts the document."""
         kernels, packed = batch.kernels, batch.packed
         mixed, z, g, beta = self._project(hidden_states, kernels)
         conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
         split = [self.key_dim, self.key_dim, self.value_dim]
-        history, state = carried[-2:] if carried else (None, None)
+        history, state = carried or (None, None)
         if history is None:
             q, k, v = kernels.conv(mixed, conv.weight, packed, split, adapters=conv.adapters)
         elif conv.adapters:

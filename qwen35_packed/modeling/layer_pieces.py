@@ -7,18 +7,20 @@ recompute. Cut into pieces, a layer holds one piece's:
     layer runs as a stream of their own (every document still starts from nothing);
   * a longer document is cut from its own start into pieces of exactly that many tokens (a multiple of the delta
     rule's chunk, so each piece runs the chunks the whole document runs) and a last, shorter one. Such a piece holds
-    that document only, and its token mixer continues from what the document's earlier pieces left
+    that document only, and its token mixer continues from what the document's piece before handed on
     (`continue_piece` of gated_deltanet.py / attention.py): the GDN its last conv inputs and its recurrent state,
-    attention their keys and values.
+    attention the keys and values of the document so far (each piece hands on a longer copy, so what a cut document's
+    attention keeps for the backward grows with the square of its pieces: small beside its activations, with few
+    key heads).
 Where a document is cut depends on its own length only, so packed == per-document holds as without pieces. The
-norms and the MLP / MoE block are per token. Each piece returns what it leaves the next one as outputs, so the
-gradient of the state and of the keys and values reaches the earlier pieces.
+norms and the MLP / MoE block are per token. Each piece returns what it hands on as outputs, so the gradient of the
+state and of the keys and values reaches the earlier pieces.
 
 Checkpointing: while the layer is checkpointed (`gradient_checkpointing_enable()`, under any
 `checkpoint_granularity`), each piece is checkpointed whole with torch's non-reentrant checkpoint, and the layer is
 not checkpointed as a whole (`SegmentCheckpointing` asks `layer_pieces`): the backward reruns one piece at a time.
-What a piece keeps for the backward is a copy of its input rows and what earlier pieces left: tensors of their own,
-which activation offloading (TRL's, or `save_on_cpu`) moves to the host one by one.
+What a piece keeps for the backward is a copy of its input rows and what the piece before handed on: tensors no other
+piece saves, which activation offloading (TRL's, or `save_on_cpu`) moves to the host one by one.
 The pieces are built once per stream and shared by every layer (held in the stream's derived values).
 
 Not where a forward continues or fills a cache, on a context-parallel shard (whose row the ranks cut already), with
@@ -160,8 +162,9 @@ def run_in_pieces(layer, hidden: torch.Tensor, batch: PackedBatch, routed_expert
             out, router_logits, *leaves = checkpoint(run, rows_in, *carried, use_reentrant=False, preserve_rng_state=False)  # fmt: skip
         else:
             out, router_logits, *leaves = run(hidden[rows], *carried)
-        # what every earlier piece of the document left, for the next piece of it
-        carried = (*carried, *leaves) if piece.continues else ()
+        # what the piece hands on to the document's next piece: there only, so that each carried tensor is saved by
+        # one checkpoint (offloading moves a storage saved twice once and keeps it on the device for the second)
+        carried = tuple(leaves) if piece.continues else ()
         outputs.append(out)
         logits.append(router_logits)
     return torch.cat(outputs), None if logits[0] is None else torch.cat(logits), None

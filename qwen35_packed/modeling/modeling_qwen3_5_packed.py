@@ -140,8 +140,8 @@ class Qwen3_5PackedDecoderLayer(SegmentCheckpointing, GradientCheckpointingLayer
 
     def forward_piece(self, hidden_states, *carried, batch: PackedBatch, piece: StreamPiece, routed_experts=None):
         """The layer on one piece of a stream (layer_pieces.py; `batch`: the piece's): hidden_states [n, H] ->
-        (hidden_states [n, H], router logits [n, E] or None, *what the piece leaves its document's next piece).
-        `carried`: what the earlier pieces of a cut document left, in order."""
+        (hidden_states [n, H], router logits [n, E] or None, *what the piece hands on to its document's next piece).
+        `carried`: what the document's piece before handed on."""
         if piece.cuts_document:
             normed = self.input_layernorm(hidden_states, batch.kernels)
             mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn

@@ -166,30 +166,33 @@ def test_a_checkpointed_layer_holds_one_pieces_activations_at_a_time(kind):
     assert sum(rows) == 2 * sum(LENGTHS) * mixers
 
 
-def test_each_checkpointed_piece_keeps_rows_of_their_own(monkeypatch):
-    """What a checkpointed piece saves for the backward shares no storage with the layer's input or another piece:
-    TRL's activation offloading moves a storage to the host once and keeps any further tensor of it on the device,
-    so views of the layer's input would keep every layer's whole input there."""
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_what_a_checkpointed_piece_saves_no_other_piece_saves(kind, monkeypatch):
+    """What a checkpointed piece saves for the backward (its rows, what the piece before handed on) shares no
+    storage with the layer's input or with what another piece saves: TRL's activation offloading moves a storage to
+    the host once and keeps any further tensor of it on the device, so views of the layer's input, or keys handed to
+    every later piece, would stay there for every layer."""
     from qwen35_packed.modeling import layer_pieces
 
-    model = packed_model("dense").train()
+    model = packed_model(kind).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.layer_token_chunk = PIECE
-    saved = []
+    saved, carried_count = [], []
 
     def recording(function, rows, *carried, **options):
-        saved.append(rows.untyped_storage().data_ptr())
+        saved.extend(t.untyped_storage().data_ptr() for t in (rows, *carried))
+        carried_count.append(len(carried))
         return torch.utils.checkpoint.checkpoint(function, rows, *carried, **options)
 
-    inputs = []
+    inputs = []  # the layers' inputs, kept alive so that no saved tensor can take an address of theirs
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0].untyped_storage().data_ptr()))
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
     monkeypatch.setattr(layer_pieces, "checkpoint", recording)
     model(**_inputs(model, replay=False)).loss.backward()
     pieces = len(stream_pieces(build_packed_sequence((1, sum(LENGTHS)), torch.device("cpu"), cu_seqlens=_bounds(LENGTHS)), PIECE))  # fmt: skip
-    assert len(saved) == pieces * model.config.num_hidden_layers
-    # every piece's rows in a storage of their own (each alive until the backward: no address reused)
-    assert len(set(saved)) == len(saved) and not set(saved) & set(inputs)
+    assert len(carried_count) == pieces * model.config.num_hidden_layers and any(carried_count)
+    # every saved tensor in a storage of its own (each alive until the backward: no address reused)
+    assert len(set(saved)) == len(saved) and not set(saved) & {t.untyped_storage().data_ptr() for t in inputs}
 
 
 def test_a_forward_with_a_cache_or_attention_probabilities_runs_whole_layers_and_says_so(monkeypatch, caplog):
