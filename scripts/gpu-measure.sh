@@ -72,7 +72,9 @@
 #                35B-A3B layer shapes), then bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder
 #                layer in checkpointed pieces of 16,384 tokens (layer_token_chunk): the 131,072-token document under
 #                TRL's activation offloading with PEFT's default adapters under autocast (what is live at its memory
-#                peak) and with bf16 adapters, and the RL batch with the default adapters under autocast (not run yet)
+#                peak) and with bf16 adapters, and the RL batch with the default adapters under autocast (on an
+#                H100 the tests took 3 min with the first autotuning; the document ran out of memory at trees e3e9e64
+#                and db36c73, before pieces handed on to the next piece only: not run since)
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
