@@ -174,6 +174,14 @@ def kind(request):
     return request.param
 
 
+def random_routed_experts(config, tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Experts to replay [tokens, MoE layers, top-k], drawn at random without repeats per token and layer (the
+    `routed_experts` forward input, routing_replay.py)."""
+    layers = sum(config.layer_uses_moe(i) for i in range(config.num_hidden_layers))
+    scores = torch.rand(tokens, layers, config.num_experts, generator=generator)
+    return scores.argsort(dim=-1)[..., : config.num_experts_per_tok]
+
+
 def saved_storage_bytes(step, exclude=()) -> int:
     """Bytes of the distinct storages autograd saves while `step()` runs a forward and its backward, without those of
     the tensors in `exclude` (e.g. parameters, held anyway); each is kept alive until counted, so no address is

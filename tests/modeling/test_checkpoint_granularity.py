@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_kwargs
+from conftest import random_routed_experts, tiny_kwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qwen35_packed import (
@@ -66,9 +66,7 @@ def _inputs(config, extras: tuple[str, ...] = ()) -> dict:
     if "attentions" in extras:
         inputs["output_attentions"] = True
     if "replay" in extras:
-        layers = sum(config.layer_uses_moe(i) for i in range(config.num_hidden_layers))
-        scores = torch.rand(ids.shape[1], layers, config.num_experts, generator=g)
-        inputs["routed_experts"] = scores.argsort(dim=-1)[..., : config.num_experts_per_tok]
+        inputs["routed_experts"] = random_routed_experts(config, ids.shape[1], g)
     return inputs
 
 

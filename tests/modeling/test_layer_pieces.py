@@ -7,7 +7,7 @@ do not serve run whole and say so once; the setting is checked and saved."""
 
 import pytest
 import torch
-from conftest import packed_model, tiny_kwargs
+from conftest import packed_model, random_routed_experts, tiny_kwargs
 
 from qwen35_packed import Qwen3_5PackedConfig
 from qwen35_packed.modeling import utils
@@ -53,9 +53,7 @@ def _inputs(model, replay: bool) -> dict:
     if getattr(model.config, "is_moe", False):
         inputs["output_router_logits"] = True
     if replay:
-        layers = sum(model.config.layer_uses_moe(i) for i in range(model.config.num_hidden_layers))
-        scores = torch.rand(ids.shape[1], layers, model.config.num_experts, generator=g)
-        inputs["routed_experts"] = scores.argsort(dim=-1)[..., : model.config.num_experts_per_tok]
+        inputs["routed_experts"] = random_routed_experts(model.config, ids.shape[1], g)
     return inputs
 
 

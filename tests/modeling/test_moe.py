@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import saved_storage_bytes, tiny_kwargs
+from conftest import random_routed_experts, saved_storage_bytes, tiny_kwargs
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernel_selection
@@ -419,9 +419,7 @@ def _chunk_inputs(model, replay: bool) -> dict:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     inputs = dict(input_ids=ids, cu_seqlens=cu, labels=ids, output_router_logits=True, use_cache=False)
     if replay:
-        layers = sum(model.config.layer_uses_moe(i) for i in range(model.config.num_hidden_layers))
-        scores = torch.rand(ids.shape[1], layers, model.config.num_experts, generator=g)
-        inputs["routed_experts"] = scores.argsort(dim=-1)[..., : model.config.num_experts_per_tok]
+        inputs["routed_experts"] = random_routed_experts(model.config, ids.shape[1], g)
     return inputs
 
 
