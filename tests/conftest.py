@@ -174,6 +174,21 @@ def kind(request):
     return request.param
 
 
+def training_step(model, inputs: dict, checkpointing: bool, **config) -> tuple:
+    """One forward + backward of `model` on `inputs` with the config fields `config` set (the model reads them at
+    every forward) and decoder-layer checkpointing on or off -> (the output, {parameter name: its gradient})."""
+    for name, value in config.items():
+        setattr(model.config, name, value)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def random_routed_experts(config, tokens: int, generator: torch.Generator) -> torch.Tensor:
     """Experts to replay [tokens, MoE layers, top-k], drawn at random without repeats per token and layer (the
     `routed_experts` forward input, routing_replay.py)."""

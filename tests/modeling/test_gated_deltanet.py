@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import packed_model, tiny_kwargs
+from conftest import packed_model, tiny_kwargs, training_step
 
 from qwen35_packed import Qwen3_5PackedConfig
 from qwen35_packed.modeling.kernel_set import REFERENCE_KERNELS
@@ -29,16 +29,11 @@ def _batch(vocab: int):
 
 
 def _step(model, piece, checkpointing: bool):
-    model.config.gdn_token_chunk = piece  # read at every forward
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
     ids, cu = _batch(model.config.vocab_size)
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, cu_seqlens=cu, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = training_step(
+        model, dict(input_ids=ids, cu_seqlens=cu, labels=ids), checkpointing, gdn_token_chunk=piece
+    )
+    return out.loss.detach(), grads
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])

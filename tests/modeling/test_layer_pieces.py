@@ -7,7 +7,7 @@ do not serve run whole and say so once; the setting is checked and saved."""
 
 import pytest
 import torch
-from conftest import packed_model, random_routed_experts, tiny_kwargs
+from conftest import packed_model, random_routed_experts, tiny_kwargs, training_step
 
 from qwen35_packed import Qwen3_5PackedConfig
 from qwen35_packed.modeling import utils
@@ -59,16 +59,7 @@ def _inputs(model, replay: bool) -> dict:
 
 def _step(model, piece, inputs, checkpointing: bool):
     """(logits, router logits or None, loss, gradients) of one training step with layer_token_chunk=piece."""
-    model.config.layer_token_chunk = piece  # read at every forward
-    model.config.return_logits_with_loss = True
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = training_step(model, inputs, checkpointing, layer_token_chunk=piece, return_logits_with_loss=True)
     router = None if out.router_logits is None else torch.stack(out.router_logits).detach()
     return out.logits.detach(), router, out.loss.detach(), grads
 

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import random_routed_experts, saved_storage_bytes, tiny_kwargs
+from conftest import random_routed_experts, saved_storage_bytes, tiny_kwargs, training_step
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 from qwen35_packed.modeling import kernel_selection
@@ -424,15 +424,7 @@ def _chunk_inputs(model, replay: bool) -> dict:
 
 
 def _chunked_step(model, chunk, inputs, checkpointing: bool):
-    model.config.moe_token_chunk = chunk  # read at every forward
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = training_step(model, inputs, checkpointing, moe_token_chunk=chunk)
     return out.logits.detach(), torch.stack(out.router_logits).detach(), out.loss.detach(), grads
 
 
