@@ -96,7 +96,7 @@ def _piece(packed: PackedSequence, bounds: list[int], prefix: int, continues: bo
     stream = PackedSequence(
         host_cu.to(packed.cu_seqlens.device, torch.int32),
         longest,
-        packed.position_ids[..., start:end],
+        None if packed.position_ids is None else packed.position_ids[..., start:end],
         None,
         (1, end - start),
         host_cu,
