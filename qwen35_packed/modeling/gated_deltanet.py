@@ -100,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_split = (self.key_dim, self.key_dim, self.value_dim)  # the conv's output channels: q | k | v
         self.conv_kernel_size = config.linear_conv_kernel_dim
 
         self.in_proj_qkv = RowInvariantLinear(config.hidden_size, self.conv_dim, bias=False)
@@ -155,18 +156,19 @@ class GatedDeltaNet(nn.Module):
         mixed, z, g, beta = self._project(hidden_states, kernels)
 
         conv_state, recurrent_state = cache.linear_states(self.layer_idx) if cache is not None else (None, None)
-        conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
-        split = [self.key_dim, self.key_dim, self.value_dim]
+        conv = self._effective_conv()
         recording = cache is not None and cache.records_past
         # a generation step: the batched decode kernels
         step = batch.one_token_per_row and not conv.adapters and not recording
         if step:
             out, conv_state = kernels.conv_step(mixed, conv.weight, conv_state)
-            q, k, v = torch.split(out, split, dim=-1)
+            q, k, v = torch.split(out, list(self.conv_split), dim=-1)
         else:
             # The cache keeps the last K conv inputs (transformers' layout); the conv reads the last K-1 of them.
             history = conv_state[..., 1:] if conv_state is not None else None
-            q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=history, adapters=conv.adapters)
+            q, k, v = kernels.conv(
+                mixed, conv.weight, packed, self.conv_split, initial_state=history, adapters=conv.adapters
+            )
         q, k, v = self._heads(q, k, v)
         if step:
             # a static cache's state is updated where it is (the tensor a captured decode step holds): no copy
@@ -205,19 +207,20 @@ class GatedDeltaNet(nn.Module):
         handed on, () where the piece starts the document."""
         kernels, packed = batch.kernels, batch.packed
         mixed, z, g, beta = self._project(hidden_states, kernels)
-        conv = effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
-        split = [self.key_dim, self.key_dim, self.value_dim]
+        conv = self._effective_conv()
         history, state = carried or (None, None)
         if history is None:
-            q, k, v = kernels.conv(mixed, conv.weight, packed, split, adapters=conv.adapters)
+            q, k, v = kernels.conv(mixed, conv.weight, packed, self.conv_split, adapters=conv.adapters)
         elif conv.adapters:
             initial = history.t().unsqueeze(0)  # [1, C, K-1], oldest first
-            q, k, v = kernels.conv(mixed, conv.weight, packed, split, initial_state=initial, adapters=conv.adapters)
+            q, k, v = kernels.conv(
+                mixed, conv.weight, packed, self.conv_split, initial_state=initial, adapters=conv.adapters
+            )
         else:
             # The stateless conv over the document's K-1 inputs before the piece and the piece (each output reads
             # its K inputs only: the outputs of the whole document), the first K-1 outputs dropped.
             width = history.shape[0]
-            outputs = kernels.conv(torch.cat([history, mixed]), conv.weight, _widened(packed, width), split)
+            outputs = kernels.conv(torch.cat([history, mixed]), conv.weight, _widened(packed, width), self.conv_split)
             q, k, v = (t[width:] for t in outputs)
         q, k, v = self._heads(q, k, v)
         if state is None:
@@ -229,6 +232,10 @@ class GatedDeltaNet(nn.Module):
         # a copy: a view would keep the whole piece's `mixed` alive while the document's later pieces run
         leaves = (mixed[-(self.conv_kernel_size - 1) :].clone(), final_state) if continues else ()
         return self._output(core, z, kernels), leaves
+
+    def _effective_conv(self):
+        """The conv's taps and PEFT LoRA factors (conv_lora.effective_conv)."""
+        return effective_conv(self.conv1d, f"layer {self.layer_idx}'s linear_attn.conv1d")
 
     def _project(self, hidden_states: torch.Tensor, kernels: KernelSet):
         """hidden_states [n, hidden] -> (the conv's inputs [n, C], z [n, value_dim], g fp32, beta)."""
