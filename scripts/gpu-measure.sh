@@ -67,14 +67,16 @@
 #                blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk), then also the GDN delta rule in
 #                pieces of 16,384 (gdn_token_chunk); the last two with what is live at the memory peak (or the
 #                out-of-memory failure) by allocating line                                           ~7 min
-#   layer-pieces-35b  tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces" (a cut document's
+#   layer-pieces-tests  tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces" (a cut document's
 #                attention kernel against whole-document attention; layer_token_chunk=1024 against whole layers at the
-#                35B-A3B layer shapes), then bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder
-#                layer in checkpointed pieces of 16,384 tokens (layer_token_chunk): the 131,072-token document under
-#                TRL's activation offloading with PEFT's default adapters under autocast (what is live at its memory
-#                peak) and with bf16 adapters, and the RL batch with the default adapters under autocast (on an
-#                H100 the tests took 3 min with the first autotuning; the document ran out of memory at trees e3e9e64
-#                and db36c73, before pieces handed on to the next piece only: not run since)
+#                35B-A3B layer shapes; on an H100 they took 3 min with the first autotuning)
+#   layer-pieces-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder layer in checkpointed
+#                pieces of 16,384 tokens (layer_token_chunk): a 32,768-token document first (two pieces: a cut
+#                document's kernels autotune at its size, not beside the long document's step), the 131,072-token
+#                document under TRL's activation offloading with PEFT's default adapters under autocast (what is live
+#                at its memory peak) and with bf16 adapters, and the RL batch with the default adapters under autocast
+#                (the document ran out of memory inside Triton's autotuner at trees e3e9e64 and db36c73, before
+#                pieces handed on to the next piece only)
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
@@ -132,7 +134,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
-    | goals-35b | goals-35b-adamw | layer-pieces-35b \
+    | goals-35b | goals-35b-adamw | layer-pieces-35b | layer-pieces-tests \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -322,11 +324,13 @@ case "$stage" in
       --rows rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_bf16_adapters_peft_sums,rl:lora_low_rank_autocast,rl:lora_low_rank_autocast_peft_sums \
       --profile rl:lora_low_rank_bf16_adapters --out "$OUT/adapters-35b.json"
     ;;
-  layer-pieces-35b)
+  layer-pieces-tests)
     step layer-pieces-tests env QWEN35_GPU_RESULTS="$OUT/layer-pieces-tests.json" \
       python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces"
+    ;;
+  layer-pieces-35b)
     step layer-pieces-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows doc_131072:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk,rl:lora_low_rank_autocast_layer_chunk \
+      --rows doc_32768:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk,rl:lora_low_rank_autocast_layer_chunk \
       --memory-at-peak doc_131072:lora_low_rank_offload_autocast_layer_chunk \
       --out "$OUT/layer-pieces-35b.json"
     ;;
