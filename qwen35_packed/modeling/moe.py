@@ -161,13 +161,13 @@ class ExpertRows:
         self.order, self.slot_of, self.top_k, self.gather_sum = order, slot_of, top_k, combine
 
     def expand(self, x):
-        return _Move.apply(x, self._to_rows, self._sum_rows)
+        return _Move.apply(x, self, "_to_rows", "_sum_rows")
 
     def combine(self, rows):
-        return _Move.apply(rows, self._sum_rows, self._to_rows)
+        return _Move.apply(rows, self, "_sum_rows", "_to_rows")
 
     def permute(self, values):
-        return _Move.apply(values, self._permute, self._unpermute)
+        return _Move.apply(values, self, "_permute", "_unpermute")
 
     def _to_rows(self, x):
         return x[self.token_of_row]
@@ -183,17 +183,22 @@ class ExpertRows:
 
 
 class _Move(torch.autograd.Function):
-    """y = there(x) for a linear move of rows whose transpose is `back` (a gather and its gather-and-sum, or a
-    permutation and its inverse): the backward is back(grad)."""
+    """y = rows.there(x) for a linear move of rows whose transpose is rows.back (a gather and its gather-and-sum, or a
+    permutation and its inverse): the backward is back(grad). The map's index tensors are saved for the backward
+    like any activation, not held by the node: a node lives until its whole graph is freed, so indices it held would
+    stay on the device through a checkpointed forward (which discards saved tensors and recomputes them) and through
+    activation offloading (which moves saved tensors only), every layer's until the backward ends."""
 
     @staticmethod
-    def forward(ctx, x, there, back):
-        ctx.back = back
-        return there(x)
+    def forward(ctx, x, rows: ExpertRows, there: str, back: str):
+        ctx.save_for_backward(rows.order, rows.slot_of)
+        ctx.top_k, ctx.gather_sum, ctx.back = rows.top_k, rows.gather_sum, back
+        return getattr(rows, there)(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.back(grad), None, None
+        rows = ExpertRows(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)
+        return getattr(rows, ctx.back)(grad), None, None, None
 
 
 class SparseMoeBlock(nn.Module):

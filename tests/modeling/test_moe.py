@@ -7,6 +7,7 @@ expert."""
 
 from __future__ import annotations
 
+import gc
 import types
 import weakref
 
@@ -15,7 +16,7 @@ import torch
 from conftest import random_routed_experts, saved_storage_bytes, tiny_kwargs, training_step
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
-from qwen35_packed.modeling import kernel_selection
+from qwen35_packed.modeling import kernel_selection, moe
 from qwen35_packed.modeling.kernel_selection import KernelChoice, select_kernels
 from qwen35_packed.modeling.kernel_set import kernel_set
 from qwen35_packed.modeling.moe import FusedExperts
@@ -111,6 +112,34 @@ def test_grouped_experts_keep_neither_the_gathered_rows_nor_the_swiglu_output():
     finally:
         kernel_selection.GROUPED_MM = original
     assert len(seen) >= 2 and not any(alive[:2]), alive
+
+
+def test_a_checkpointed_expert_block_keeps_its_expert_row_map_only_as_saved_tensors(monkeypatch):
+    """Under a non-reentrant checkpoint the forward's saved tensors are dropped and remade in the backward. The map
+    between tokens and expert rows must be among them, not held by the graph's nodes: a node lives until the whole
+    graph is freed, so it would keep every layer's map on the device through the forward and the backward, and
+    activation offloading would not see it. Gradients stay those without the checkpoint."""
+    experts = _experts()
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
+    index, weights = _routing(40, 4, 8, "random")
+    plain = _run(experts, x, index, weights, GROUPED)
+    maps = []
+    original_init = moe.ExpertRows.__init__
+
+    def recording_init(self, *args):
+        original_init(self, *args)
+        maps.append([weakref.ref(t) for t in (self.order, self.slot_of, self.token_of_row)])
+
+    monkeypatch.setattr(moe.ExpertRows, "__init__", recording_init)
+    xc, wc = x.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    out = torch.utils.checkpoint.checkpoint(experts, xc, index, wc, GROUPED, use_reentrant=False)
+    gc.collect()
+    assert len(maps) == 1 and all(ref() is None for ref in maps[0])
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+    checkpointed = (out.detach(), xc.grad, wc.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    for name, a, b in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), plain, checkpointed):
+        assert torch.equal(a, b), name
 
 
 def _model(moe_kernel: str):
