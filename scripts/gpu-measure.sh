@@ -71,12 +71,13 @@
 #                attention kernel against whole-document attention; layer_token_chunk=1024 against whole layers at the
 #                35B-A3B layer shapes; on an H100 they took 3 min with the first autotuning)
 #   layer-pieces-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder layer in checkpointed
-#                pieces of 16,384 tokens (layer_token_chunk): a 32,768-token document first (two pieces: a cut
-#                document's kernels autotune at its size, not beside the long document's step), the 131,072-token
-#                document under TRL's activation offloading with PEFT's default adapters under autocast (what is live
-#                at its memory peak) and with bf16 adapters, and the RL batch with the default adapters under autocast
-#                (the document ran out of memory inside Triton's autotuner at trees e3e9e64 and db36c73, before
-#                pieces handed on to the next piece only)
+#                pieces (layer_token_chunk): a 32,768-token document first (pieces of 8,192: a cut document's kernels
+#                autotune at its size, not beside the long document's step), the 131,072-token document under TRL's
+#                activation offloading in pieces of 8,192 with PEFT's default adapters under autocast (what is live at
+#                its memory peak) and with bf16 adapters, the RL batch with the default adapters under autocast in
+#                pieces of 16,384, and last the document in pieces of 16,384 (an H100: the 16,384 document ran out of
+#                memory at trees e3e9e64, db36c73 and 16e7596, the last time with every layer's expert-row map held
+#                until the backward ended)
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
@@ -330,8 +331,8 @@ case "$stage" in
     ;;
   layer-pieces-35b)
     step layer-pieces-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows doc_32768:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk,rl:lora_low_rank_autocast_layer_chunk \
-      --memory-at-peak doc_131072:lora_low_rank_offload_autocast_layer_chunk \
+      --rows doc_32768:lora_low_rank_offload_autocast_layer_chunk_8k,doc_131072:lora_low_rank_offload_autocast_layer_chunk_8k,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk_8k,rl:lora_low_rank_autocast_layer_chunk,doc_131072:lora_low_rank_offload_autocast_layer_chunk \
+      --memory-at-peak doc_131072:lora_low_rank_offload_autocast_layer_chunk_8k \
       --out "$OUT/layer-pieces-35b.json"
     ;;
   long-doc-35b)
