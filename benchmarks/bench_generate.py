@@ -202,15 +202,21 @@ def profile_decode(model, batch, prompt, new_tokens, mode, device, cache) -> dic
 
 
 def git_commit() -> str | None:
-    """The commit of the qwen35_packed tree that runs (PYTHONPATH may point at another checkout than this script's)."""
+    """The commit of the qwen35_packed tree that runs (PYTHONPATH may point at another checkout than this script's),
+    with "+changes" where tracked files differ from it: a tree copied to another machine keeps the checkout's first
+    commit as HEAD, so HEAD alone would name a commit that did not run (the sending side records the tree's own)."""
     import qwen35_packed
 
+    def git(*args: str) -> str:
+        where = Path(qwen35_packed.__file__).parent
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where).stdout.strip()
+
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(qwen35_packed.__file__).parent
-        ).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except OSError:
         return None
+    return f"{head}+changes" if head and changed else head or None
 
 
 def print_table(rows: list[dict]) -> None:

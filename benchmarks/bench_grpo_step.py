@@ -16,7 +16,8 @@ get the same shapes, not the same weights (one model is built at a time, so a 35
 
     python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 2] [--warmup 1]
-        [--bf16-adapters] [--activation-offloading] [--micro-batches 1] [--device cuda] [--tiny] [--out FILE]
+        [--bf16-adapters] [--activation-offloading] [--micro-batches 1] [--config FIELD=VALUE,..] [--device cuda]
+        [--tiny] [--out FILE]
 
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
 as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own default on CUDA is the static cache),
@@ -43,6 +44,7 @@ import torch
 import transformers
 from bench_generate import MOE_MODEL, build, config_kwargs, git_commit, implementation_and_cache
 from bench_train_step import peak_gib, sync
+from bench_workload import config_fields
 
 ROOT = Path(__file__).resolve().parent
 
@@ -253,10 +255,19 @@ def main():
         default=1,
         help="train each step's completions in this many forwards (gradient accumulation), generated at once",
     )
+    parser.add_argument(
+        "--config",
+        default="",
+        help="ours only: comma-separated FIELD=VALUE of the model config, e.g. moe_token_chunk=8192 (recorded in the "
+        "setup)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    fields = config_fields(args.config)
+    if fields and any(i.split(":")[0] != "ours" for i in args.impls.split(",")):
+        parser.error("--config sets fields of ours only")
     if args.micro_batches < 1:
         parser.error("--micro-batches must be at least 1")
     if args.activation_offloading and any(i.split(":")[0] != "ours" for i in args.impls.split(",")):
@@ -286,14 +297,15 @@ def main():
                 "activation_offloading",
                 "micro_batches",
             )
-        },
+        }
+        | {"config_fields_set": fields},
         "rows": [],
     }
     for spec in args.models.split(","):
         name, key, kwargs = config_kwargs(spec, args.tiny)
         tokenizer = word_tokenizer(kwargs["vocab_size"])
         for impl, cache in map(implementation_and_cache, args.impls.split(",")):
-            model = build(key, impl, kwargs, device, dtype).train()
+            model = build(key, impl, {**kwargs, **fields}, device, dtype).train()
             try:
                 with tempfile.TemporaryDirectory() as output_dir:
                     result = run_trainer(model, impl, cache, tokenizer, args, device, output_dir)

@@ -149,6 +149,21 @@ def parse_setup(name: str) -> Setup:
     return Setup(LORA_GROUPS[groups_key], moe_lora_kernel=kernel, **fields)
 
 
+def config_fields(spec: str) -> dict:
+    """'moe_token_chunk=8192,long_document_attention=sdpa' -> {field: value}: a value that reads as JSON (a number,
+    null, true) is that value, any other is the string."""
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--config: {item!r} is not FIELD=VALUE")
+        try:
+            fields[name] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[name] = text
+    return fields
+
+
 def batch_lengths(name: str, tiny: bool) -> list[int]:
     if name == "rl":
         lengths = batches()["rl_longtail_x16"]
@@ -448,7 +463,7 @@ def main():
         raise SystemExit("--memory-at-peak records a forward + backward: an _adamw row's optimizer step is not in it")
     plans = [(batch, setup, batch_lengths(batch, args.tiny), parse_setup(setup)) for batch, setup in rows]
     workload = Workload(args.model, args.impl, device, args.tiny)
-    fields = dict(item.split("=", 1) for item in filter(None, args.config.split(",")))
+    fields = config_fields(args.config)
     if fields and args.impl != "ours":
         raise SystemExit("--config sets fields of ours only")
     for name, value in fields.items():

@@ -115,7 +115,10 @@
 #                micro-batches (an H200: on an H100 ours ran out of memory even at 2 x 8 in one forward: weights, fp32
 #                adapters, their gradients and AdamW's state alone are 78.6 GiB, counted by lora_memory_budget.py)
 #   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
-#                80 GB card might hold; on an H100, trained in one forward, its first training step ran out of memory)
+#                80 GB card might hold), each MoE block in chunks of 8,192 tokens (moe_token_chunk: the prefill of 64
+#                prompts is 32,768 tokens at once). On an H100: trained in one forward, its first training step ran
+#                out of memory; in 4 micro-batches and without chunks (tree 6530e41, 4.3 min with bundle c's install)
+#                its first step ran whole and the second step's generation ran out of memory, AdamW's state added
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -307,7 +310,8 @@ case "$stage" in
     # the whole 35B-A3B trains each step's 64 completions in 4 forwards (gradient accumulation), as on a card it fills
     case $stage in *35b*) model=qwen35_35b_a3b adapters=(--micro-batches 4) ;; esac
     case $stage in
-      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; *-bf16-adapters) adapters+=(--bf16-adapters) ;;
+      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;;
+      *-bf16-adapters) adapters+=(--bf16-adapters --config moe_token_chunk=8192) ;;
       *-offload) adapters+=(--activation-offloading) ;;
     esac
     step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \
