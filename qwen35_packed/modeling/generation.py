@@ -114,9 +114,26 @@ def requested_cache(default_generation_config, kwargs: dict) -> str | None:
     return requested
 
 
+def own_cache_arguments(kwargs: dict, **settings) -> dict:
+    """generate()'s arguments with no cache_implementation for transformers (and `settings`): it makes no cache for
+    this model (`_supports_default_dynamic_cache`), the prefill makes this model's own, and transformers warns that
+    any cache_implementation it is given "will be ignored". Set on the caller's generation config (a copy) where there
+    is one: transformers warns when one comes with such arguments."""
+    kwargs = dict(kwargs)
+    settings = {"cache_implementation": None, **settings}
+    if kwargs.get("generation_config") is not None:
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs.pop("cache_implementation", None)
+        for name, value in settings.items():
+            setattr(kwargs["generation_config"], name, value)
+    else:
+        kwargs.update(settings)
+    return kwargs
+
+
 def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config) -> dict:
-    """generate()'s arguments for a static cache of this model: cache_implementation "dynamic" for transformers
-    (its StaticCache is not this model's), the capacity per row passed on to `prepare_inputs_for_generation`, which
+    """generate()'s arguments for a static cache of this model: no cache_implementation for transformers (its
+    StaticCache is not this model's: `own_cache_arguments`), the capacity per row passed on to `prepare_inputs_for_generation`, which
     makes the cache at the prefill (it knows the row count after generate() expands the rows for beams or several
     sequences), and transformers' torch.compile of the forward off (the decode steps are captured as CUDA graphs
     instead).
@@ -132,16 +149,7 @@ def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config)
             "generate(cache_implementation='static'): compile_config is not used; the packed model replays its "
             "decode steps as CUDA graphs instead of compiling the forward",
         )
-    # transformers then makes an empty DynamicCache, which the prefill replaces by this model's static cache. Set on the
-    # caller's generation config (a copy) where there is one: transformers warns when one comes with such arguments.
-    settings = {"cache_implementation": "dynamic", "disable_compile": True}
-    if kwargs.get("generation_config") is not None:
-        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-        kwargs.pop("cache_implementation", None)
-        for name, value in settings.items():
-            setattr(kwargs["generation_config"], name, value)
-    else:
-        kwargs.update(settings)
+    kwargs = own_cache_arguments(kwargs, disable_compile=True)
     prompt = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs") if kwargs.get(k) is not None), None)
     columns = prompt.shape[-1] if prompt is not None else 0
     if kwargs.get("inputs_embeds") is not None:
@@ -164,8 +172,11 @@ class PackedGeneration:
         other than this model's own; `cache_implementation="static"` makes this model's cache static
         (`static_cache_arguments`). The cache it is done with stops recording the past (cache.py)."""
         refuse_packed_generation(args, kwargs)
-        if requested_cache(self.generation_config, kwargs) == "static":
+        requested = requested_cache(self.generation_config, kwargs)
+        if requested == "static":
             kwargs = static_cache_arguments(args, kwargs, self.generation_config)
+        elif requested is not None:
+            kwargs = own_cache_arguments(kwargs)
         result = GenerationMixin.generate(self, *args, **kwargs)
         # Assisted decoding left the cache recording the past; a later continuation would record every token again.
         # An assistant's cache goes on recording: its caller crops it between calls.

@@ -14,6 +14,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 from conftest import builtin_pair, packed_model
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -210,6 +211,30 @@ def test_generate_with_a_static_cache_gives_the_dynamic_caches_sequences(kind):
         assert torch.equal(runs["static"].sequences, runs["dynamic"].sequences), setting
         cache = _cache_of(runs["static"])
         assert cache.static and cache.capacity == ids.shape[1] + 6
+
+
+@pytest.mark.parametrize("where", ["argument", "generation_config", "model_generation_config"])
+@pytest.mark.parametrize("implementation", ["static", "dynamic"])
+def test_generate_passes_transformers_no_cache_implementation_to_ignore(implementation, where, monkeypatch):
+    """transformers makes no cache for this model and warns that a cache_implementation it gets "will be ignored":
+    the one a caller chose is honoured by this model's own cache, so transformers is given none and says nothing."""
+    model = _model("dense")
+    ids, mask = _prompts(model.config.vocab_size)
+    said = []
+    generation_logger = transformers.generation.utils.logger
+    monkeypatch.setattr(generation_logger, "warning", lambda message, *args, **kwargs: said.append(message))
+    transformers.utils.logging.warning_once.cache_clear()  # a warning said before in this process would not repeat
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    if where == "argument":
+        options["cache_implementation"] = implementation
+    elif where == "generation_config":
+        options = {"generation_config": transformers.GenerationConfig(cache_implementation=implementation, **options)}
+    else:
+        monkeypatch.setattr(model.generation_config, "cache_implementation", implementation)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options)
+    assert _cache_of(out).static == (implementation == "static")
+    assert not [message for message in said if "cache_implementation" in message], said
 
 
 def test_generate_with_a_static_cache_equals_the_builtin_greedy():
