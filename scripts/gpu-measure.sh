@@ -69,15 +69,15 @@
 #                out-of-memory failure) by allocating line                                           ~7 min
 #   layer-pieces-tests  tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces" (a cut document's
 #                attention kernel against whole-document attention; layer_token_chunk=1024 against whole layers at the
-#                35B-A3B layer shapes; on an H100 they took 3 min with the first autotuning)
+#                35B-A3B layer shapes; on an H100: 3 min with the first autotuning, 1.6 min after the GRPO stage)
 #   layer-pieces-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder layer in checkpointed
-#                pieces (layer_token_chunk): a 32,768-token document first (pieces of 8,192: a cut document's kernels
-#                autotune at its size, not beside the long document's step), the 131,072-token document under TRL's
-#                activation offloading in pieces of 8,192 with PEFT's default adapters under autocast (what is live at
-#                its memory peak) and with bf16 adapters, the RL batch with the default adapters under autocast in
-#                pieces of 16,384, and last the document in pieces of 16,384 (an H100: the 16,384 document ran out of
-#                memory at trees e3e9e64, db36c73 and 16e7596, the last time with every layer's expert-row map held
-#                until the backward ended)
+#                pieces of 16,384 tokens (layer_token_chunk): a 32,768-token document first (a cut document's kernels
+#                autotune at its size, not beside the long document's step), then the 131,072-token document under
+#                TRL's activation offloading with PEFT's default adapters under autocast (what is live at its memory
+#                peak) and with bf16 adapters. On an H100 at tree 6530e41 the same rows in pieces of 8,192 fit (76.31 /
+#                72.94 GiB); the two documents' rows with the memory step took 9 min there. In pieces of 16,384 the
+#                document ran out of memory at trees e3e9e64, db36c73 and 16e7596, before f8add2d stopped every
+#                layer's expert-row map from living until the backward ended: not run since
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
@@ -335,8 +335,8 @@ case "$stage" in
     ;;
   layer-pieces-35b)
     step layer-pieces-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows doc_32768:lora_low_rank_offload_autocast_layer_chunk_8k,doc_131072:lora_low_rank_offload_autocast_layer_chunk_8k,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk_8k,rl:lora_low_rank_autocast_layer_chunk,doc_131072:lora_low_rank_offload_autocast_layer_chunk \
-      --memory-at-peak doc_131072:lora_low_rank_offload_autocast_layer_chunk_8k \
+      --rows doc_32768:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_autocast_layer_chunk,doc_131072:lora_low_rank_offload_bf16_adapters_layer_chunk \
+      --memory-at-peak doc_131072:lora_low_rank_offload_autocast_layer_chunk \
       --out "$OUT/layer-pieces-35b.json"
     ;;
   long-doc-35b)
