@@ -2,11 +2,12 @@
 "mixer", the backward of a checkpointed decoder layer reruns only that segment. Loss and gradients are bit for bit
 those of whole-layer checkpointing and of none, with either use_reentrant, under LoRA, with router logits, attention
 probabilities and routing replay crossing the segments; only the chosen segment reruns and only its activations
-are dropped."""
+are dropped. At any granularity, and in layer pieces, no autograd node keeps a tensor outside its saved tensors."""
 
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 
 import pytest
@@ -20,18 +21,20 @@ from qwen35_packed import (
     Qwen3_5PackedConfig,
     Qwen3_5PackedForCausalLM,
 )
+from qwen35_packed.modeling import kernel_selection
 
 GRANULARITIES = ("layer", "mlp", "mixer")
 # The submodules of a decoder layer each segment runs, by name.
 SEGMENT_MODULES = {"mixer": ("input_layernorm", "linear_attn", "self_attn"), "mlp": ("post_attention_layernorm", "mlp")}
 
 
-def _model(kind: str):
+def _model(kind: str, **config_fields):
     """(model in training mode, its text config) for `kind`: dense or moe, `_lora` wrapped in PEFT LoRA on every
-    group of the model (experts included) with non-zero B, so that every adapter gets a gradient."""
+    group of the model (experts included) with non-zero B, so that every adapter gets a gradient; `config_fields`
+    set on the MoE config."""
     torch.manual_seed(0)
     if kind.startswith("moe"):
-        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs("moe")))
+        model = Qwen3_5MoePackedForCausalLM(Qwen3_5MoePackedConfig(**tiny_kwargs("moe"), **config_fields))
     else:
         model = Qwen3_5PackedForCausalLM(Qwen3_5PackedConfig(**tiny_kwargs("dense")))
     config = model.config
@@ -324,3 +327,66 @@ def test_save_and_load_keep_the_granularity(granularity, tmp_path):
     assert all(layer.granularity() == granularity for layer in loaded.model.layers)
     overridden = Qwen3_5MoePackedForCausalLM.from_pretrained(tmp_path, checkpoint_granularity="layer")
     assert all(layer.granularity() == "layer" for layer in overridden.model.layers)
+
+
+def _graph_nodes(root):
+    """Every node of the autograd graph behind `root`."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(function for function, _ in node.next_functions)
+
+
+def _tensors_reachable(value, path: str, seen: set, depth: int = 0) -> list[str]:
+    """Paths to the tensors reachable from `value` through attributes, bound methods, closures and containers (a
+    few levels deep); parameters and modules are left out: they are held by the model anyway."""
+    if id(value) in seen or depth > 4 or isinstance(value, (torch.nn.Parameter, torch.nn.Module, type)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [path]
+    if isinstance(value, types.MethodType):
+        return _tensors_reachable(value.__self__, f"{path}.__self__", seen, depth + 1)
+    if isinstance(value, types.FunctionType):
+        cells = [cell.cell_contents for cell in value.__closure__ or () if cell.cell_contents is not None]
+        return [p for i, c in enumerate(cells) for p in _tensors_reachable(c, f"{path}.<cell {i}>", seen, depth + 1)]
+    if isinstance(value, (list, tuple, set)):
+        return [p for i, v in enumerate(value) for p in _tensors_reachable(v, f"{path}[{i}]", seen, depth + 1)]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _tensors_reachable(v, f"{path}.{k}", seen, depth + 1)]
+    if hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
+        return _tensors_reachable(vars(value), path, seen, depth + 1)
+    return []
+
+
+@pytest.mark.parametrize(
+    "kind, granularity, piece",
+    [
+        ("dense", "layer", None),
+        ("moe", "layer", None),
+        ("moe_lora", "layer", None),
+        ("moe", "mlp", None),
+        ("moe", "mixer", None),
+        ("dense_lora", "layer", 64),
+        ("moe_lora", "layer", 64),
+    ],
+)
+def test_a_checkpointed_forward_leaves_tensors_in_no_autograd_node_outside_its_saved_tensors(kind, granularity, piece):
+    """A checkpoint drops a node's saved tensors and remakes them in the backward, and activation offloading moves
+    them to the host; a tensor a node (a custom autograd Function's context) holds as an attribute escapes both and
+    lives until the whole graph is freed, so every layer's would be on the device at the end of the backward. The
+    expert-row map of the MoE blocks was one (checked: the move's node holding it fails here)."""
+    moe_kernel = "grouped_mm" if kernel_selection.grouped_mm_usable(torch.device("cpu"), torch.float32) else "loop"
+    model, config = _model(kind, **({"moe_kernel": moe_kernel} if kind.startswith("moe") else {}))
+    config.layer_token_chunk = piece
+    _set_checkpointing(model, config, granularity)
+    inputs = _inputs(config, ("replay",) if kind.startswith("moe") else ())
+    out = model(**inputs)
+    custom = [node for node in _graph_nodes(out.loss.grad_fn) if getattr(node, "__dict__", None)]  # Python contexts
+    assert custom, "no custom autograd Function in the graph: nothing was checked"
+    held = [p for node in custom for p in _tensors_reachable(vars(node), type(node).__name__, set())]
+    assert not held, held
+    out.loss.backward()
