@@ -67,9 +67,10 @@
 #                blocks in checkpointed chunks of 16,384 tokens (moe_token_chunk), then also the GDN delta rule in
 #                pieces of 16,384 (gdn_token_chunk); the last two with what is live at the memory peak (or the
 #                out-of-memory failure) by allocating line                                           ~7 min
-#   layer-pieces-tests  tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces" (a cut document's
-#                attention kernel against whole-document attention; layer_token_chunk=1024 against whole layers at the
-#                35B-A3B layer shapes; on an H100: 3 min with the first autotuning, 1.6 min after the GRPO stage)
+#   layer-pieces-tests  tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces or autograd_contexts"
+#                (a cut document's attention kernel against whole-document attention; layer_token_chunk=1024 against
+#                whole layers at the 35B-A3B layer shapes; what the GPU kernels' autograd contexts hold outside their
+#                saved tensors; on an H100 the first two: 3 min with the first autotuning, 1.6 min after the GRPO stage)
 #   layer-pieces-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, every decoder layer in checkpointed
 #                pieces of 16,384 tokens (layer_token_chunk): a 32,768-token document first (a cut document's kernels
 #                autotune at its size, not beside the long document's step), then the 131,072-token document under
@@ -331,7 +332,8 @@ case "$stage" in
     ;;
   layer-pieces-tests)
     step layer-pieces-tests env QWEN35_GPU_RESULTS="$OUT/layer-pieces-tests.json" \
-      python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py -k "continued_attention or layer_pieces"
+      python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_real_shapes.py \
+      -k "continued_attention or layer_pieces or autograd_contexts"
     ;;
   layer-pieces-35b)
     step layer-pieces-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \

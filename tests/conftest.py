@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,50 @@ def saved_storage_bytes(step, exclude=()) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return sum(storage.nbytes() for storage in storages.values())
+
+
+def _graph_nodes(root):
+    """Every node of the autograd graph behind `root`."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(function for function, _ in node.next_functions)
+
+
+def _tensors_reachable(value, path: str, seen: set, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of the tensors reachable from `value` through attributes, bound methods, closures and
+    containers (a few levels deep); parameters and modules are left out: they are held by the model anyway."""
+    if id(value) in seen or depth > 4 or isinstance(value, (torch.nn.Parameter, torch.nn.Module, type)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, types.MethodType):
+        return _tensors_reachable(value.__self__, f"{path}.__self__", seen, depth + 1)
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+        return [p for i, c in enumerate(cells) for p in _tensors_reachable(c, f"{path}.<cell {i}>", seen, depth + 1)]
+    if isinstance(value, (list, tuple, set)):
+        return [p for i, v in enumerate(value) for p in _tensors_reachable(v, f"{path}[{i}]", seen, depth + 1)]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _tensors_reachable(v, f"{path}.{k}", seen, depth + 1)]
+    if hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
+        return _tensors_reachable(vars(value), path, seen, depth + 1)
+    return []
+
+
+def tensors_held_by_autograd_contexts(output: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """(the number of custom autograd Functions' contexts in the graph behind `output`, the (path, tensor) of every
+    tensor one of them holds as an attribute, outside its saved tensors): such a tensor escapes checkpointing and
+    activation offloading, and lives until the whole graph is freed."""
+    contexts = [node for node in _graph_nodes(output.grad_fn) if getattr(node, "__dict__", None)]
+    held = [found for node in contexts for found in _tensors_reachable(vars(node), type(node).__name__, set())]
+    return len(contexts), held

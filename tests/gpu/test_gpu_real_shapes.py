@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tensors_held_by_autograd_contexts
 from fixtures_gpu import move_norms_off_init, routes_of
 
 pytestmark = pytest.mark.gpu
@@ -354,3 +355,31 @@ def test_layer_pieces_give_whole_layers_logits_at_35b_a3b_shapes():
     assert result["longest_document"] > 1024 and result["gradients"]
     assert result["logits_mean_relative_difference"] <= 1e-2 and result["loss_relative_difference"] <= 1e-3
     assert result["worst_grad_relative_error"][1] <= 3e-2
+
+
+@pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
+def test_autograd_contexts_hold_no_tensor_of_a_row_per_token_at_35b_a3b_shapes():
+    """The GPU kernels' autograd Functions (FLA, FlashQLA, this project's Triton kernels) with checkpointed layers,
+    whole and in pieces, LoRA on the experts, a random batch: no context holds, outside its saved tensors, a tensor of
+    as many elements as the batch has tokens (it would escape the checkpoint and offloading in every layer until the
+    backward ended). What they do hold (documents' offsets, chunk indices) is recorded."""
+    model = with_lora(build("moe_35b_a3b_shapes_4_layers")).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seed = BASE_SEED + 59
+    docs = draw_documents(seed, model.config.vocab_size)
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    found = {"seed": seed, "tokens": ids.shape[1]}
+    for piece in (None, 1024):
+        model.config.layer_token_chunk = piece
+        loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
+        contexts, held = tensors_held_by_autograd_contexts(loss)
+        found[f"layer_token_chunk={piece}"] = {
+            "contexts": contexts,
+            "held_bytes": sum(t.numel() * t.element_size() for _, t in held),
+            "largest": max(((p, t.numel()) for p, t in held), key=lambda pair: pair[1], default=None),
+        }
+        loss.backward()
+        assert contexts and all(t.numel() < ids.shape[1] for _, t in held), found
+    RESULTS["autograd_contexts"] = found
+    print(found)

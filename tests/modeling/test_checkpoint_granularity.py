@@ -7,12 +7,11 @@ are dropped. At any granularity, and in layer pieces, no autograd node keeps a t
 from __future__ import annotations
 
 import contextlib
-import types
 import weakref
 
 import pytest
 import torch
-from conftest import random_routed_experts, tiny_kwargs
+from conftest import random_routed_experts, tensors_held_by_autograd_contexts, tiny_kwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qwen35_packed import (
@@ -329,39 +328,6 @@ def test_save_and_load_keep_the_granularity(granularity, tmp_path):
     assert all(layer.granularity() == "layer" for layer in overridden.model.layers)
 
 
-def _graph_nodes(root):
-    """Every node of the autograd graph behind `root`."""
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if node is not None and id(node) not in seen:
-            seen.add(id(node))
-            yield node
-            stack.extend(function for function, _ in node.next_functions)
-
-
-def _tensors_reachable(value, path: str, seen: set, depth: int = 0) -> list[str]:
-    """Paths to the tensors reachable from `value` through attributes, bound methods, closures and containers (a
-    few levels deep); parameters and modules are left out: they are held by the model anyway."""
-    if id(value) in seen or depth > 4 or isinstance(value, (torch.nn.Parameter, torch.nn.Module, type)):
-        return []
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        return [path]
-    if isinstance(value, types.MethodType):
-        return _tensors_reachable(value.__self__, f"{path}.__self__", seen, depth + 1)
-    if isinstance(value, types.FunctionType):
-        cells = [cell.cell_contents for cell in value.__closure__ or () if cell.cell_contents is not None]
-        return [p for i, c in enumerate(cells) for p in _tensors_reachable(c, f"{path}.<cell {i}>", seen, depth + 1)]
-    if isinstance(value, (list, tuple, set)):
-        return [p for i, v in enumerate(value) for p in _tensors_reachable(v, f"{path}[{i}]", seen, depth + 1)]
-    if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _tensors_reachable(v, f"{path}.{k}", seen, depth + 1)]
-    if hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
-        return _tensors_reachable(vars(value), path, seen, depth + 1)
-    return []
-
-
 @pytest.mark.parametrize(
     "kind, granularity, piece",
     [
@@ -385,8 +351,7 @@ def test_a_checkpointed_forward_leaves_tensors_in_no_autograd_node_outside_its_s
     _set_checkpointing(model, config, granularity)
     inputs = _inputs(config, ("replay",) if kind.startswith("moe") else ())
     out = model(**inputs)
-    custom = [node for node in _graph_nodes(out.loss.grad_fn) if getattr(node, "__dict__", None)]  # Python contexts
-    assert custom, "no custom autograd Function in the graph: nothing was checked"
-    held = [p for node in custom for p in _tensors_reachable(vars(node), type(node).__name__, set())]
-    assert not held, held
+    contexts, held = tensors_held_by_autograd_contexts(out.loss)
+    assert contexts, "no custom autograd Function in the graph: nothing was checked"
+    assert not held, [path for path, _ in held]
     out.loss.backward()
