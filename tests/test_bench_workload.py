@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from bench_workload import Workload, batch_lengths, measure, parse_setup  # noqa: E402
+from bench_workload import Workload, batch_lengths, config_fields, measure, parse_setup  # noqa: E402
 
 
 def test_adamw_is_the_last_suffix_of_a_setup():
@@ -82,3 +82,13 @@ def test_memory_at_peak_names_rows_of_the_run_and_no_optimizer_row(monkeypatch, 
     monkeypatch.setattr(sys, "argv", [*argv, "--memory-at-peak", memory_rows, "--device", "cpu", "--tiny"])
     with pytest.raises(SystemExit, match=refusal):
         bench_workload.main()
+
+
+def test_config_fields_read_numbers_as_numbers_and_the_rest_as_strings():
+    """--config of bench_workload.py and bench_grpo_step.py: a config validates its fields' types, so 8192 must
+    arrive as a number."""
+    fields = config_fields("moe_token_chunk=8192,long_document_attention=sdpa,gdn_token_chunk=null")
+    assert fields == {"moe_token_chunk": 8192, "long_document_attention": "sdpa", "gdn_token_chunk": None}
+    assert config_fields("") == {}
+    with pytest.raises(SystemExit, match="not FIELD=VALUE"):
+        config_fields("moe_token_chunk")
