@@ -133,10 +133,10 @@ def own_cache_arguments(kwargs: dict, **settings) -> dict:
 
 def static_cache_arguments(args: tuple, kwargs: dict, default_generation_config) -> dict:
     """generate()'s arguments for a static cache of this model: no cache_implementation for transformers (its
-    StaticCache is not this model's: `own_cache_arguments`), the capacity per row passed on to `prepare_inputs_for_generation`, which
-    makes the cache at the prefill (it knows the row count after generate() expands the rows for beams or several
-    sequences), and transformers' torch.compile of the forward off (the decode steps are captured as CUDA graphs
-    instead).
+    StaticCache is not this model's: `own_cache_arguments`), the capacity per row passed on to
+    `prepare_inputs_for_generation`, which makes the cache at the prefill (it knows the row count after generate()
+    expands the rows for beams or several sequences), and transformers' torch.compile of the forward off (the decode
+    steps are captured as CUDA graphs instead).
 
     The capacity is the prompt's columns plus max_new_tokens (else generate()'s max_length): a row that outgrows it
     still grows the cache, so it is a size to allocate, not a limit."""
