@@ -22,7 +22,8 @@ get the same shapes, not the same weights (one model is built at a time, so a 35
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
 as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own default on CUDA is the static cache),
 `builtin` leaves TRL's default. LoRA adapters are PEFT's default, fp32 beside the bf16 base, unless --bf16-adapters;
-each row records their count and dtype, and a row that runs out of memory the part of the step it was in.
+each row records their count and dtype, and what was allocated when generation, scoring and training last started;
+a row that runs out of memory also the part of the step it was in.
 `--micro-batches m` trains a step's completions in m forwards of a share each (gradient accumulation), as a user short
 of memory would; they are still generated and scored at once, and a step is still one optimizer step.
 
@@ -80,15 +81,21 @@ def even_words(completions, **_) -> list[float]:
 class StepTimer:
     """Wraps a trainer's `_generate`, `_generate_and_score_completions` and `training_step` (instance attributes,
     so TRL's own calls go through them), synchronising the device around each, and splits every step's seconds;
-    `phase()` names the part of the step running now (where an error such as running out of memory struck)."""
+    `phase()` names the part of the step running now (where an error such as running out of memory struck).
+    `allocated_at_start` holds the GiB allocated when each part last started (CUDA): what a part that ran out of
+    memory had left to it."""
 
     PHASES = {"_generate": "generation", "_generate_and_score_completions": "scoring", "training_step": "training"}
 
-    def __init__(self, trainer, device: torch.device, calls_per_step: int = 1):
+    def __init__(self, trainer, device: torch.device, calls_per_step: int = 1, allocated=None):
         """`calls_per_step`: training_step calls of one optimizer step (gradient accumulation: the first generates
-        and scores the whole step's completions, each trains on its share)."""
+        and scores the whole step's completions, each trains on its share). `allocated`: bytes allocated now
+        (default: torch.cuda.memory_allocated on CUDA, nothing recorded elsewhere)."""
         self.device, self.steps, self.current, self.running = device, [], {}, []
         self.calls_per_step, self.calls = calls_per_step, 0
+        if allocated is None and device.type == "cuda":
+            allocated = torch.cuda.memory_allocated
+        self.allocated, self.allocated_at_start = allocated, {}
         for name in self.PHASES:
             setattr(trainer, name, self._timed(name, getattr(trainer, name)))
 
@@ -101,6 +108,8 @@ class StepTimer:
         @functools.wraps(method)
         def run(*args, **kwargs):
             sync(self.device)
+            if self.allocated is not None:
+                self.allocated_at_start[self.PHASES[name]] = round(self.allocated() / 2**30, 2)
             start = time.perf_counter()
             self.running.append(name)
             result = method(*args, **kwargs)  # left on the stack if it raises: phase() names it
@@ -190,6 +199,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         return {
             "error": f"out of memory: {first_line}",
             "phase": timer.phase(),
+            "allocated_at_phase_start_GiB": timer.allocated_at_start,
             "adapters": adapters,
             "peak_gib": peak_gib(device),
         }
@@ -208,6 +218,7 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         "timed_steps": len(timed),
         **{key: mean(key) for key in ("generation_s", "scoring_s", "training_s", "total_s")},
         "completion_tokens_per_step": args.prompts * args.generations * args.completion,
+        "allocated_at_phase_start_GiB": timer.allocated_at_start,  # of the last step
         "peak_gib": peak_gib(device),
     }
 

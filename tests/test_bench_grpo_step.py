@@ -60,11 +60,25 @@ def test_an_error_is_placed_in_the_phase_it_struck(method, phase):
     assert timer.phase() == f"{phase} (step 1)"
 
 
+def test_the_memory_allocated_when_each_part_started_is_kept_for_a_failure():
+    """What was allocated when generation, scoring and training last started: the failing step's parts that ran."""
+    trainer = FakeTrainer()
+    allocated = iter(range(1, 100))
+    timer = StepTimer(trainer, torch.device("cpu"), allocated=lambda: next(allocated) * 2**30)
+    trainer.training_step()
+    assert timer.allocated_at_start == {"training": 1.0, "scoring": 2.0, "generation": 3.0}
+    trainer.fail_in = "_generate"
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.training_step()
+    assert timer.allocated_at_start == {"training": 4.0, "scoring": 5.0, "generation": 6.0}
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--impls", "ours,builtin", "--activation-offloading"], "--activation-offloading is an option of ours"),
         (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+        (["--impls", "ours,builtin", "--config", "moe_token_chunk=64"], "--config sets fields of ours only"),
     ],
 )
 def test_argument_refusals(flags, message, monkeypatch, capsys):
