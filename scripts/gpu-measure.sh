@@ -120,6 +120,8 @@
 #                prompts is 32,768 tokens at once). On an H100: trained in one forward, its first training step ran
 #                out of memory; in 4 micro-batches and without chunks (tree 6530e41, 4.3 min with bundle c's install)
 #                its first step ran whole and the second step's generation ran out of memory, AdamW's state added
+#   grpo-step-35b-builtin-bf16-adapters  the built-in through TRL's GRPOTrainer, the same adapters and micro-batches
+#                (its MoE blocks have no chunks; not run yet)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -306,12 +308,13 @@ case "$stage" in
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
   grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters \
-    | grpo-step-35b-offload)
+    | grpo-step-35b-builtin-bf16-adapters | grpo-step-35b-offload)
     model=qwen35_4b impl=ours:static adapters=()
     # the whole 35B-A3B trains each step's 64 completions in 4 forwards (gradient accumulation), as on a card it fills
     case $stage in *35b*) model=qwen35_35b_a3b adapters=(--micro-batches 4) ;; esac
+    case $stage in *-builtin*) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; esac
     case $stage in
-      *-builtin) impl=builtin ;; *-dynamic) impl=ours:dynamic ;;
+      *-builtin-bf16-adapters) adapters+=(--bf16-adapters) ;;  # the built-in's config has no moe_token_chunk
       *-bf16-adapters) adapters+=(--bf16-adapters --config moe_token_chunk=8192) ;;
       *-offload) adapters+=(--activation-offloading) ;;
     esac
