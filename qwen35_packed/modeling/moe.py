@@ -20,6 +20,8 @@ then runs as two low-rank products on the expert rows, not through a rebuilt ada
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -157,8 +159,11 @@ class ExpertRows:
     indices and accumulate in an order of their own)."""
 
     def __init__(self, order, slot_of, top_k, combine):
-        self.token_of_row = order // top_k
         self.order, self.slot_of, self.top_k, self.gather_sum = order, slot_of, top_k, combine
+
+    @functools.cached_property
+    def token_of_row(self):  # where a move reads it: a map rebuilt for a backward may not
+        return self.order // self.top_k
 
     def expand(self, x):
         return _Move.apply(x, self, "_to_rows", "_sum_rows")

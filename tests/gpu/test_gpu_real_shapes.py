@@ -112,12 +112,18 @@ def draw_documents(seed: int, vocab: int):
     return [torch.randint(0, vocab, (n,), generator=gen).cuda() for n in lengths]
 
 
+def one_row(docs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents packed in one row: (input_ids [1, tokens], cu_seqlens int32 on the GPU)."""
+    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    return torch.cat(docs)[None], cu
+
+
 def packed_forward(model, docs, layout: str):
     """The documents' logits in document order [tokens, vocab] from one packed forward: one row with cu_seqlens,
     or three right-padded rows of whole documents with position_ids restarting per document."""
     if layout == "one_row":
-        cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
-        return model(torch.cat(docs)[None], cu_seqlens=cu, use_cache=False).logits[0].detach()
+        ids, cu = one_row(docs)
+        return model(ids, cu_seqlens=cu, use_cache=False).logits[0].detach()
     rows = [list(range(r, len(docs), 3)) for r in range(3)]
     width = max(sum(docs[i].shape[0] for i in row) for row in rows)
     ids = torch.zeros(3, width, dtype=torch.long, device="cuda")
@@ -194,8 +200,7 @@ def test_gradients_packed_vs_per_document_at_35b_a3b_shapes_bf16():
     bf16 ulps of the group's norm; a leak between documents or a wrong target moves whole rows."""
     model = build("moe_35b_a3b_shapes_4_layers").train()
     docs = draw_documents(BASE_SEED + 99, model.config.vocab_size)
-    ids = torch.cat(docs)[None]
-    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    ids, cu = one_row(docs)
     model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=1, use_cache=False).loss.backward()
     packed = {n: p.grad.float() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -224,8 +229,7 @@ def test_in_place_adapter_sum_gives_pefts_logits_bitwise_at_35b_a3b_shapes():
 
     model = with_lora(build("moe_35b_a3b_shapes_4_layers")).train()
     docs = draw_documents(BASE_SEED + 77, model.config.vocab_size)
-    ids = torch.cat(docs)[None]
-    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    ids, cu = one_row(docs)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -251,8 +255,7 @@ def against_whole(model, seed: int, field: str, value: int) -> dict:
     None and `value`: whether the logits and the loss are equal, the worst gradient's relative error, and the
     longest document."""
     docs = draw_documents(seed, model.config.vocab_size)
-    ids = torch.cat(docs)[None]
-    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    ids, cu = one_row(docs)
 
     def run(setting):
         setattr(model.config, field, setting)
@@ -367,8 +370,7 @@ def test_autograd_contexts_hold_no_tensor_of_a_row_per_token_at_35b_a3b_shapes()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     seed = BASE_SEED + 59
     docs = draw_documents(seed, model.config.vocab_size)
-    ids = torch.cat(docs)[None]
-    cu = torch.tensor([0, *[d.shape[0] for d in docs]], device="cuda").cumsum(0).to(torch.int32)
+    ids, cu = one_row(docs)
     found = RESULTS["autograd_contexts"] = {"seed": seed, "tokens": ids.shape[1]}  # recorded also when it fails
     for piece in (None, 1024):
         model.config.layer_token_chunk = piece
