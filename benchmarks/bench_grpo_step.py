@@ -16,7 +16,8 @@ get the same shapes, not the same weights (one model is built at a time, so a 35
 
     python benchmarks/bench_grpo_step.py [--models qwen35_4b:8,qwen35_35b_a3b] [--impls ours,ours:static,builtin]
         [--prompts 8] [--generations 8] [--prompt 512] [--completion 256] [--steps 2] [--warmup 1]
-        [--bf16-adapters] [--activation-offloading] [--micro-batches 1] [--config FIELD=VALUE,..] [--device cuda]
+        [--bf16-adapters] [--activation-offloading] [--micro-batches 1] [--generation-rounds 1]
+        [--config FIELD=VALUE,..] [--device cuda]
         [--tiny] [--out FILE]
 
 An implementation `NAME:static` sets `GRPOConfig(cache_implementation="static")` (ours: its decode steps replayed
@@ -25,7 +26,10 @@ as CUDA graphs); `ours` / `ours:dynamic` sets "dynamic" (PackedGRPOTrainer's own
 each row records their count and dtype, and what was allocated when generation, scoring and training last started;
 a row that runs out of memory also the part of the step it was in.
 `--micro-batches m` trains a step's completions in m forwards of a share each (gradient accumulation), as a user short
-of memory would; they are still generated and scored at once, and a step is still one optimizer step.
+of memory would; a step is still one optimizer step. Its completions are generated and scored at once, or with
+`--generation-rounds g` (dividing m) in g rounds of m/g micro-batches each (TRL's `steps_per_generation`): a
+generation's cache and prefill hold a g-th of the step's completions, while the weights, the adapters' gradients and
+the optimizer's state are all allocated.
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
 JSON under results/benchmarks/ (or --out) after every model.
@@ -147,10 +151,10 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         raise SystemExit(f"--micro-batches {args.micro_batches} does not divide {completions} completions")
     config = trl.GRPOConfig(
         output_dir=output_dir,
-        # one generation of every completion per optimizer step, trained in --micro-batches forwards
+        # every completion of an optimizer step generated in --generation-rounds, trained in --micro-batches forwards
         per_device_train_batch_size=completions // args.micro_batches,
         gradient_accumulation_steps=args.micro_batches,
-        steps_per_generation=args.micro_batches,
+        steps_per_generation=args.micro_batches // args.generation_rounds,
         num_generations=args.generations,
         max_completion_length=args.completion,
         max_steps=total_steps,
@@ -267,6 +271,12 @@ def main():
         help="train each step's completions in this many forwards (gradient accumulation), generated at once",
     )
     parser.add_argument(
+        "--generation-rounds",
+        type=int,
+        default=1,
+        help="generate each step's completions in this many rounds (dividing --micro-batches), each for its share",
+    )
+    parser.add_argument(
         "--config",
         default="",
         help="ours only: comma-separated FIELD=VALUE of the model config, e.g. moe_token_chunk=8192 (recorded in the "
@@ -281,6 +291,10 @@ def main():
         parser.error("--config sets fields of ours only")
     if args.micro_batches < 1:
         parser.error("--micro-batches must be at least 1")
+    if args.generation_rounds < 1 or args.micro_batches % args.generation_rounds:
+        parser.error("--generation-rounds must be a divisor of --micro-batches")
+    if args.prompts % args.generation_rounds:  # TRL generates a prompt's completions in one round
+        parser.error("--generation-rounds must be a divisor of --prompts")
     if args.activation_offloading and any(i.split(":")[0] != "ours" for i in args.impls.split(",")):
         parser.error("--activation-offloading is an option of ours (PackedGRPOTrainer) only")
     device = torch.device(args.device)
@@ -307,6 +321,7 @@ def main():
                 "bf16_adapters",
                 "activation_offloading",
                 "micro_batches",
+                "generation_rounds",
             )
         }
         | {"config_fields_set": fields},

@@ -32,14 +32,14 @@ with labels keeps no logits) and cu_seqlens, the built-in on its correct packed 
 causal_conv1d installed). Rows run in the order given; switching LoRA targets unloads the adapters and wraps the
 base model again. A row that runs out of memory records the peak at failure and the next row goes on; if memory of a
 failed row stays allocated, the later rows are recorded as not run (their peaks would include it), so rows expected
-to fail go last. --profile ROW adds the kernel time of one step of that row by kernel class (GDN, attention, GEMM,
+to fail go last. --profile ROW[,ROW..] adds the kernel time of one step of each by kernel class (GDN, attention, GEMM,
 loss, ...), the top kernels by name, the GPU's idle time between kernels by the host operator before it, and the
 forward's and the backward's (recompute included) share of an unprofiled step. --memory-at-peak ROW[,ROW..] adds
 what is live at the peak of one step of each, by allocating line (memory_peak.py); for a row that ran out of memory,
 what was live when it failed and the request that failed, which says where a budget is exceeded and by how much.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
-                                        [--profile ROW] [--memory-at-peak ROW[,ROW..]] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
+                                        [--profile ROW[,ROW..]] [--memory-at-peak ROW[,ROW..]] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
                                         [--out FILE] [--device cuda] [--tiny]
 
 --tiny (with --device cpu) runs the rows on a small config and short documents to check the script itself.
@@ -434,7 +434,7 @@ def main():
     parser.add_argument("--model", required=True, choices=sorted(MODELS))
     parser.add_argument("--impl", required=True, choices=("ours", "builtin"))
     parser.add_argument("--rows", required=True, help="comma-separated BATCH:SETUP (see the module docstring)")
-    parser.add_argument("--profile", default=None, help="one of --rows: also profile one step of it")
+    parser.add_argument("--profile", default="", help="comma-separated rows of --rows: also profile one step of each")
     parser.add_argument(
         "--memory-at-peak",
         default="",
@@ -456,9 +456,11 @@ def main():
     device = torch.device(args.device)
     rows = [tuple(spec.split(":")) for spec in args.rows.split(",")]
     memory_rows = set(filter(None, args.memory_at_peak.split(",")))
-    unknown = memory_rows - {f"{batch}:{setup}" for batch, setup in rows}
-    if unknown:
-        raise SystemExit(f"--memory-at-peak: not among --rows: {sorted(unknown)}")
+    profile_rows = set(filter(None, args.profile.split(",")))
+    for option, chosen in (("--memory-at-peak", memory_rows), ("--profile", profile_rows)):
+        unknown = chosen - {f"{batch}:{setup}" for batch, setup in rows}
+        if unknown:
+            raise SystemExit(f"{option}: not among --rows: {sorted(unknown)}")
     if any(parse_setup(row.split(":")[1]).optimizer for row in memory_rows):
         raise SystemExit("--memory-at-peak records a forward + backward: an _adamw row's optimizer step is not in it")
     plans = [(batch, setup, batch_lengths(batch, args.tiny), parse_setup(setup)) for batch, setup in rows]
@@ -510,7 +512,7 @@ def main():
         before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
         row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
-        if row_name == args.profile and "error" not in row:
+        if row_name in profile_rows and "error" not in row:
             row["profile"] = profile_step(step, device, workload.step_context)
             workload.release()
         # Triton's kernels report running out of memory as a RuntimeError of their own

@@ -54,9 +54,9 @@
 #   long-attention  tests/gpu/test_gpu.py -k long_documents (long documents alone through SDPA: packed == per-document,
 #                against the varlen kernel, attention timed both ways), then workload-4b-ours's 32k and 128k rows
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
-#   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, the RL
-#                batch profiled (kernel classes, idle gaps, forward / backward split); then trace_train_step.py on
-#                the 4-layer 35B-A3B shapes, RL batch                                                 ~4 min
+#   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, issue 46's
+#                two RL rows (bf16 adapters; PEFT's default adapters under autocast), each profiled (kernel classes,
+#                idle gaps, forward / backward split)                                                 ~4 min
 #   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
@@ -116,12 +116,12 @@
 #                micro-batches (an H200: on an H100 ours ran out of memory even at 2 x 8 in one forward: weights, fp32
 #                adapters, their gradients and AdamW's state alone are 78.6 GiB, counted by lora_memory_budget.py)
 #   grpo-step-35b-bf16-adapters  ours on the whole 35B-A3B with bf16 adapters (71.6 GiB before activations: what an
-#                80 GB card might hold), each MoE block in chunks of 8,192 tokens (moe_token_chunk: the prefill of 64
-#                prompts is 32,768 tokens at once). On an H100: trained in one forward, its first training step ran
-#                out of memory; in 4 micro-batches and without chunks (tree 6530e41, 4.3 min with bundle c's install)
-#                its first step ran whole and the second step's generation ran out of memory, AdamW's state added
-#   grpo-step-35b-builtin-bf16-adapters  the built-in through TRL's GRPOTrainer, the same adapters and micro-batches
-#                (its MoE blocks have no chunks; not run yet)
+#                80 GB card might hold), each step's completions generated in 4 rounds of two prompts' 16 and trained in 8
+#                micro-batches, one warm-up step and one timed. On an H100 (tree 6530e41), generated at once and trained
+#                in 4 micro-batches, the first step ran whole and the second step's generation ran out of memory: AdamW's
+#                state beside the weights left too little for 64 completions' cache and prefill
+#   grpo-step-35b-builtin-bf16-adapters  the built-in through TRL's GRPOTrainer, the same adapters, rounds and
+#                micro-batches (not run yet)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -275,10 +275,9 @@ case "$stage" in
       --out "$OUT/workload-4b-ours-long-attention.json"
     ;;
   trace-35b-rl)
+    rows=rl:lora_low_rank_bf16_adapters,rl:lora_low_rank_autocast
     step trace-35b-rl python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank --profile rl:lora_low_rank --out "$OUT/trace-35b-rl.json"
-    step trace-moe-4l python3 benchmarks/trace_train_step.py --model moe_35b_a3b_shapes --batch rl_longtail_x16 \
-      --out "$OUT/trace-moe-4l.json"
+      --rows "$rows" --profile "$rows" --out "$OUT/trace-35b-rl.json"
     ;;
   generate)
     step generate-4b python3 benchmarks/bench_generate.py --models qwen35_4b:8 --impls ours,ours:static,builtin \
@@ -314,8 +313,7 @@ case "$stage" in
     case $stage in *35b*) model=qwen35_35b_a3b adapters=(--micro-batches 4) ;; esac
     case $stage in *-builtin*) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; esac
     case $stage in
-      *-builtin-bf16-adapters) adapters+=(--bf16-adapters) ;;  # the built-in's config has no moe_token_chunk
-      *-bf16-adapters) adapters+=(--bf16-adapters --config moe_token_chunk=8192) ;;
+      *-bf16-adapters) adapters=(--bf16-adapters --micro-batches 8 --generation-rounds 4 --steps 1) ;;
       *-offload) adapters+=(--activation-offloading) ;;
     esac
     step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \

@@ -4,6 +4,7 @@ of the step an error struck in (a row that runs out of memory records it)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,8 @@ def test_the_memory_allocated_when_each_part_started_is_kept_for_a_failure():
     [
         (["--impls", "ours,builtin", "--activation-offloading"], "--activation-offloading is an option of ours"),
         (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+        (["--micro-batches", "4", "--generation-rounds", "3"], "a divisor of --micro-batches"),
+        (["--prompts", "2", "--micro-batches", "4", "--generation-rounds", "4"], "a divisor of --prompts"),
         (["--impls", "ours,builtin", "--config", "moe_token_chunk=64"], "--config sets fields of ours only"),
     ],
 )
@@ -92,21 +95,25 @@ def test_argument_refusals(flags, message, monkeypatch, capsys):
 
 
 class AccumulatingTrainer(FakeTrainer):
-    """TRL under gradient accumulation: the first training_step of an optimizer step generates and scores the whole
-    step's completions, the others train on their share."""
+    """TRL under gradient accumulation: every `steps_per_generation`-th training_step generates and scores the
+    completions of that many calls, each call trains on its share."""
 
-    def __init__(self, calls_per_step: int):
+    def __init__(self, steps_per_generation: int):
         super().__init__()
-        self.calls_per_step, self.calls = calls_per_step, 0
+        self.steps_per_generation, self.calls = steps_per_generation, 0
+
+    def _generate(self):
+        time.sleep(0.01)
 
     def training_step(self):
-        if self.calls % self.calls_per_step == 0:
+        if self.calls % self.steps_per_generation == 0:
             self._generate_and_score_completions()
         self.calls += 1
 
 
-def test_micro_batches_make_one_step_of_their_training_step_calls():
-    trainer = AccumulatingTrainer(calls_per_step=3)
+@pytest.mark.parametrize("steps_per_generation", [3, 1])  # one generation per step, or one per micro-batch
+def test_micro_batches_make_one_step_of_their_training_step_calls(steps_per_generation):
+    trainer = AccumulatingTrainer(steps_per_generation)
     timer = StepTimer(trainer, torch.device("cpu"), calls_per_step=3)
     for _ in range(5):
         trainer.training_step()
@@ -114,4 +121,5 @@ def test_micro_batches_make_one_step_of_their_training_step_calls():
     trainer.training_step()
     assert len(timer.steps) == 2
     for step in timer.steps:
+        assert step["generation_s"] >= 0.01 * (3 // steps_per_generation)  # every round of the step counts
         assert step["total_s"] == pytest.approx(step["generation_s"] + step["scoring_s"] + step["training_s"])

@@ -72,14 +72,20 @@ def test_an_adamw_row_updates_the_adapters_and_reports_the_optimizers_state(setu
 
 
 @pytest.mark.parametrize(
-    ("memory_rows", "refusal"),
-    [("rl:lora,doc_131072:lora", "not among --rows"), ("rl:lora_adamw", "optimizer step is not in it")],
+    ("option", "chosen_rows", "refusal"),
+    [
+        ("--memory-at-peak", "rl:lora,doc_131072:lora", "--memory-at-peak: not among --rows"),
+        ("--memory-at-peak", "rl:lora_adamw", "optimizer step is not in it"),
+        ("--profile", "rl:lora,doc_131072:lora", "--profile: not among --rows"),
+    ],
 )
-def test_memory_at_peak_names_rows_of_the_run_and_no_optimizer_row(monkeypatch, memory_rows, refusal):
+def test_rows_to_profile_or_record_at_peak_are_rows_of_the_run_and_no_optimizer_row(
+    monkeypatch, option, chosen_rows, refusal
+):
     import bench_workload
 
     argv = ["bench_workload.py", "--model", "qwen35_35b_a3b", "--impl", "ours", "--rows", "rl:lora,rl:lora_adamw"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--memory-at-peak", memory_rows, "--device", "cpu", "--tiny"])
+    monkeypatch.setattr(sys, "argv", [*argv, option, chosen_rows, "--device", "cpu", "--tiny"])
     with pytest.raises(SystemExit, match=refusal):
         bench_workload.main()
 
