@@ -209,29 +209,35 @@ def kernel_ms_by_class(by_name: dict[str, float]) -> collections.Counter:
     return by_class
 
 
-def profile_step(step, device, step_context) -> dict:
+def profile_step(step, workload: "Workload") -> dict:
     """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span, the GPU's idle
     time between kernels by the outermost host operator before the next kernel, the step's wall time
-    (trace_train_step.py's reading of the profiler's trace), and an unprofiled step timed in its two halves."""
+    (trace_train_step.py's reading of the profiler's trace), and an unprofiled step timed in its two halves. Each
+    step starts without gradients, as a trainer's step after its optimizer's does."""
+    device, step_context = workload.device, workload.step_context
     if device.type != "cuda":
         return {"skipped": "kernel times are read from a CUDA trace"}
     from torch.profiler import ProfilerActivity, profile
 
-    with step_context():
-        sync(device)
-        start = time.perf_counter()
-        loss = step()
-        sync(device)
-        forward = time.perf_counter() - start
-        loss.backward()
-        sync(device)
-        backward = time.perf_counter() - start - forward
-    del loss
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, step_context():
-        start = time.perf_counter()
-        step().backward()
-        sync(device)
-        wall = time.perf_counter() - start
+    try:
+        with step_context():
+            sync(device)
+            start = time.perf_counter()
+            loss = step()
+            sync(device)
+            forward = time.perf_counter() - start
+            loss.backward()
+            sync(device)
+            backward = time.perf_counter() - start - forward
+        del loss
+        workload.release()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, step_context():
+            start = time.perf_counter()
+            step().backward()
+            sync(device)
+            wall = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory", "peak_GiB": peak_gib(device)}
     events = trace_events(prof)
     by_name = kernel_time_by_name(events, top=None)
     by_class = kernel_ms_by_class(by_name)
@@ -513,7 +519,7 @@ def main():
         row = measure(workload, step, sum(lengths), args.warmup, reps=1 if long else args.reps)
         row.update(tokens=sum(lengths), documents=len(lengths), setup=dataclasses.asdict(setup))
         if row_name in profile_rows and "error" not in row:
-            row["profile"] = profile_step(step, device, workload.step_context)
+            row["profile"] = profile_step(step, workload)
             workload.release()
         # Triton's kernels report running out of memory as a RuntimeError of their own
         if row_name in memory_rows and "out of memory" in row.get("error", "out of memory"):
