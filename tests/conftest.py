@@ -14,6 +14,7 @@ basenames and that no module under tests/ imports a test module."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -253,10 +254,13 @@ def _tensors_reachable(value, path: str, seen: set, depth: int = 0) -> list[tupl
     return []
 
 
-def tensors_held_by_autograd_contexts(output: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """(the number of custom autograd Functions' contexts in the graph behind `output`, the (path, tensor) of every
-    tensor one of them holds as an attribute, outside its saved tensors): such a tensor escapes checkpointing and
-    activation offloading, and lives until the whole graph is freed."""
+def tensors_held_by_autograd_contexts(
+    output: torch.Tensor,
+) -> tuple[collections.Counter, list[tuple[str, torch.Tensor]]]:
+    """(how many contexts of each custom autograd Function, by its node's type name, the graph behind `output` has,
+    the (path, tensor) of every tensor one of them holds as an attribute, outside its saved tensors): such a tensor
+    escapes checkpointing and activation offloading, and lives until the whole graph is freed. A caller asserts which
+    Functions it expected to find: a walk that reached none of them checked nothing."""
     contexts = [node for node in _graph_nodes(output.grad_fn) if getattr(node, "__dict__", None)]
     held = [found for node in contexts for found in _tensors_reachable(vars(node), type(node).__name__, set())]
-    return len(contexts), held
+    return collections.Counter(type(node).__name__ for node in contexts), held

@@ -377,10 +377,14 @@ def test_autograd_contexts_hold_no_tensor_of_a_row_per_token_at_35b_a3b_shapes()
         loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
         contexts, held = tensors_held_by_autograd_contexts(loss)
         found[f"layer_token_chunk={piece}"] = {
-            "contexts": contexts,
+            "contexts": dict(contexts),
             "held_bytes": sum(t.numel() * t.element_size() for _, t in held),
             "largest": max(((p, t.numel()) for p, t in held), key=lambda pair: pair[1], default=None),
         }
         loss.backward()
-        assert contexts and all(t.numel() < ids.shape[1] for _, t in held), found
+        # the Functions of the kernels this batch runs: the delta rule's (FLA's or FlashQLA's), the expert-row moves,
+        # the LoRA'd projections; a walk that missed them checked nothing
+        assert any("GatedDelta" in name for name in contexts), found
+        assert {"_MoveBackward", "AdapterSumProductBackward"} <= set(contexts), found
+        assert all(t.numel() < ids.shape[1] for _, t in held), found
     print(found)

@@ -352,6 +352,10 @@ def test_a_checkpointed_forward_leaves_tensors_in_no_autograd_node_outside_its_s
     inputs = _inputs(config, ("replay",) if kind.startswith("moe") else ())
     out = model(**inputs)
     contexts, held = tensors_held_by_autograd_contexts(out.loss)
-    assert contexts, "no custom autograd Function in the graph: nothing was checked"
+    projection = "AdapterSumProductBackward" if kind.endswith("lora") else "RowInvariantProductBackward"
+    expected = {"_ChunkedLinearCrossEntropyBackward", projection}
+    if kind.startswith("moe") and moe_kernel == "grouped_mm":
+        expected.add("_MoveBackward")
+    assert expected <= set(contexts), f"the walk missed Functions the model ran: {dict(contexts)}"
     assert not held, [path for path, _ in held]
     out.loss.backward()
