@@ -91,11 +91,12 @@ class StepTimer:
 
     PHASES = {"_generate": "generation", "_generate_and_score_completions": "scoring", "training_step": "training"}
 
-    def __init__(self, trainer, device: torch.device, calls_per_step: int = 1, allocated=None):
-        """`calls_per_step`: training_step calls of one optimizer step (gradient accumulation: the first generates
-        and scores the whole step's completions, each trains on its share). `allocated`: bytes allocated now
-        (default: torch.cuda.memory_allocated on CUDA, nothing recorded elsewhere)."""
-        self.device, self.steps, self.current, self.running = device, [], {}, []
+    def __init__(self, trainer, device: torch.device, calls_per_step: int = 1, allocated=None, on_step=None):
+        """`calls_per_step`: training_step calls of one optimizer step (gradient accumulation: a generation round
+        generates and scores the completions of one or more of them, each trains on its share). `allocated`: bytes
+        allocated now (default: torch.cuda.memory_allocated on CUDA, nothing recorded elsewhere). `on_step` is called
+        with the steps so far each time one ends."""
+        self.device, self.steps, self.current, self.running, self.on_step = device, [], {}, [], on_step
         self.calls_per_step, self.calls = calls_per_step, 0
         if allocated is None and device.type == "cuda":
             allocated = torch.cuda.memory_allocated
@@ -135,10 +136,16 @@ class StepTimer:
         training = t["training_step"] - generation - scoring
         total = t["training_step"]
         self.steps.append({"generation_s": generation, "scoring_s": scoring, "training_s": training, "total_s": total})
+        if self.on_step is not None:
+            self.on_step(self.steps)
         self.current = {}
 
 
-def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.device, output_dir: str) -> dict:
+def run_trainer(
+    model, impl: str, cache: str, tokenizer, args, device: torch.device, output_dir: str, progress=None
+) -> dict:
+    """One implementation's steps -> its result row; `progress(partial row)` after each step, so that a run cut
+    short (a device call's time limit) still keeps the steps that ended."""
     import trl
 
     from qwen35_packed.integrations.grpo import PackedGRPOTrainer
@@ -193,7 +200,21 @@ def run_trainer(model, impl: str, cache: str, tokenizer, args, device: torch.dev
         "trained_parameters": sum(p.numel() for p in trained),
         "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained}),
     }
-    timer = StepTimer(trainer, device, calls_per_step=args.micro_batches)
+    on_step = None
+    if progress is not None:
+
+        def on_step(steps):
+            ended = [{k: round(v, 3) for k, v in step.items()} for step in steps]
+            progress(
+                {
+                    "in_progress": f"{len(ended)} of {total_steps} steps ended",
+                    "steps_ended": ended,
+                    "adapters": adapters,
+                    "peak_gib": peak_gib(device),
+                }
+            )
+
+    timer = StepTimer(trainer, device, calls_per_step=args.micro_batches, on_step=on_step)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -327,24 +348,33 @@ def main():
         | {"config_fields_set": fields},
         "rows": [],
     }
+
+    def write(content: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(content, indent=1) + "\n")
+
     for spec in args.models.split(","):
         name, key, kwargs = config_kwargs(spec, args.tiny)
         tokenizer = word_tokenizer(kwargs["vocab_size"])
         for impl, cache in map(implementation_and_cache, args.impls.split(",")):
             model = build(key, impl, {**kwargs, **fields}, device, dtype).train()
+            row = {"model": name, "impl": impl, "cache": cache}
+
+            def progress(partial, row=row):
+                write(report | {"rows": [*report["rows"], row | {"result": partial}]})
+
             try:
                 with tempfile.TemporaryDirectory() as output_dir:
-                    result = run_trainer(model, impl, cache, tokenizer, args, device, output_dir)
+                    result = run_trainer(model, impl, cache, tokenizer, args, device, output_dir, progress)
             except torch.OutOfMemoryError as error:
                 result = {
                     "error": f"out of memory: {str(error).splitlines()[0]}",
                     "phase": "setup (the adapters, the trainer)",
                     "peak_gib": peak_gib(device),
                 }
-            report["rows"].append({"model": name, "impl": impl, "cache": cache, "result": result})
+            report["rows"].append(row | {"result": result})
             print_table(report["rows"][-1:])
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1) + "\n")
+            write(report)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

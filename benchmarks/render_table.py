@@ -378,6 +378,8 @@ def render_grpo_step() -> str:
         name, data, row = rows[key]
         setup = data["setup"]
         shape = f"{setup['prompts']} x {setup['generations']}, {setup['completion']} after {setup['prompt']}"
+        if setup.get("generation_rounds", 1) > 1:
+            shape += f", generated in {setup['generation_rounds']} rounds"
         if setup.get("micro_batches", 1) > 1:
             shape += f", trained in {setup['micro_batches']} micro-batches"
         r = row["result"]
@@ -386,6 +388,10 @@ def render_grpo_step() -> str:
         if "error" in r:
             phase = f" in {r['phase']}" if r.get("phase") else ""
             lines.append(f"| {row['model']} | {impl} | {shape} | failed{phase}: {r['error'][:80]} | | | | | | {name} |")
+            continue
+        if "in_progress" in r:  # a run cut short: the steps that ended (the first of them warm-up steps)
+            ended = round(sum(step["total_s"] for step in r["steps_ended"]), 1)
+            lines.append(f"| {row['model']} | {impl} | {shape} | cut short, {r['in_progress']} | | | | {ended} | {r['peak_gib']} | {name} |")  # fmt: skip
             continue
         warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
         lines.append(

@@ -123,3 +123,13 @@ def test_micro_batches_make_one_step_of_their_training_step_calls(steps_per_gene
     for step in timer.steps:
         assert step["generation_s"] >= 0.01 * (3 // steps_per_generation)  # every round of the step counts
         assert step["total_s"] == pytest.approx(step["generation_s"] + step["scoring_s"] + step["training_s"])
+
+
+def test_each_step_that_ends_is_handed_on_so_a_run_cut_short_keeps_it():
+    trainer, seen = FakeTrainer(), []
+    StepTimer(trainer, torch.device("cpu"), on_step=lambda steps: seen.append(len(steps)))
+    trainer.training_step()
+    trainer.fail_in = "training_step"
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.training_step()
+    assert seen == [1]  # the failed step never ended

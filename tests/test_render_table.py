@@ -128,6 +128,20 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
             {**setup, "activation_offloading": True, "micro_batches": 4},
             [ours],
         ),
+        "2026-01-05-grpo-step-builtin-bf16-h100.json": (  # a run cut short: the steps that ended
+            "H100",
+            {**bf16, "generation_rounds": 4, "micro_batches": 8},
+            [
+                {
+                    **builtin,
+                    "result": {
+                        "in_progress": "1 of 2 steps ended",
+                        "steps_ended": [{"total_s": 428.24}],
+                        "peak_gib": 70.1,
+                    },
+                }
+            ],  # fmt: skip
+        ),
     }
     for name, (device, file_setup, rows) in files.items():
         (tmp_path / name).write_text(json.dumps({"device": device, "setup": file_setup, "rows": rows}))
@@ -142,6 +156,8 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
         "| 2026-01-03-grpo-step-bf16-h100.json |",
         "| m | builtin, dynamic cache | 8 x 8, 256 after 512 | failed: out of memory: x | | | | | "
         "| 2026-01-02-grpo-step-builtin-h100.json |",
+        "| m | builtin, dynamic cache, bf16 adapters | 8 x 8, 256 after 512, generated in 4 rounds, trained in 8 "
+        "micro-batches | cut short, 1 of 2 steps ended | | | | 428.2 | 70.1 | 2026-01-05-grpo-step-builtin-bf16-h100.json |",
         "",
         "(H100)",
     ]
