@@ -33,8 +33,9 @@ causal_conv1d installed). Rows run in the order given; switching LoRA targets un
 base model again. A row that runs out of memory records the peak at failure and the next row goes on; if memory of a
 failed row stays allocated, the later rows are recorded as not run (their peaks would include it), so rows expected
 to fail go last. --profile ROW[,ROW..] adds the kernel time of one step of each by kernel class (GDN, attention, GEMM,
-loss, ...), the top kernels by name, the GPU's idle time between kernels by the host operator before it, and the
-forward's and the backward's (recompute included) share of an unprofiled step. --memory-at-peak ROW[,ROW..] adds
+loss, ...), the top kernels by name (the largest split by the host operators that launched them), the GPU's idle time
+between kernels by the host operator before it, and the forward's and the backward's (recompute included) share of an
+unprofiled step. --memory-at-peak ROW[,ROW..] adds
 what is live at the peak of one step of each, by allocating line (memory_peak.py); for a row that ran out of memory,
 what was live when it failed and the request that failed, which says where a budget is exceeded and by how much.
 
@@ -65,7 +66,7 @@ import transformers
 from bench_moe import layer_shapes
 from bench_train_step import CONFIGS, TINY, batches, default_dtype, peak_gib, sync
 from memory_peak import record_step_memory
-from trace_train_step import idle_gaps, kernel_time_by_name, trace_events
+from trace_train_step import idle_gaps, kernel_time_by_launching_ops, kernel_time_by_name, trace_events
 
 from qwen35_packed import (
     Qwen3_5MoePackedConfig,
@@ -103,7 +104,9 @@ KERNEL_CLASSES = (
     ("attention", r"flash|fmha|attention|sdpa"),
     ("conv", r"conv"),
     ("loss", r"cross_entropy|loss|logsumexp|triton_.*red|log_softmax"),
-    ("grouped_gemm", r"grouped"),
+    # torch._grouped_mm's CUTLASS kernel, by its full name: the experts and, with one group, every row-invariant
+    # projection's forward (projection.py)
+    ("grouped_gemm", r"grouped|groupproblemshape"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere_|cublas|matmul"),
     ("elementwise_ours", r"^_?(rmsnorm|swiglu|gated_norm|gate|topk|gather_sum|elementwise)"),
 )
@@ -210,8 +213,9 @@ def kernel_ms_by_class(by_name: dict[str, float]) -> collections.Counter:
 
 
 def profile_step(step, workload: "Workload") -> dict:
-    """Kernel milliseconds of one forward + backward by class and by name (top 25), the kernels' span, the GPU's idle
-    time between kernels by the outermost host operator before the next kernel, the step's wall time
+    """Kernel milliseconds of one forward + backward by class and by name (top 25; the top 8 also by the host
+    operators around their launches: which calls an elementwise kernel's time comes from), the kernels' span, the
+    GPU's idle time between kernels by the outermost host operator before the next kernel, the step's wall time
     (trace_train_step.py's reading of the profiler's trace), and an unprofiled step timed in its two halves. Each
     step starts without gradients, as a trainer's step after its optimizer's does."""
     device, step_context = workload.device, workload.step_context
@@ -240,7 +244,7 @@ def profile_step(step, workload: "Workload") -> dict:
         return {"error": "out of memory", "peak_GiB": peak_gib(device)}
     events = trace_events(prof)
     by_name = kernel_time_by_name(events, top=None)
-    by_class = kernel_ms_by_class(by_name)
+    by_class = kernel_ms_by_class(kernel_time_by_name(events, top=None, width=None))
     gaps = idle_gaps(events)
     return {
         "forward_ms_unprofiled": round(forward * 1e3, 1),
@@ -252,6 +256,7 @@ def profile_step(step, workload: "Workload") -> dict:
         "idle_by_outermost_op_ms": {k: round(v, 1) for k, v in list(gaps["idle_by_outermost_op_ms"].items())[:10]},
         "by_class_ms": {k: round(v, 1) for k, v in by_class.most_common()},
         "top_kernels_ms": dict(list(by_name.items())[:25]),
+        "top_kernels_by_launching_ops_ms": kernel_time_by_launching_ops(events, list(by_name)[:8]),
     }
 
 

@@ -391,7 +391,10 @@ def render_grpo_step() -> str:
             continue
         if "in_progress" in r:  # a run cut short: the steps that ended (the first of them warm-up steps)
             ended = round(sum(step["total_s"] for step in r["steps_ended"]), 1)
-            lines.append(f"| {row['model']} | {impl} | {shape} | cut short, {r['in_progress']} | | | | {ended} | {r['peak_gib']} | {name} |")  # fmt: skip
+            peak = r["peak_gib"] or ""
+            lines.append(
+                f"| {row['model']} | {impl} | {shape} | cut short, {r['in_progress']} | | | | {ended} | {peak} | {name} |"
+            )
             continue
         warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
         lines.append(

@@ -48,12 +48,12 @@ def trace_events(prof, path: str | None = None) -> list[dict]:
     return json.loads(trace.read_text())["traceEvents"]
 
 
-def kernel_time_by_name(events: list[dict], top: int = 30) -> dict[str, float]:
-    """GPU kernel milliseconds summed per kernel name (names cut to 100 characters), the largest `top`."""
+def kernel_time_by_name(events: list[dict], top: int = 30, width: int | None = 100) -> dict[str, float]:
+    """GPU kernel milliseconds summed per kernel name (names cut to `width` characters), the largest `top`."""
     total = collections.Counter()
     for e in events:
         if e.get("cat") == "kernel":
-            total[e["name"][:100]] += e["dur"] / 1e3
+            total[e["name"][:width]] += e["dur"] / 1e3
     return {name: round(ms, 3) for name, ms in total.most_common(top)}
 
 
@@ -69,13 +69,10 @@ def cpu_ops_by_thread(events: list[dict]) -> dict[int, list[dict]]:
     return by_thread
 
 
-def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
-    """From a Chrome trace's events: total kernel time, the span from the first kernel's start to the last one's end,
-    and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
-    Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    # Runtime-API launches (cudaLaunchKernel: aten, cuBLAS) and driver-API ones (cuLaunchKernel: Triton, so FLA's,
-    # this project's Triton kernels and the compiled loss chunk), matched to their kernel by correlation id.
+def launching_ops(events: list[dict]):
+    """kernel event -> names of the host operators around its launch, outermost first ([] when its launch is not in
+    the trace). Runtime-API launches (cudaLaunchKernel: aten, cuBLAS) and driver-API ones (cuLaunchKernel: Triton, so
+    FLA's, this project's Triton kernels and the compiled loss chunk) are matched to their kernel by correlation id."""
     launches = {
         e["args"]["correlation"]: e
         for e in events
@@ -84,22 +81,43 @@ def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     ops_by_thread = cpu_ops_by_thread(events)
     starts = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_thread.items()}
 
-    def enclosing_ops(launch: dict) -> list[str]:
-        """Names of the host operators around a kernel launch, outermost first."""
+    def chain(kernel: dict) -> list[str]:
+        launch = launches.get(kernel["args"].get("correlation"))
+        if launch is None:
+            return []
         ops, ts = ops_by_thread.get(launch["tid"], []), launch["ts"]
-        chain = [
-            op
+        return [
+            op["name"]
             for op in ops[: bisect.bisect_right(starts.get(launch["tid"], []), ts)]
             if op["ts"] <= ts <= op["ts"] + op["dur"]
         ]
-        return [op["name"] for op in chain]
 
+    return chain
+
+
+def kernel_time_by_launching_ops(events: list[dict], names: list[str], depth: int = 3) -> dict[str, dict[str, float]]:
+    """For each kernel name of `names` (as kernel_time_by_name cuts them): its milliseconds summed by the innermost
+    `depth` host operators around its launches, joined by ' > ', largest first: which calls a kernel's time comes
+    from (e.g. the adapters' in-place sums or autograd's gradient sums, both one elementwise add kernel)."""
+    chain = launching_ops(events)
+    split = {name: collections.Counter() for name in names}
+    for e in events:
+        if e.get("cat") == "kernel" and e["name"][:100] in split:
+            split[e["name"][:100]][" > ".join(chain(e)[-depth:]) or "(unknown)"] += e["dur"] / 1e3
+    return {name: {ops: round(ms, 3) for ops, ms in by_ops.most_common()} for name, by_ops in split.items()}
+
+
+def idle_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
+    """From a Chrome trace's events: total kernel time, the span from the first kernel's start to the last one's end,
+    and every gap >= min_gap_us between consecutive kernels with the host operators that launched the next one.
+    Kernels are ordered by start; overlapping kernels (several streams) close no gap."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    enclosing_ops = launching_ops(events)
     gaps, busy_until, kernel_us = [], None, 0.0
     for kernel in kernels:
         kernel_us += kernel["dur"]
         if busy_until is not None and kernel["ts"] - busy_until >= min_gap_us:
-            launch = launches.get(kernel["args"].get("correlation"))
-            chain = enclosing_ops(launch) if launch else []
+            chain = enclosing_ops(kernel)
             gaps.append(
                 {
                     "gap_us": kernel["ts"] - busy_until,

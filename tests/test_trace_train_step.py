@@ -60,3 +60,31 @@ def test_host_time_counts_each_outermost_operator_once_per_thread():
         "autograd::engine::evaluate_function: MmBackward0": 0.06,
         "aten::add": 0.02,
     }
+
+
+def test_a_kernels_time_is_split_by_the_operators_that_launched_it():
+    """One elementwise add kernel serves the adapters' in-place sums and autograd's gradient sums: its time is split
+    by the innermost host operators around each launch."""
+    from trace_train_step import kernel_time_by_launching_ops
+
+    events = [
+        _op("AdapterSumProduct", 0, 50),
+        _op("aten::add_", 10, 5),
+        _launch("cuda_runtime", 12, 1),
+        _kernel("add", 20, 30, 1),
+        _op("autograd::engine::evaluate_function: AddBackward0", 100, 50, tid=2),
+        _op("aten::add", 110, 5, tid=2),
+        _launch("cuda_runtime", 112, 2, tid=2),
+        _kernel("add", 120, 10, 2),
+        _launch("cuda_runtime", 200, 3, tid=3),  # no host operator around it
+        _kernel("add", 210, 4, 3),
+        _kernel("add", 300, 2, 99),  # its launch is not in the trace
+        _kernel("gemm", 400, 100, 4),
+    ]
+    assert kernel_time_by_launching_ops(events, ["add"], depth=2) == {
+        "add": {
+            "AdapterSumProduct > aten::add_": 0.03,
+            "autograd::engine::evaluate_function: AddBackward0 > aten::add": 0.01,
+            "(unknown)": 0.006,
+        }
+    }
