@@ -56,7 +56,8 @@
 #                with long_document_attention=sdpa (profiled at 32k)                                 ~5 min
 #   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, issue 46's
 #                two RL rows (bf16 adapters; PEFT's default adapters under autocast), each profiled (kernel classes,
-#                idle gaps, forward / backward split)                                                 ~4 min
+#                the top kernels split by the host operators that launched them, idle gaps, forward / backward
+#                split; an H100 with bundle b's install: 2.9 min)
 #   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
@@ -121,7 +122,8 @@
 #                in 4 micro-batches, the first step ran whole and the second step's generation ran out of memory: AdamW's
 #                state beside the weights left too little for 64 completions' cache and prefill
 #   grpo-step-35b-builtin-bf16-adapters  the built-in through TRL's GRPOTrainer, the same adapters, rounds and
-#                micro-batches (not run yet)
+#                micro-batches (an H100 at aad2973: TRL logged 428.2 s for its warm-up step and the 570 s limit cut its
+#                timed step; the file is now rewritten after each step, so a cut run keeps the steps that ended)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
