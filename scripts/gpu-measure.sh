@@ -57,7 +57,7 @@
 #   trace-35b-rl  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA (low-rank expert products), ours, issue 46's
 #                two RL rows (bf16 adapters; PEFT's default adapters under autocast), each profiled (kernel classes,
 #                the top kernels split by the host operators that launched them, idle gaps, forward / backward
-#                split; an H100 with bundle b's install: 2.9 min)
+#                split; an H100 at aad2973, bundle b installed in the same call: 2.9 min to the second row's profile)
 #   offload-4b   bench_workload.py, Qwen3.5-4B full fine-tune, ours, under TRL's activation offloading: 128k
 #                (and under save_on_cpu), 32k, 256k tokens                                            ~6 min
 #   adapters-35b  bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours, RL batch: adapters in bf16
