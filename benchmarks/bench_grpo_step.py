@@ -32,7 +32,8 @@ generation's cache and prefill hold a g-th of the step's completions, while the 
 the optimizer's state are all allocated.
 
 --tiny runs a small config on the CPU (a check that the script runs, not a measurement). Prints a table and writes
-JSON under results/benchmarks/ (or --out) after every model.
+JSON under results/benchmarks/ (or --out) after every model, and after every step that ends (the running model's row
+then `in_progress`, with its `steps_ended`).
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def main():
         "--micro-batches",
         type=int,
         default=1,
-        help="train each step's completions in this many forwards (gradient accumulation), generated at once",
+        help="train each step's completions in this many forwards (gradient accumulation)",
     )
     parser.add_argument(
         "--generation-rounds",
