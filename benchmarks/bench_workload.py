@@ -35,9 +35,9 @@ failed row stays allocated, the later rows are recorded as not run (their peaks 
 to fail go last. --profile ROW[,ROW..] adds the kernel time of one step of each by kernel class (GDN, attention, GEMM,
 loss, ...), the top kernels by name (the largest split by the host operators that launched them), the GPU's idle time
 between kernels by the host operator before it, and the forward's and the backward's (recompute included) share of an
-unprofiled step. --memory-at-peak ROW[,ROW..] adds
-what is live at the peak of one step of each, by allocating line (memory_peak.py); for a row that ran out of memory,
-what was live when it failed and the request that failed, which says where a budget is exceeded and by how much.
+unprofiled step. --memory-at-peak ROW[,ROW..] adds what is live at the peak of one step of each, by allocating line
+(memory_peak.py); for a row that ran out of memory, what was live when it failed and the request that failed, which
+says where a budget is exceeded and by how much.
 
     python benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours --rows rl:lora_low_rank,doc_131072:lora
                                         [--profile ROW[,ROW..]] [--memory-at-peak ROW[,ROW..]] [--reps 2] [--warmup 1] [--config FIELD=VALUE,..]
