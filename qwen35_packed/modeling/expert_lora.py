@@ -77,17 +77,23 @@ class ExpertWeight:
 
     def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [M, in] grouped by expert (see kernels.grouped_linear) -> [M, out]."""
+        out, adapter_out = self.grouped_parts(x, offsets)
+        # In place: the base product's output is no GEMM's saved input, so autograd allows it and no third
+        # [M, out] tensor is allocated.
+        return out if adapter_out is None else out.add_(adapter_out)
+
+    def grouped_parts(self, x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the base product [M, out], the adapter's [M, out] or None): what `grouped_linear` sums, for a consumer
+        that reads both and sums them itself (the MoE's combine) instead of a pass over their sum."""
         out = grouped_linear(x, self.base, offsets)
         if self.lora_a is None:
-            return out
+            return out, None
         pad = -self.lora_a.shape[1] % RANK_ALIGNMENT
         lora_a, lora_b = self.lora_a, self.lora_b
         if pad:
             lora_a, lora_b = F.pad(lora_a, (0, 0, 0, pad)), F.pad(lora_b, (0, pad))
         low = grouped_linear(x, lora_a.contiguous(), offsets) * self.scaling
-        # In place: the base product's output is no GEMM's saved input, so autograd allows it and no third
-        # [M, out] tensor is allocated.
-        return out.add_(grouped_linear(low, lora_b.contiguous(), offsets))
+        return out, grouped_linear(low, lora_b.contiguous(), offsets)
 
 
 def peft_plan(experts: torch.nn.Module) -> None:

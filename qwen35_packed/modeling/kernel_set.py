@@ -64,7 +64,7 @@ class KernelSet:
     varlen_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale, causal) -> (the vision tower's)
     # MoE: the experts as one grouped GEMM per projection (else the per-expert loop), the top-k combine
     grouped_experts: bool
-    combine: Callable  # (src [M, H], index [G * k], k) -> [G, H]
+    combine: Callable  # (src [M, H], index [G * k], k, addend=None) -> [G, H]: rows of src (+ addend) summed
     expert_lora: Callable  # (experts module) -> (bare experts, LoRA factors) or None (expert_lora.py)
 
 
@@ -152,9 +152,9 @@ def kernel_set(choice: KernelChoice) -> KernelSet:
     )
 
 
-def _gather_sum_triton(src, index, group: int):
+def _gather_sum_triton(src, index, group: int, addend=None):
     """kernels.gather_sum in one Triton pass (triton_gather_sum.py, slot order, fp32 accumulation)."""
-    return gather_sum_rows(src.contiguous(), index, group)
+    return gather_sum_rows(src.contiguous(), index, group, addend=None if addend is None else addend.contiguous())
 
 
 # The kernels of a module run outside a model's forward (a layer called on its own, the vision tower without a

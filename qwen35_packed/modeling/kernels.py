@@ -51,11 +51,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return selection.GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
 
 
-def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+def gather_sum(src: torch.Tensor, index: torch.Tensor, group: int, addend: torch.Tensor | None = None) -> torch.Tensor:
     """src[index] summed over consecutive groups of `group` rows (src [M, H], index [G * group] -> [G, H], src's
     dtype): the top-k combine of the grouped experts and its transpose's backward, as an eager gather and
-    reduction. Each group is summed on its own, so a group's result does not depend on the others; the Triton form
-    (triton_gather_sum.gather_sum_rows) computes the same in one pass."""
+    reduction; with `addend` (src's shape) the rows of `src + addend`. Each group is summed on its own, so a group's
+    result does not depend on the others; the Triton form (triton_gather_sum.gather_sum_rows) computes the same in
+    one pass, the addend's sum included."""
+    if addend is not None:
+        src = src + addend
     return src[index].view(-1, group, src.shape[-1]).sum(dim=1)
 
 

@@ -143,8 +143,9 @@ class FusedExperts(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = (self.act_fn(gate) * up * weight.unsqueeze(-1)).to(gate_up.dtype)
-        out = self.expert_weight("down_proj", lora).grouped_linear(hidden, offsets)
-        return rows_of.combine(out).to(x.dtype)
+        # the down product and its adapter's are summed by the combine as it reads them (ExpertRows.combine)
+        out, adapter_out = self.expert_weight("down_proj", lora).grouped_parts(hidden, offsets)
+        return rows_of.combine(out, adapter_out).to(x.dtype)
 
 
 class ExpertRows:
@@ -152,7 +153,9 @@ class ExpertRows:
     pair p sits in row slot_of[p]. Three differentiable moves:
 
     * expand: token rows -> expert rows, x[order // k]; backward: each token's k row gradients gathered and summed;
-    * combine: expert rows -> token rows, the same gather-and-sum; backward: the expand gather;
+    * combine: expert rows -> token rows, the same gather-and-sum; backward: the expand gather. Given the rows in
+      two parts (a product and its LoRA adapter's), it sums each row's parts as it reads them, rounded as their own
+      add would be: the combine of their sum, bit for bit, without a pass that writes the sum;
     * permute: a per-pair vector (the routing weights) into row order; backward: the inverse gather.
 
     Each backward is a gather, never a scatter-add or index_put over repeated indices (whose CUDA kernels sort the
@@ -168,8 +171,10 @@ class ExpertRows:
     def expand(self, x):
         return _Move.apply(x, self, "_to_rows", "_sum_rows")
 
-    def combine(self, rows):
-        return _Move.apply(rows, self, "_sum_rows", "_to_rows")
+    def combine(self, rows, addend=None):
+        if addend is None:
+            return _Move.apply(rows, self, "_sum_rows", "_to_rows")
+        return _CombineParts.apply(rows, addend, self)
 
     def permute(self, values):
         return _Move.apply(values, self, "_permute", "_unpermute")
@@ -204,6 +209,23 @@ class _Move(torch.autograd.Function):
     def backward(ctx, grad):
         rows = ExpertRows(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)
         return getattr(rows, ctx.back)(grad), None, None, None
+
+
+class _CombineParts(torch.autograd.Function):
+    """rows.combine(part + addend) without the [M, H] sum (ExpertRows): the gather-and-sum reads both parts. Its
+    backward is the combine's, the expand gather, whose result is the gradient of each part. The map's index tensors
+    are saved as `_Move` saves them."""
+
+    @staticmethod
+    def forward(ctx, part, addend, rows: ExpertRows):
+        ctx.save_for_backward(rows.order, rows.slot_of)
+        ctx.top_k, ctx.gather_sum = rows.top_k, rows.gather_sum
+        return rows.gather_sum(part, rows.slot_of, rows.top_k, addend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_rows = ExpertRows(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)._to_rows(grad)
+        return grad_rows, grad_rows, None
 
 
 class SparseMoeBlock(nn.Module):

@@ -635,6 +635,26 @@ def test_moe_triton_combine_is_the_in_order_sum_bf16():
     assert choice.combine == "triton"
 
 
+def test_moe_triton_combine_of_two_parts_is_the_combine_of_their_bf16_sum():
+    """The down product and its LoRA adapter's reach the combine in two parts: on the RL batch's shape, from a seed
+    drawn for this run (printed, recorded), bit for bit the combine of `part + addend` as torch adds them in bf16."""
+    import time
+
+    from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows
+
+    seed = time.time_ns() % 1_000_000
+    tokens, top_k, hidden = 26_354, 8, 2048
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    part, addend = (torch.randn(tokens * top_k, hidden, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    addend = addend * 0.01  # an adapter's share is small beside the base product's
+    index = torch.randperm(tokens * top_k, device="cuda", generator=gen)
+    out = gather_sum_rows(part, index, top_k, addend=addend)
+    reference = gather_sum_rows(part + addend, index, top_k)
+    RESULTS["moe_triton_combine_two_parts"] = {"seed": seed, "bitwise": torch.equal(out, reference)}
+    print(RESULTS["moe_triton_combine_two_parts"])
+    assert RESULTS["moe_triton_combine_two_parts"]["bitwise"], RESULTS["moe_triton_combine_two_parts"]
+
+
 @pytest.mark.skipif(not kernel_selection.FLA_AVAILABLE, reason="flash-linear-attention not installed")
 def test_moe_packed_equals_per_document_bf16(monkeypatch):
     """Grouped-GEMM experts, packed vs each document alone in bf16: the same experts for every token and layer,

@@ -378,6 +378,30 @@ def test_grouped_experts_move_rows_by_gathers_only():
     assert accumulating == [("scatter_add_", torch.int32)], accumulating
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combining_two_parts_equals_combining_their_sum_in_values_and_gradients(dtype):
+    """The down product and its LoRA adapter's reach the combine in two parts (no pass writes their sum): the tokens'
+    rows and each part's gradient must be those of combining `part + addend`, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    top_k, n = 4, 30
+    index, _ = _routing(n, top_k, 8, "random")
+    order = torch.argsort(index.reshape(-1), stable=True)
+    slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    rows_of = moe.ExpertRows(order, slot_of, top_k, GROUPED.combine)
+    part, addend = (torch.randn(n * top_k, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    grad_out = torch.randn(n, 16, generator=g).to(dtype)
+    combined = rows_of.combine(part, addend)
+    combined.backward(grad_out)
+    grads = part.grad, addend.grad
+    part.grad = addend.grad = None
+    summed = part + addend
+    reference = rows_of.combine(summed)
+    reference.backward(grad_out)
+    assert combined.grad_fn.name().startswith("_CombineParts")  # the two-part path ran, not the sum
+    assert torch.equal(combined, reference)
+    assert torch.equal(grads[0], part.grad) and torch.equal(grads[1], addend.grad)
+
+
 def test_gather_sum_of_a_group_does_not_depend_on_the_others():
     # The combine of the top-k outputs: a token's sum must not depend on how many tokens ran with it, or a packed
     # document's next-layer routing can differ from the same document alone.

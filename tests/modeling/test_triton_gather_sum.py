@@ -16,7 +16,7 @@ from conftest import run_triton_interpreted
 pytest.importorskip("triton")
 
 from qwen35_packed.modeling import triton_support  # noqa: E402
-from qwen35_packed.modeling.triton_gather_sum import gather_sum_rows  # noqa: E402
+from qwen35_packed.modeling.triton_gather_sum import DEFAULT_BLOCKS, gather_sum_rows  # noqa: E402
 
 INTERPRETED_CHECKS = r"""
 import json
@@ -84,6 +84,23 @@ results["slices_equal"] = all(
     torch.equal(gather_sum_rows(src, index[a * 8 : b * 8], 8, SMALL), full[a:b]) for a, b in ((0, 1), (1, 4), (4, 12))
 )
 
+# Rows in two parts (the down product and its adapter's): each row's parts summed in their dtype, then combined.
+def case_addend(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    src, addend = ((torch.randn(64, 20, generator=gen) * 10).to(dtype) for _ in range(2))
+    index = torch.randperm(64, generator=gen)[:56]
+    out = gather_sum_rows(src, index, 8, SMALL, addend=addend)
+    exact = in_order(src.float() + addend.float(), index, 8)  # fp32: the sum of two fp32 rows is what fp32 adds
+    truncated = in_order(truncated_to_bf16(src.float() + addend.float()), index, 8)
+    return {
+        "bitwise": torch.equal(out, exact) if dtype == torch.float32 else torch.equal(out, truncated_to_bf16(truncated)),
+        "dtype": str(out.dtype),
+    }
+
+
+results["addend_fp32"] = case_addend(torch.float32, 10)
+results["addend_bf16"] = case_addend(torch.bfloat16, 11)
+
 # The kernel set's combine with combine="triton" against combine="eager".
 triton_combine = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="triton")).combine
 eager_combine = kernel_set(kernel_selection.KernelChoice("torch", "sdpa", moe="grouped_mm", combine="eager")).combine
@@ -91,6 +108,9 @@ src = torch.randn(48, 24, generator=gen)
 index = torch.randperm(48, generator=gen)
 got, want = triton_combine(src, index, 8), eager_combine(src, index, 8)
 results["dispatch_max_abs"] = (got - want).abs().max().item()
+addend = torch.randn(48, 24, generator=gen)
+got, want = triton_combine(src, index, 8, addend), eager_combine(src, index, 8, addend)
+results["dispatch_addend_max_abs"] = (got - want).abs().max().item()
 print(json.dumps(results))
 """
 
@@ -129,6 +149,14 @@ def test_a_groups_sum_does_not_depend_on_the_other_groups(interpreted):
 
 def test_dispatch_equals_the_eager_combine(interpreted):
     assert interpreted["dispatch_max_abs"] <= 1e-5
+    assert interpreted["dispatch_addend_max_abs"] <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rows_in_two_parts_are_summed_as_their_own_add_then_combined(interpreted, dtype):
+    """Each row is src + addend rounded to their dtype (as the add the kernel replaces), then the in-order sum."""
+    result = interpreted[f"addend_{dtype}"]
+    assert result["bitwise"] is True, result
 
 
 @pytest.mark.parametrize(
@@ -140,6 +168,9 @@ def test_dispatch_equals_the_eager_combine(interpreted):
         (lambda s, i: (s, i[:5], 8), "index must be an integer tensor"),
         (lambda s, i: (s, i.float(), 8), "index must be an integer tensor"),
         (lambda s, i: (s, i, 0), "index must be an integer tensor"),
+        (lambda s, i: (s, i, 8, DEFAULT_BLOCKS, s[:8]), "addend must match src"),
+        (lambda s, i: (s, i, 8, DEFAULT_BLOCKS, s.double()), r"addend must be \[M, H\]"),
+        (lambda s, i: (s, i, 8, DEFAULT_BLOCKS, s.t()), "addend must be contiguous"),
     ],
 )
 def test_bad_inputs_raise(make, match):
