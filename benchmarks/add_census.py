@@ -6,8 +6,8 @@ counts them where they are issued: one forward + backward of a model with the Qw
 3:1 pattern of GDN and attention layers, PEFT LoRA r=16 on GDN, attention and the experts as bench_workload.py's
 `lora` rows, low-rank expert products, grouped expert GEMMs, decoder-layer checkpointing), under a dispatch mode that
 records every `aten.add` / `add_` whose bf16 result has at least one element per token. Each is attributed to the
-innermost frame in this project's code or PEFT's, or, with no such frame, to autograd's own sum of the gradients of
-a tensor with several consumers, named by the tensor's width.
+innermost frame in this project's code, else PEFT's, TRL's or transformers' (memory_peak.py's sites), or, with none
+on the stack, to autograd's own sum of the gradients of a tensor with several consumers, named by its shape.
 
 Reported per site: elements per token per layer (the layer shapes make these the full model's: the fewer experts
 kept here for the CPU do not change the rows per token) and calls. An add moves three times its elements (two read,
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 from bench_moe import layer_shapes
 from bench_workload import LORA_GROUPS
+from memory_peak import SITE_OWNERS, site_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen35_packed import Qwen3_5MoePackedConfig, Qwen3_5MoePackedForCausalLM
 
 ROOT = Path(__file__).resolve().parent
 ADDS = {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor}
-SITE_OWNERS = ("/qwen35_packed/", "/peft/")
 
 
 class AddCensus(TorchDispatchMode):
@@ -60,11 +60,12 @@ class AddCensus(TorchDispatchMode):
 
 
 def call_site(stack: traceback.StackSummary, out: torch.Tensor, tokens: int) -> str:
-    """`file.py:line function` of the innermost frame of this project or PEFT, else autograd's gradient sum, named by
-    the summed tensor's rows per token (the expert rows: top-k) and width."""
-    for frame in reversed(stack):
-        if any(owner in frame.filename for owner in SITE_OWNERS):
-            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    """Where an add was issued, as memory_peak.py names an allocation's site; with no frame of this project or the
+    libraries around it on the stack, autograd's own gradient sum, named by the summed tensor's rows per token (the
+    expert rows: top-k) and width."""
+    frames = [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)]
+    if any(owner in frame["filename"] for frame in frames for owner in SITE_OWNERS):
+        return site_of(frames)
     rows = out.shape[:-1].numel() / tokens
     return f"autograd: gradient sum of a [{rows:g} x tokens, {out.shape[-1]}] tensor"
 

@@ -182,14 +182,24 @@ class ExpertRows:
     def _to_rows(self, x):
         return x[self.token_of_row]
 
-    def _sum_rows(self, rows):
-        return self.gather_sum(rows, self.slot_of, self.top_k)
+    def _sum_rows(self, rows, addend=None):
+        return self.gather_sum(rows, self.slot_of, self.top_k, addend)
 
     def _permute(self, values):
         return values[self.order]
 
     def _unpermute(self, values):
         return values[self.slot_of]
+
+    def save_for_backward(self, ctx) -> None:
+        """The map in an autograd context: its index tensors as saved tensors (see `_Move`), the rest as attributes."""
+        ctx.save_for_backward(self.order, self.slot_of)
+        ctx.top_k, ctx.gather_sum = self.top_k, self.gather_sum
+
+    @classmethod
+    def saved_in(cls, ctx) -> ExpertRows:
+        """The map `save_for_backward` put in `ctx`, in a backward."""
+        return cls(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)
 
 
 class _Move(torch.autograd.Function):
@@ -201,30 +211,28 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows: ExpertRows, there: str, back: str):
-        ctx.save_for_backward(rows.order, rows.slot_of)
-        ctx.top_k, ctx.gather_sum, ctx.back = rows.top_k, rows.gather_sum, back
+        rows.save_for_backward(ctx)
+        ctx.back = back
         return getattr(rows, there)(x)
 
     @staticmethod
     def backward(ctx, grad):
-        rows = ExpertRows(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)
-        return getattr(rows, ctx.back)(grad), None, None, None
+        return getattr(ExpertRows.saved_in(ctx), ctx.back)(grad), None, None, None
 
 
 class _CombineParts(torch.autograd.Function):
     """rows.combine(part + addend) without the [M, H] sum (ExpertRows): the gather-and-sum reads both parts. Its
-    backward is the combine's, the expand gather, whose result is the gradient of each part. The map's index tensors
-    are saved as `_Move` saves them."""
+    backward is the combine's, the expand gather, whose result is the gradient of each part. The map is saved as
+    `_Move` saves it."""
 
     @staticmethod
     def forward(ctx, part, addend, rows: ExpertRows):
-        ctx.save_for_backward(rows.order, rows.slot_of)
-        ctx.top_k, ctx.gather_sum = rows.top_k, rows.gather_sum
-        return rows.gather_sum(part, rows.slot_of, rows.top_k, addend)
+        rows.save_for_backward(ctx)
+        return rows._sum_rows(part, addend)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_rows = ExpertRows(*ctx.saved_tensors, ctx.top_k, ctx.gather_sum)._to_rows(grad)
+        grad_rows = ExpertRows.saved_in(ctx)._to_rows(grad)
         return grad_rows, grad_rows, None
 
 
