@@ -261,6 +261,9 @@ def tensors_held_by_autograd_contexts(
     the (path, tensor) of every tensor one of them holds as an attribute, outside its saved tensors): such a tensor
     escapes checkpointing and activation offloading, and lives until the whole graph is freed. A caller asserts which
     Functions it expected to find: a walk that reached none of them checked nothing."""
-    contexts = [node for node in _graph_nodes(output.grad_fn) if getattr(node, "__dict__", None)]
+    # every custom Function's node is its context, attributes or not (one that only saved tensors has none)
+    contexts = [
+        node for node in _graph_nodes(output.grad_fn) if isinstance(node, torch.autograd.function.BackwardCFunction)
+    ]
     held = [found for node in contexts for found in _tensors_reachable(vars(node), type(node).__name__, set())]
     return collections.Counter(type(node).__name__ for node in contexts), held
