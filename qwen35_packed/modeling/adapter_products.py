@@ -195,11 +195,13 @@ def adopt_adapter_products(model: nn.Module) -> None:
     become RowInvariantLinear; a wrapper of a RowInvariantLinear gets the in-place adapter sum; a wrapper casts its
     input outside autocast only (`CAST_OUTSIDE_AUTOCAST`; one whose casting is already off stays off). PEFT records
     the adapters it injects in `model.peft_config` (a dict by adapter name, also for adapters added later); the
-    modules are walked only when that record changes, so every forward calls this for the price of an attribute
-    read."""
+    modules are walked only when that record changes, so every forward calls this for the price of a few attribute
+    reads. The record is compared by its configs' identity, not their names or values: `unload()` and a new
+    `get_peft_model` with the same config inject new wrappers under the same name "default"."""
     adapters = model.__dict__.get("peft_config")
-    key = tuple(adapters) if isinstance(adapters, dict) else None
-    if model.__dict__.get("_row_invariant_adapters") == key:
+    key = tuple(adapters.items()) if isinstance(adapters, dict) else ()
+    seen = model.__dict__.get("_row_invariant_adapters")
+    if seen is not None and len(seen) == len(key) and all(n == m and c is d for (n, c), (m, d) in zip(seen, key)):
         return
     for module in model.modules():
         modules = module.__dict__["_modules"]

@@ -296,3 +296,20 @@ def test_default_adapters_under_autocast_skip_pefts_input_cast_and_change_no_bit
     assert all(not torch.equal(p, before[n]) for n, p in adapters.items())
     # outside autocast PEFT's cast stays: the adapters' products run in fp32 as PEFT computes them
     assert bool(wrappers(wrapped)[0].cast_input_dtype_enabled)
+
+
+def test_adapters_injected_again_after_unload_are_adopted_too(monkeypatch):
+    """`unload()` and a new `get_peft_model` (a benchmark's next setup, a user's next experiment) inject new wrappers
+    under the same adapter name: they too get row-invariant products and the in-place sum, as the first ones did."""
+    model = packed_model("dense", tie_word_embeddings=False)
+    ids, cu = batch(model.config.vocab_size)
+    for _ in range(2):
+        wrapped = lora(model)
+        counter = SumCounter(monkeypatch)
+        with torch.no_grad():
+            wrapped(ids, cu_seqlens=cu, use_cache=False)
+        layers = wrappers(wrapped)
+        assert layers and all(isinstance(m, RowInvariantLoraForward) for m in layers)
+        assert all(type(p) is RowInvariantLinear for m in layers for p in (*m.lora_A.values(), *m.lora_B.values()))
+        assert counter.calls == len(layers)
+        model = wrapped.unload()
