@@ -15,6 +15,7 @@ basenames and that no module under tests/ imports a test module."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -254,6 +255,33 @@ def _tensors_reachable(value, path: str, seen: set, depth: int = 0) -> list[tupl
     return []
 
 
+@contextlib.contextmanager
+def recorded_autograd_contexts():
+    """Yields a list that collects the context (its output's node) of every custom autograd Function applied while the
+    block runs, whether or not a walk from the loss reaches it later: `torch.autograd.Function.apply` is wrapped for
+    the block's duration (Functions that define their own `apply` are not seen)."""
+    created = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        out = original.__func__(cls, *args, **kwargs)
+        first = next((t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)), None)
+        if first is not None and isinstance(first.grad_fn, torch.autograd.function.BackwardCFunction):
+            created.append(first.grad_fn)
+        return out
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield created
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def tensors_held_by(contexts) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor one of `contexts` holds as an attribute, outside its saved tensors."""
+    return [found for node in contexts for found in _tensors_reachable(vars(node), type(node).__name__, set())]
+
+
 def tensors_held_by_autograd_contexts(
     output: torch.Tensor,
 ) -> tuple[collections.Counter, list[tuple[str, torch.Tensor]]]:
@@ -265,5 +293,4 @@ def tensors_held_by_autograd_contexts(
     contexts = [
         node for node in _graph_nodes(output.grad_fn) if isinstance(node, torch.autograd.function.BackwardCFunction)
     ]
-    held = [found for node in contexts for found in _tensors_reachable(vars(node), type(node).__name__, set())]
-    return collections.Counter(type(node).__name__ for node in contexts), held
+    return collections.Counter(type(node).__name__ for node in contexts), tensors_held_by(contexts)

@@ -13,6 +13,7 @@ autocast as TRL's bf16=True trains it (the adapters' in-place sum, adapter_produ
 itself run alone through the same model. Random weights (seed 0, norm weights moved off zero so every layer's scale
 matters). QWEN35_GPU_RESULTS=FILE writes the measured numbers."""
 
+import collections
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tensors_held_by_autograd_contexts
+from conftest import recorded_autograd_contexts, tensors_held_by, tensors_held_by_autograd_contexts
 from fixtures_gpu import move_norms_off_init, routes_of
 
 pytestmark = pytest.mark.gpu
@@ -365,27 +366,36 @@ def test_autograd_contexts_hold_no_tensor_of_a_row_per_token_at_35b_a3b_shapes()
     """The GPU kernels' autograd Functions (FLA, FlashQLA, this project's Triton kernels) with checkpointed layers,
     whole and in pieces, LoRA on the experts, a random batch: no context holds, outside its saved tensors, a tensor of
     as many elements as the batch has tokens (it would escape the checkpoint and offloading in every layer until the
-    backward ended). What they do hold (documents' offsets, chunk indices) is recorded."""
+    backward ended), and every adapter weight gets a gradient. The contexts are those the forward created (recorded
+    as each Function is applied); which of them the walk from the loss reaches is recorded beside them."""
     model = with_lora(build("moe_35b_a3b_shapes_4_layers")).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     seed = BASE_SEED + 59
     docs = draw_documents(seed, model.config.vocab_size)
     ids, cu = one_row(docs)
     found = RESULTS["autograd_contexts"] = {"seed": seed, "tokens": ids.shape[1]}  # recorded also when it fails
+    adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
     for piece in (None, 1024):
         model.config.layer_token_chunk = piece
-        loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
-        contexts, held = tensors_held_by_autograd_contexts(loss)
-        found[f"layer_token_chunk={piece}"] = {
-            "contexts": dict(contexts),
+        model.zero_grad(set_to_none=True)
+        with recorded_autograd_contexts() as created:
+            loss = model(ids, labels=ids, cu_seqlens=cu, use_cache=False).loss
+        walked, _ = tensors_held_by_autograd_contexts(loss)
+        held = tensors_held_by(created)
+        names = collections.Counter(type(node).__name__ for node in created)
+        found[f"layer_token_chunk={piece}"] = entry = {
+            "created": dict(names),
+            "reached_from_the_loss": dict(walked),
             "held_bytes": sum(t.numel() * t.element_size() for _, t in held),
             "largest": max(((p, t.numel()) for p, t in held), key=lambda pair: pair[1], default=None),
         }
+        del created
         loss.backward()
+        entry["adapters_without_gradient"] = [n for n, p in adapters.items() if p.grad is None or not p.grad.any()]
         # the Functions of the kernels this batch runs: the delta rule's (FLA's or FlashQLA's), the expert-row moves,
-        # the projections (PEFT's fp32 adapters on the bf16 base run PEFT's own forward around them); a walk that
-        # missed them checked nothing
-        assert any("GatedDelta" in name for name in contexts), found
-        assert {"_MoveBackward", "RowInvariantProductBackward"} <= set(contexts), found
+        # the projections (PEFT's fp32 adapters on the bf16 base run PEFT's own forward around them)
+        assert any("GatedDelta" in name for name in names), found
+        assert {"_MoveBackward", "RowInvariantProductBackward"} <= set(names), found
         assert all(t.numel() < ids.shape[1] for _, t in held), found
+        assert not entry["adapters_without_gradient"], found
     print(found)

@@ -6,12 +6,18 @@ are dropped. At any granularity, and in layer pieces, no autograd node keeps a t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 
 import pytest
 import torch
-from conftest import random_routed_experts, tensors_held_by_autograd_contexts, tiny_kwargs
+from conftest import (
+    random_routed_experts,
+    recorded_autograd_contexts,
+    tensors_held_by_autograd_contexts,
+    tiny_kwargs,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qwen35_packed import (
@@ -350,8 +356,11 @@ def test_a_checkpointed_forward_leaves_tensors_in_no_autograd_node_outside_its_s
     config.layer_token_chunk = piece
     _set_checkpointing(model, config, granularity)
     inputs = _inputs(config, ("replay",) if kind.startswith("moe") else ())
-    out = model(**inputs)
+    with recorded_autograd_contexts() as created:
+        out = model(**inputs)
     contexts, held = tensors_held_by_autograd_contexts(out.loss)
+    # the walk from the loss reaches every context the forward created (the GPU test relies on the recording)
+    assert contexts == collections.Counter(type(node).__name__ for node in created), dict(contexts)
     projection = "AdapterSumProductBackward" if kind.endswith("lora") else "RowInvariantProductBackward"
     expected = {"_ChunkedLinearCrossEntropyBackward", projection}
     if kind.startswith("moe") and moe_kernel == "grouped_mm":
