@@ -1,8 +1,9 @@
 """Render the performance tables of README.md and docs/ from the benchmark result files (results/benchmarks/).
 
-    python benchmarks/render_table.py            # the newest train-step file of every model, as a markdown table
-    python benchmarks/render_table.py --all      # every train-step file (the history)
-    python benchmarks/render_table.py --moe      # the newest *-moe-*.json file (bench_moe.py)
+    python benchmarks/render_table.py            # the newest H200 train-step file of every model, as a markdown table
+    python benchmarks/render_table.py --all      # every H200 train-step file (the history)
+    python benchmarks/render_table.py --moe      # the newest *-moe-h200*.json file (bench_moe.py)
+    (H100 train-step and MoE files: the dense-h100 / moe-h100 sections)
     (generate(): the newest *-generate-h100* / *-generate-h200* file, bench_generate.py, and the same for
     *-changing-lengths-*, bench_changing_lengths.py, in marked sections only)
     python benchmarks/render_table.py --write    # rewrite every marked section of the markdown files below
@@ -46,8 +47,10 @@ def ours_rate(row: dict) -> str:
     return f"{row['real_tok_per_s']:,}{chains(row)}"
 
 
-def rows(newest_only: bool = True):
-    paths = result_files(f"{DATED}train-step*.json")
+def rows(newest_only: bool = True, card: str = "h200"):
+    """The rows of the train-step files measured on `card` (bench_train_step.py): of the newest file of each model, or
+    of every file."""
+    paths = result_files(f"{DATED}train-step-{card}*.json")
     newest = {}
     for path in paths:
         for model, per_model in json.loads(path.read_text()).items():
@@ -67,13 +70,13 @@ def rows(newest_only: bool = True):
                     yield path.name, data, model, batch, entry, run, row
 
 
-def render(newest_only: bool = True) -> str:
+def render(newest_only: bool = True, card: str = "h200") -> str:
     lines = [
         "| model | batch (real / padded tokens) | run | real tokens/s | x built-in | MFU (6 x non-embedding) | "
         "MFU (every matmul) | peak GiB | result file |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, data, model, batch, entry, run, row in rows(newest_only):
+    for name, data, model, batch, entry, run, row in rows(newest_only, card):
         size = f"{batch} ({entry['real_tokens']:,} / {entry['padded_tokens']:,})"
         if "source" in row:  # a row this file copies from an earlier file (see its provenance)
             name = f"{name} ({row['source']})"
@@ -93,7 +96,7 @@ def render(newest_only: bool = True) -> str:
 
 
 def render_dense_summary() -> str:
-    """Ours packed against the baseline run of each batch, newest train-step file of every model."""
+    """Ours packed against the baseline run of each batch, newest H200 train-step file of every model."""
     lines = [
         "| model | batch (real tokens) | ours tokens/s | built-in tokens/s (run) | x built-in | peak GiB (ours / "
         "built-in) | result file |",
@@ -135,8 +138,9 @@ def newest(pattern: str) -> tuple[str, dict]:
     return path.name, json.loads(path.read_text())
 
 
-def render_moe() -> str:
-    name, data = newest(f"{DATED}moe-*.json")
+def render_moe(card: str = "h200") -> str:
+    """Every row of the newest bench_moe.py file measured on `card`."""
+    name, data = newest(f"{DATED}moe-{card}*.json")
     lines = [
         "| model | batch (real tokens) | run | real tokens/s | x built-in | x built-in LoRA | MFU (active) | "
         "peak GiB |",
@@ -164,8 +168,8 @@ def render_moe() -> str:
 
 
 def render_moe_summary() -> str:
-    """Per model and batch of the newest MoE file: ours packed against the baseline, and LoRA against LoRA."""
-    name, data = newest(f"{DATED}moe-*.json")
+    """Per model and batch of the newest H200 MoE file: ours packed against the baseline, and LoRA against LoRA."""
+    name, data = newest(f"{DATED}moe-h200*.json")
     lines = [
         "| model | batch (real tokens) | ours tokens/s | built-in tokens/s | x built-in | peak GiB (ours / "
         "built-in) | LoRA x built-in LoRA |",
@@ -209,11 +213,13 @@ def timed(row: dict) -> bool:
 
 
 def workload_rate(row: dict) -> str:
+    # a row measured with a defect found later keeps its number, marked (the file's row says which defect)
+    defect = " (measured with a defect: see the row's `defect`)" if "defect" in row else ""
     if "error" in row:
-        return row["error"] + (" (see the row's note)" if "note" in row else "")
+        return row["error"] + (" (see the row's note)" if "note" in row else "") + defect
     if not timed(row):
-        return "trains (first step, compile included: no rate)"
-    return f"{row['real_tok_per_s']:,}"
+        return "trains (first step, compile included: no rate)" + defect
+    return f"{row['real_tok_per_s']:,}{defect}"
 
 
 def render_workload() -> str:
@@ -255,7 +261,7 @@ def render_workload_summary(card: str = "H200") -> str:
 
     for model, batch in sorted(groups, key=batch_order):
         entries = groups[model, batch]
-        ours = [e for e in entries if e[0] == "ours" and timed(e[2])]
+        ours = [e for e in entries if e[0] == "ours" and timed(e[2]) and "defect" not in e[2]]
         builtin_timed = [e for e in entries if e[0] == "builtin" and timed(e[2])]
         builtin_all = [e for e in entries if e[0] == "builtin"]
         if builtin_timed:
@@ -397,6 +403,8 @@ def render_grpo_step() -> str:
             )
             continue
         warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
+        if not r["warmup_steps"]:  # --warmup 0: the process's first step timed (see the file's provenance)
+            warmup = "none: the first step of its process, timed"
         lines.append(
             f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
             f"| {r['total_s']} | {warmup} | {r['peak_gib']} | {name} |"
@@ -407,8 +415,10 @@ def render_grpo_step() -> str:
 TABLES = {
     "dense": render,
     "dense-history": lambda: render(newest_only=False),
+    "dense-h100": lambda: render(card="h100"),
     "dense-summary": render_dense_summary,
     "moe": render_moe,
+    "moe-h100": lambda: render_moe("h100"),
     "moe-summary": render_moe_summary,
     "workload": render_workload,
     "workload-summary": render_workload_summary,
