@@ -44,6 +44,7 @@ def test_workload_table_lists_every_row_of_the_newest_files(tmp_path, monkeypatc
             "doc_16:full": {"tokens": 16, "real_tok_per_s": 1234, "peak_GiB": 2.0, "warmup_steps": 1},
             "doc_32:full": {"tokens": 32, "real_tok_per_s": 1, "peak_GiB": 3.0, "warmup_steps": 0},
             "doc_64:full": {"tokens": 64, "error": "out of memory", "peak_GiB": 4.0},
+            "doc_128:full": {"tokens": 128, "real_tok_per_s": 5, "peak_GiB": 5.0, "warmup_steps": 1, "defect": "x"},
         },
     }
     (tmp_path / "2026-01-01-workload-qwen35_4b-ours.json").write_text(json.dumps(older))
@@ -54,6 +55,8 @@ def test_workload_table_lists_every_row_of_the_newest_files(tmp_path, monkeypatc
     assert "| doc_16:full | 16 | 1,234 | 2.0 |" in table
     assert "| doc_32:full | 32 | trains (first step, compile included: no rate) | 3.0 |" in table  # no warm-up: no rate
     assert "| doc_64:full | 64 | out of memory | 4.0 |" in table
+    # a row measured with a defect found later keeps its number, marked
+    assert "| doc_128:full | 128 | 5 (measured with a defect: see the row's `defect`) | 5.0 |" in table
 
 
 def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_path, monkeypatch):
@@ -71,6 +74,7 @@ def test_workload_summary_gives_each_batch_the_fastest_and_the_smallest_run(tmp_
             "doc_16:full_offload": row(290, 5.0),
             "doc_16:full_no_ckpt": {"tokens": 16, "error": "out of memory", "peak_GiB": 99.0},
             "rl:full": row(500, 7.0),
+            "rl:full_offload": {**row(5000, 0.5), "defect": "x"},  # measured with a defect: never the summary's
         },
     }
     tuned = {
@@ -128,6 +132,11 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
             {**setup, "activation_offloading": True, "micro_batches": 4},
             [ours],
         ),
+        "2026-01-05-grpo-step-h100.json": (  # --warmup 0: the process's first step timed
+            "H100",
+            {**setup, "warmup": 0, "steps": 1, "micro_batches": 2},
+            [{**ours, "model": "n", "result": {**ours["result"], "warmup_steps": []}}],
+        ),
         "2026-01-05-grpo-step-builtin-bf16-h100.json": (  # a run cut short: the steps that ended
             "H100",
             {**bf16, "generation_rounds": 4, "micro_batches": 8},
@@ -158,6 +167,8 @@ def test_grpo_step_table_lists_the_rows_of_the_newest_files_card(tmp_path, monke
         "| 2026-01-02-grpo-step-builtin-h100.json |",
         "| m | builtin, dynamic cache, bf16 adapters | 8 x 8, 256 after 512, generated in 4 rounds, trained in 8 "
         "micro-batches | cut short, 1 of 2 steps ended | | | | 428.2 | 70.1 | 2026-01-05-grpo-step-builtin-bf16-h100.json |",
+        "| n | ours, static cache | 8 x 8, 256 after 512, trained in 2 micro-batches | 9.5 | 0.05 | 3.0 | 12.6 "
+        "| none: the first step of its process, timed | 23.6 | 2026-01-05-grpo-step-h100.json |",
         "",
         "(H100)",
     ]
@@ -218,3 +229,18 @@ def test_a_tables_kind_is_matched_right_after_the_date(tmp_path, monkeypatch):
     for render in (render_table.render_moe, render_table.render_moe_summary):
         table = render()
         assert "2026-12-02-moe-h200-v6.json" in table and "moe-chunk" not in table
+
+
+def test_train_step_and_moe_tables_read_one_cards_files(tmp_path, monkeypatch):
+    """The H200 tables (the README's among them) read H200 files only; an H100 file, newer, fills its own sections."""
+    import shutil
+
+    for name in ("2026-12-02-moe-h200-v6.json", "2026-12-02-train-step-h200-v9.json"):
+        shutil.copy(render_table.RESULTS / name, tmp_path / name)
+    for name in ("2026-12-06-moe-h100.json", "2026-12-06-train-step-h100.json"):
+        shutil.copy(render_table.RESULTS / name, tmp_path / name)
+    monkeypatch.setattr(render_table, "RESULTS", tmp_path)
+    for h200 in (render_table.render_moe(), render_table.render_moe_summary(), render_table.render()):
+        assert "h200" in h200 and "h100" not in h200
+    for h100 in (render_table.render_moe("h100"), render_table.render(card="h100")):
+        assert "h100" in h100 and "h200" not in h100
