@@ -122,8 +122,10 @@
 #                in 4 micro-batches, the first step ran whole and the second step's generation ran out of memory: AdamW's
 #                state beside the weights left too little for 64 completions' cache and prefill
 #   grpo-step-35b-builtin-bf16-adapters  the built-in through TRL's GRPOTrainer, the same adapters, rounds and
-#                micro-batches (an H100 at aad2973: TRL logged 428.2 s for its warm-up step and the 570 s limit cut its
-#                timed step; the file is now rewritten after each step, so a cut run keeps the steps that ended)
+#                micro-batches (an H100 at 108beee: the warm-up step's 419 s ended, the 575 s limit cut the timed step;
+#                the file is rewritten after each step, so a cut run keeps the steps that ended)
+#   grpo-step-35b-builtin-bf16-adapters-warm-caches  the same with --warmup 0, in the call right after it on the same
+#                machine: one step, its process's first, on the compiled kernels the run before left (H100: 308 s)
 #   grpo-step-35b-offload  ours on the whole 35B-A3B with PEFT's default adapters, each training step in TRL's
 #                activation offloading (PackedGRPOTrainer(activation_offloading=True); not run yet)
 #   changing-lengths  bench_changing_lengths.py: a new packed length every round (8 documents of 200-3,000 tokens),
@@ -309,13 +311,14 @@ case "$stage" in
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_vl.py -k static_cache
     ;;
   grpo-step | grpo-step-builtin | grpo-step-dynamic | grpo-step-35b | grpo-step-35b-builtin | grpo-step-35b-bf16-adapters \
-    | grpo-step-35b-builtin-bf16-adapters | grpo-step-35b-offload)
+    | grpo-step-35b-builtin-bf16-adapters | grpo-step-35b-builtin-bf16-adapters-warm-caches | grpo-step-35b-offload)
     model=qwen35_4b impl=ours:static adapters=()
     # the whole 35B-A3B trains each step's 64 completions in 4 forwards (gradient accumulation), as on a card it fills
     case $stage in *35b*) model=qwen35_35b_a3b adapters=(--micro-batches 4) ;; esac
     case $stage in *-builtin*) impl=builtin ;; *-dynamic) impl=ours:dynamic ;; esac
     case $stage in
       *-bf16-adapters) adapters=(--bf16-adapters --micro-batches 8 --generation-rounds 4 --steps 1) ;;
+      *-bf16-adapters-warm-caches) adapters=(--bf16-adapters --micro-batches 8 --generation-rounds 4 --steps 1 --warmup 0) ;;
       *-offload) adapters+=(--activation-offloading) ;;
     esac
     step "$stage" python3 benchmarks/bench_grpo_step.py --models "$model" --impls "$impl" "${adapters[@]}" \
