@@ -16,7 +16,8 @@ PEFT wraps each targeted projection (a `RowInvariantLinear`) in its LoRA `Linear
     gradient, not to the [tokens, out] one.
   Anything else (several active adapters, a variant, per-request `adapter_names`, fp32 adapters outside autocast on
   a bf16 model, where PEFT computes the adapter in fp32; products whose call does more than their forward: hooks,
-  Accelerate's offloading, DeepSpeed ZeRO-3 or DTensor weights) runs PEFT's own forward.
+  Accelerate's offloading, DeepSpeed ZeRO-3 or DTensor weights) runs PEFT's own forward, and the reason is logged
+  once per process.
   `peft_adapter_sums()` turns the in-place sum off for a block of code (what the benchmarks compare against).
 
 Not done, on purpose: concatenating the adapter into the base GEMM. Stacking A under W ([W; A], one GEMM giving
@@ -33,12 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from .projection import RowInvariantLinear, backward_dtype, is_dtensor, matmul_dtype, row_invariant_product
+from .utils import log_once
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_SUM_IN_PLACE = True
 
@@ -125,35 +130,54 @@ def _compute_dtype(layer: nn.Module, x: torch.Tensor, adapter_dtype: torch.dtype
 
 class RowInvariantLoraForward:
     """Mixed in front of PEFT's LoRA `Linear` class (by `adopt_adapter_products`): the forward of a plain adapter
-    through `adapter_sum_linear`, PEFT's own forward for everything else (module docstring)."""
+    through `adapter_sum_linear`, PEFT's own forward for everything else (module docstring). Where an active adapter
+    takes PEFT's forward, the reason is logged once per process: the numbers are PEFT's, the step slower."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        plan = None if args or kwargs or not ADAPTER_SUM_IN_PLACE else self._plain_adapter(x)
+        if args or kwargs:
+            plan, reason = None, "a forward with extra arguments (PEFT's per-request adapter_names)"
+        elif not ADAPTER_SUM_IN_PLACE:
+            plan, reason = None, None  # peft_adapter_sums(): asked for
+        else:
+            plan, reason = self._plain_adapter(x)
         if plan is None:
+            if reason is not None:
+                log_once(logger, ("peft_lora_forward", reason), "PEFT's own LoRA forward runs for %s: PEFT's numbers, "
+                         "without the in-place adapter sum (slower, more memory)", reason)  # fmt: skip
             return super().forward(x, *args, **kwargs)
         return adapter_sum_linear(x, *plan)
 
-    def _plain_adapter(self, x: torch.Tensor) -> tuple | None:
+    def _plain_adapter(self, x: torch.Tensor) -> tuple[tuple | None, str | None]:
+        """(the arguments of `adapter_sum_linear`, None), or (None, why PEFT's forward runs instead; None where the
+        caller asked for it: adapters disabled or merged)."""
         if self.disable_adapters or self.merged:
-            return None
+            return None, None
         names = [name for name in self.active_adapters if name in self.lora_A]
         if len(names) != 1 or names[0] in self.lora_variant:
-            return None
+            return None, "several active adapters or a LoRA variant (DoRA and the like)"
         (name,) = names
         base, lora_a, lora_b = self.base_layer, self.lora_A[name], self.lora_B[name]
         if base.bias is not None or lora_b.bias is not None:
-            return None
+            return None, "a bias on the projection or on lora_B"
         if any(_runs_more_than_its_forward(m) for m in (base, lora_a, lora_b)):
-            return None
+            return None, "projections whose call runs hooks (FSDP2, DeepSpeed, a user's) or Accelerate's offloading"
         weights = (base.weight, lora_a.weight, lora_b.weight)
         if any(is_dtensor(w) or hasattr(w, "ds_id") for w in weights):
-            return None
+            return None, "distributed weights (DTensor, DeepSpeed ZeRO-3)"
         dtype = _compute_dtype(self, x, lora_a.weight.dtype)
         if dtype is None:
-            return None
+            return None, (
+                f"{_name(lora_a.weight.dtype)} adapters on a {_name(x.dtype)} input outside autocast (PEFT computes "
+                f"them in {_name(lora_a.weight.dtype)}; under bf16 autocast, TRL's bf16=True, or with adapters in the "
+                "model's dtype, get_peft_model(..., autocast_adapter_dtype=False), the sum is taken in place)"
+            )
         dropout = self.lora_dropout[name]
         adapter_input = None if isinstance(dropout, nn.Identity) else dropout(x)
-        return adapter_input, *weights, self.scaling[name], dtype
+        return (adapter_input, *weights, self.scaling[name], dtype), None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _runs_more_than_its_forward(module: nn.Module) -> bool:

@@ -203,6 +203,28 @@ def test_pefts_forward_runs_what_the_in_place_sum_does_not_cover(monkeypatch):
     assert _count_with(wrapped, monkeypatch)[0] == 0
 
 
+def test_pefts_forward_says_why_once_and_not_when_asked_for(monkeypatch, caplog):
+    """Where an active adapter takes PEFT's forward the reason is logged, once per process and reason; disabled
+    adapters and `peft_adapter_sums()` (asked for) log nothing."""
+    from qwen35_packed.modeling import utils
+
+    monkeypatch.setattr(utils, "_logged_once", set())
+    wrapped = lora(packed_model("dense", tie_word_embeddings=False).to(torch.bfloat16))
+    with caplog.at_level("WARNING", logger="qwen35_packed"):
+        with wrapped.disable_adapter():
+            _count_with(wrapped, monkeypatch)
+        with peft_adapter_sums():
+            _count_with(wrapped, monkeypatch)
+        assert "PEFT's own LoRA forward" not in caplog.text
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+        for _ in range(2):
+            assert _count_with(wrapped, monkeypatch)[0] == 0
+    said = [r.getMessage() for r in caplog.records if "PEFT's own LoRA forward" in r.getMessage()]
+    assert len(said) == 1 and "float32 adapters on a bfloat16 input outside autocast" in said[0], said
+
+
 @pytest.mark.parametrize("how", ["pre_hook", "hook", "accelerate", "zero3"])
 def test_pefts_forward_runs_where_calling_a_product_does_more_than_its_forward(how, monkeypatch):
     """The in-place sum reads the weights without calling the products: where a call would run hooks (FSDP2's or
