@@ -149,10 +149,12 @@ class RowInvariantLoraForward:
 
     def _plain_adapter(self, x: torch.Tensor) -> tuple[tuple | None, str | None]:
         """(the arguments of `adapter_sum_linear`, None), or (None, why PEFT's forward runs instead; None where the
-        caller asked for it: adapters disabled or merged)."""
+        caller asked for it, adapters disabled or merged, or no active adapter is on this projection)."""
         if self.disable_adapters or self.merged:
             return None, None
         names = [name for name in self.active_adapters if name in self.lora_A]
+        if not names:  # no active adapter on this projection: PEFT's forward is the base product
+            return None, None
         if len(names) != 1 or names[0] in self.lora_variant:
             return None, "several active adapters or a LoRA variant (DoRA and the like)"
         (name,) = names
