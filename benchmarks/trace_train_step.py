@@ -48,7 +48,11 @@ def trace_events(prof, path: str | None = None) -> list[dict]:
     return json.loads(trace.read_text())["traceEvents"]
 
 
-def kernel_time_by_name(events: list[dict], top: int = 30, width: int | None = 100) -> dict[str, float]:
+# Kernel names are cut to this many characters where they are keys (CUTLASS's templates run to thousands)
+NAME_WIDTH = 100
+
+
+def kernel_time_by_name(events: list[dict], top: int = 30, width: int | None = NAME_WIDTH) -> dict[str, float]:
     """GPU kernel milliseconds summed per kernel name (names cut to `width` characters), the largest `top`."""
     total = collections.Counter()
     for e in events:
@@ -102,8 +106,8 @@ def kernel_time_by_launching_ops(events: list[dict], names: list[str], depth: in
     chain = launching_ops(events)
     split = {name: collections.Counter() for name in names}
     for e in events:
-        if e.get("cat") == "kernel" and e["name"][:100] in split:
-            split[e["name"][:100]][" > ".join(chain(e)[-depth:]) or "(unknown)"] += e["dur"] / 1e3
+        if e.get("cat") == "kernel" and e["name"][:NAME_WIDTH] in split:
+            split[e["name"][:NAME_WIDTH]][" > ".join(chain(e)[-depth:]) or "(unknown)"] += e["dur"] / 1e3
     return {name: {ops: round(ms, 3) for ops, ms in by_ops.most_common()} for name, by_ops in split.items()}
 
 
