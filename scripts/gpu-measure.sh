@@ -9,7 +9,8 @@
 #   moe          tests/gpu/test_gpu.py -k moe (packed == per-document must route every token-layer the same),
 #                moe_batch_invariance.py --model (must find no differing row), bench_moe.py LoRA rows on the
 #                RL batch (it also times the experts alone)                                          ~6 min
-#   moe-vocab    bench_moe.py with the real 248,320 vocab, ours and the built-in                     ~2 min
+#   moe-vocab    bench_moe.py with the real 248,320 vocab (MOE_VOCABS=65536 for the 3x goal's), ours and the
+#                built-in                                                                            ~2 min
 #   moe-kernels  bench_moe.py, RL batch: ours with the Triton / the eager top-k combine              ~3 min
 #   conv         tests/gpu/test_gpu.py -k "conv or elementwise", bench_conv.py (tile configurations)    ~3 min
 #   host         host_overhead.py: host time per elementwise call, eager / compiled / Triton        ~1 min
@@ -187,7 +188,7 @@ case "$stage" in
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_context_parallel.py
     ;;
   moe-vocab)
-    step moe-vocab python3 benchmarks/bench_moe.py --vocabs 248320 --runs builtin_correct_packed,ours_packed \
+    step moe-vocab python3 benchmarks/bench_moe.py --vocabs "${MOE_VOCABS:-248320}" --runs builtin_correct_packed,ours_packed \
       --skip-lora --skip-experts --out "$OUT/moe-vocab.json"
     ;;
   moe-kernels)
