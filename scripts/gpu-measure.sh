@@ -85,6 +85,9 @@
 #                injected again and not adopted (fixed in 1d896b8), smallest expected peak first (a row out of memory
 #                leaves the later ones not run): bf16 adapters with the MoE in chunks, PEFT's default adapters under
 #                autocast (profiled), then checkpoint_granularity mlp / mixer with each adapter kind      ~6 min
+#   recompute-offload-35b  bench_workload.py, the whole 35B-A3B with LoRA, ours, the RL batch: selective recompute
+#                (checkpoint_granularity mixer / mlp) under TRL's activation offloading, with each adapter kind (without
+#                it they ran out of memory on an H100), then what is live when the mixer row without it fails  ~6 min
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
@@ -150,7 +153,7 @@ stage=${1:?usage: scripts/gpu-measure.sh STAGE (see the header)}
 : "${GPU_SITE:?GPU_SITE must name the folder the bundle installs filled}"
 case "$stage" in
   workload-*-ours | long-attention | context-parallel | trace-35b-rl | offload-4b | adapters-35b | long-doc-35b \
-    | goals-35b | goals-35b-adamw | recheck-35b | layer-pieces-35b | layer-pieces-tests \
+    | goals-35b | goals-35b-adamw | recheck-35b | recompute-offload-35b | layer-pieces-35b | layer-pieces-tests \
     | holes | real-shapes | any-batch-* | invariance-cost | generate-tests) needed="a b" ;;
   *) needed="a b c" ;;
 esac
@@ -367,6 +370,11 @@ case "$stage" in
     step recheck-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
       --rows rl:lora_low_rank_bf16_adapters_moe_chunk,rl:lora_low_rank_autocast,rl:lora_low_rank_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer,rl:lora_low_rank_autocast_ckpt_mlp,rl:lora_low_rank_autocast_ckpt_mixer \
       --profile rl:lora_low_rank_autocast --out "$OUT/recheck-35b.json"
+    ;;
+  recompute-offload-35b)
+    step recompute-offload-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
+      --rows rl:lora_low_rank_offload_bf16_adapters_ckpt_mixer,rl:lora_low_rank_offload_autocast_ckpt_mixer,rl:lora_low_rank_offload_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer \
+      --memory-at-peak rl:lora_low_rank_bf16_adapters_ckpt_mixer --out "$OUT/recompute-offload-35b.json"
     ;;
   goals-35b)
     step goals-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
