@@ -298,7 +298,10 @@ class Workload:
             return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
         if self.offloading_kind == "trl":
             if self.trl_offloading is None:  # built once per model: it hooks the output head
+                from accelerate import PartialState
                 from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+                PartialState()  # as a trainer's Accelerator does: the offloading's warnings log through accelerate
 
                 self.trl_offloading = get_act_offloading_ctx_manager(self.model)
             return self.trl_offloading

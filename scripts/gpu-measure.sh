@@ -373,7 +373,7 @@ case "$stage" in
     ;;
   recompute-offload-35b)
     step recompute-offload-35b python3 benchmarks/bench_workload.py --model qwen35_35b_a3b --impl ours \
-      --rows rl:lora_low_rank_offload_bf16_adapters_ckpt_mixer,rl:lora_low_rank_offload_autocast_ckpt_mixer,rl:lora_low_rank_offload_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer \
+      --rows ${RECOMPUTE_ROWS:-rl:lora_low_rank_offload_bf16_adapters_ckpt_mixer,rl:lora_low_rank_offload_autocast_ckpt_mixer,rl:lora_low_rank_offload_bf16_adapters_ckpt_mlp,rl:lora_low_rank_bf16_adapters_ckpt_mixer} \
       --memory-at-peak rl:lora_low_rank_bf16_adapters_ckpt_mixer --out "$OUT/recompute-offload-35b.json"
     ;;
   goals-35b)
