@@ -402,9 +402,12 @@ def render_grpo_step() -> str:
                 f"| {row['model']} | {impl} | {shape} | cut short, {r['in_progress']} | | | | {ended} | {peak} | {name} |"
             )
             continue
-        warmup = round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
-        if not r["warmup_steps"]:  # --warmup 0: the process's first step timed (see the file's provenance)
-            warmup = "none: the first step of its process, timed"
+        # --warmup 0: the process's first step timed (see the file's provenance)
+        warmup = (
+            round(sum(step["total_s"] for step in r["warmup_steps"]), 1)
+            if r["warmup_steps"]
+            else "none: the first step of its process, timed"
+        )
         lines.append(
             f"| {row['model']} | {impl} | {shape} | {r['generation_s']} | {r['scoring_s']} | {r['training_s']} "
             f"| {r['total_s']} | {warmup} | {r['peak_gib']} | {name} |"

@@ -88,7 +88,7 @@
 #   recompute-offload-35b  bench_workload.py, the whole 35B-A3B with LoRA, ours, the RL batch: selective recompute
 #                (checkpoint_granularity mixer / mlp) under TRL's activation offloading, with each adapter kind (without
 #                it they ran out of memory on an H100), then what is live when the mixer row without it fails
-#                (RECOMPUTE_ROWS=ROW,.. runs other rows; the --memory-at-peak row stays)             ~6 min
+#                (RECOMPUTE_ROWS=ROW,.. runs other rows: they must include the --memory-at-peak row) ~6 min
 #   goals-35b    bench_workload.py, the whole Qwen3.5-35B-A3B with LoRA, ours: the RL batch with bf16 adapters and
 #                PEFT's default fp32 adapters under autocast (TRL's bf16=True), the latter also under TRL's
 #                activation offloading and with the MoE blocks in chunks (what fit it on an 80 GB card), the
